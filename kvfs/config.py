@@ -1,0 +1,132 @@
+"""Mount configuration: embedded defaults, a TOML file, and flags on top."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from pathlib import Path
+
+from kvfs.errors import ConfigError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int, *, whole: int | None = None) -> int:
+    """Parse ``64MiB``, ``10GiB``, ``4096`` or ``50%`` (of ``whole``) into bytes."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"size must not be negative: {text}")
+        return text
+    s = str(text).strip()
+    if s.endswith("%"):
+        if whole is None:
+            raise ConfigError(f"a percentage is not allowed here: {text!r}")
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise ConfigError(f"unparsable size: {text!r}") from None
+        if not 0 < pct <= 100:
+            raise ConfigError(f"percentage out of range (0, 100]: {text!r}")
+        return int(whole * pct / 100)
+    m = _SIZE_RE.match(s)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"unparsable size: {text!r} (use e.g. 64MiB, 10GiB, 50%)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _total_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclasses.dataclass
+class Config:
+    """Everything a mount needs. Sizes are bytes once resolved."""
+
+    mountpoint: str = ""
+    ram: str | int = "10%"             # of physical memory
+    nvme: str = ""                     # directory; default ~/.cache/kvfs/nvme
+    nvme_size: str | int = "50%"       # of the filesystem holding `nvme`
+    state: str = ""                    # index directory; default <nvme>/state
+    remote: str = ""                   # nvme-tcp://host:port/nqn?... or a block device / file
+    remote_size: str | int = "100%"
+    remote_format: bool = False
+    allow_other: bool = False
+    volatile_ram: bool = False         # clean unmount does not write RAM-only objects down
+    high_watermark: float = 0.90
+    low_watermark: float = 0.75
+    promote_hits: int = 2              # accesses within promote_window that make an object hot
+    promote_window: float = 30.0       # seconds
+    chunk_size: int = 1 << 20          # checksum and read granularity of lower tiers
+    shm_dir: str = "/dev/shm"          # the RAM tier lives in shared memory here
+    debug: bool = False
+    foreground: bool = False
+
+    @classmethod
+    def load(cls, path: str | None = None, **overrides) -> "Config":
+        """Defaults, then the TOML file (if any), then non-None overrides."""
+        values: dict = {}
+        if path:
+            try:
+                with open(path, "rb") as f:
+                    data = tomllib.load(f)
+            except FileNotFoundError:
+                raise ConfigError(f"config file not found: {path}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+            data = data.get("kvfs", data)
+            known = {f.name for f in dataclasses.fields(cls)}
+            for key, val in data.items():
+                key = key.replace("-", "_")
+                if key not in known:
+                    raise ConfigError(f"unknown key in {path}: {key}")
+                values[key] = val
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    # Resolved values -------------------------------------------------------
+    @property
+    def nvme_dir(self) -> Path:
+        return Path(self.nvme or Path.home() / ".cache" / "kvfs" / "nvme").expanduser().resolve()
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.state).expanduser().resolve() if self.state else self.nvme_dir / "state"
+
+    def ram_bytes(self) -> int:
+        return parse_size(self.ram, whole=_total_ram())
+
+    def nvme_bytes(self) -> int:
+        d = self.nvme_dir
+        probe = d if d.exists() else d.parent
+        while not probe.exists():
+            probe = probe.parent
+        st = os.statvfs(probe)
+        return parse_size(self.nvme_size, whole=st.f_blocks * st.f_frsize)
+
+    def validate(self) -> None:
+        """Raise ConfigError with a one-line message for anything unusable."""
+        self.ram_bytes()
+        self.nvme_bytes()
+        if self.remote:
+            # the remote tier resolves "%" against the volume size itself
+            if not str(self.remote_size).strip().endswith("%"):
+                parse_size(self.remote_size)
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ConfigError("watermarks must satisfy 0 < low_watermark < high_watermark <= 1")
+        if self.promote_hits < 1:
+            raise ConfigError("promote_hits must be at least 1")
+        if self.chunk_size < 4096 or self.chunk_size % 4096:
+            raise ConfigError("chunk_size must be a positive multiple of 4096")

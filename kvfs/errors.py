@@ -1,0 +1,25 @@
+"""Store exceptions. The filesystem layer maps them to errnos in one place (kvfs.fs.errmap)."""
+
+
+class StoreError(Exception):
+    """Base class of every error the store raises on purpose."""
+
+
+class NoSuchObject(StoreError):
+    """The object (or name) does not exist: ENOENT."""
+
+
+class CorruptObject(StoreError):
+    """Bytes read back from a tier do not match the recorded checksum: EIO."""
+
+
+class TierFull(StoreError):
+    """No tier can take the bytes (what remains is pinned): ENOSPC."""
+
+
+class TierUnavailable(StoreError):
+    """A tier cannot be reached right now (remote target down): EIO."""
+
+
+class ConfigError(Exception):
+    """Bad configuration or command-line input; the CLI prints it as one line."""

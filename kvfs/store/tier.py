@@ -1,0 +1,104 @@
+"""The one small interface every tier implements (RAM, local NVMe, remote).
+
+A tier stores immutable objects by id. It knows nothing about names, policy or
+checksum verification: the store (kvfs.store.objects) decides placement, verifies
+chunk checksums of bytes that come back from non-RAM tiers, and records the opaque
+``loc`` each ``put`` returns in the LMDB index. All methods that can touch a disk
+or the network are async and run blocking work in worker threads; none of them
+may block the trio thread.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, AsyncIterator
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """What the store knows about one sealed object, handed to ``Tier.put``."""
+
+    oid: int                  # unique, never reused
+    size: int                 # bytes
+    checksum: int             # xxh3_64 of the whole object
+    chunk_size: int           # granularity of chunk_sums
+    chunk_sums: tuple[int, ...]  # xxh3_64 of each chunk_size piece (last one may be short)
+    key: str = ""             # the object's path when it was placed (self-describing records)
+    generation: int = 0       # bumps each time a name gets a new version
+
+
+@dataclasses.dataclass(frozen=True)
+class TierStatistics:
+    name: str
+    capacity: int
+    used: int
+    objects: int
+    available: bool
+
+
+class Tier(abc.ABC):
+    """A place that holds object bytes. Subclasses: RamTier, NvmeTier, RemoteTier."""
+
+    name: str = "tier"          # "ram", "nvme", "remote": what user.kvfs.tier reports
+    volatile: bool = False      # True when contents do not survive a restart
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0           # bytes allocated (subclasses keep this current)
+        self.objects = 0
+
+    @property
+    def available(self) -> bool:
+        """False while the tier cannot be reached (remote target down)."""
+        return True
+
+    def free(self) -> int:
+        return max(0, self.capacity - self.used)
+
+    def footprint(self, size: int) -> int:
+        """Bytes of capacity an object of ``size`` bytes takes (alignment, headers)."""
+        return size
+
+    async def open(self) -> None:
+        """Acquire resources (directories, connections). Called once before use."""
+
+    async def close(self) -> None:
+        """Release resources; pending writes are durable when it returns."""
+
+    @abc.abstractmethod
+    async def put(self, info: ObjectInfo, data: memoryview) -> bytes:
+        """Store ``data`` (exactly info.size bytes) and return an opaque location.
+
+        Durable when it returns unless the tier is volatile. Raises TierFull when
+        the footprint does not fit, TierUnavailable when unreachable.
+        """
+
+    @abc.abstractmethod
+    async def read(self, oid: int, loc: bytes, offset: int, length: int) -> memoryview:
+        """Return up to ``length`` bytes at ``offset`` (short only at end of object).
+
+        Raises NoSuchObject if the tier has no such object, TierUnavailable.
+        """
+
+    @abc.abstractmethod
+    async def delete(self, oid: int, loc: bytes) -> None:
+        """Free the object's space. Deleting a missing object is not an error."""
+
+    @abc.abstractmethod
+    def scan(self) -> AsyncIterator[tuple[int, bytes, int]]:
+        """Yield (oid, loc, size) for every object the tier holds (for fsck)."""
+
+    def backing(self, oid: int, loc: bytes) -> dict[str, Any] | None:
+        """Where a fast-path reader can find the bytes: {"path", "offset", "direct"}.
+
+        None when the tier offers no such path (remote). Valid while the caller
+        holds the object open through the mount (the store defers frees).
+        """
+        return None
+
+    def status(self) -> dict[str, Any]:
+        """Extra state for ``kvfs stat`` (remote: connection state, error counts)."""
+        return {}
+
+    def statistics(self) -> TierStatistics:
+        return TierStatistics(self.name, self.capacity, self.used, self.objects, self.available)

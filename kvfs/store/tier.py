@@ -65,6 +65,13 @@ class Tier(abc.ABC):
     async def close(self) -> None:
         """Release resources; pending writes are durable when it returns."""
 
+    async def serve(self) -> None:
+        """Background work for the life of the mount (keep-alive, reconnect).
+
+        The store runs it in its nursery after ``open`` and cancels it before
+        ``close``. The default has nothing to do and returns at once.
+        """
+
     @abc.abstractmethod
     async def put(self, info: ObjectInfo, data: memoryview) -> bytes:
         """Store ``data`` (exactly info.size bytes) and return an opaque location.

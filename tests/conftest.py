@@ -1,0 +1,201 @@
+"""Shared fixtures: real kvfs mounts through the real CLI, in a subprocess.
+
+``kvfs_mount(*extra_args, ram="64MiB", nvme_size="1GiB", **options)`` mounts a
+fresh kvfs (its own mountpoint, NVMe directory and state directory under
+``tmp_path``) with ``kvfs mount`` and returns a :class:`Mount`.  Keyword options
+become flags (``nvme_size="1GiB"`` -> ``--nvme-size 1GiB``; ``True`` -> a bare
+flag; ``None``/``False`` -> omitted).  Every mount is torn down at the end of
+the test whatever happened: ``fusermount3 -u -z``, then SIGKILL of the daemon.
+
+``kvfs_cli(*args)`` runs the ``kvfs`` command and returns the CompletedProcess.
+
+Tests that mount are marked ``@pytest.mark.mount``; they are skipped only when
+``/dev/fuse`` is missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+HAVE_FUSE = os.path.exists("/dev/fuse")
+MOUNT_TIMEOUT = 120.0      # generous: a 2-core CI machine may be busy
+EXIT_TIMEOUT = 120.0
+
+
+def kvfs_command() -> list[str]:
+    """The argv prefix that runs the kvfs CLI of this checkout."""
+    return [sys.executable, "-m", "kvfs.cli"]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_kvfs(*args, timeout: float = MOUNT_TIMEOUT, input: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*kvfs_command(), *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, env=_env(), input=input,
+        stdin=None if input is not None else subprocess.DEVNULL,
+    )
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone: PID 1 here may not reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.01):
+    """Poll ``predicate`` until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def lazy_unmount(path: Path) -> None:
+    subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True, timeout=60)
+
+
+def _flags(options: dict) -> list[str]:
+    out: list[str] = []
+    for key, val in options.items():
+        flag = "--" + key.replace("_", "-")
+        if val is None or val is False:
+            continue
+        if val is True:
+            out.append(flag)
+        else:
+            out += [flag, str(val)]
+    return out
+
+
+class Mount:
+    """One kvfs mount driven through the CLI."""
+
+    def __init__(self, root: Path, extra_args: tuple, options: dict):
+        self.path = root / "mnt"
+        self.nvme = Path(options.pop("nvme", root / "nvme"))
+        self.state = Path(options.pop("state", root / "state"))
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.args: list[str] = [
+            "--nvme", str(self.nvme), "--state", str(self.state),
+            *_flags(options), *map(str, extra_args),
+        ]
+        self.pid: int | None = None
+        self._pids: set[int] = set()
+
+    # -- lifecycle ---------------------------------------------------------
+    def mount(self) -> "Mount":
+        res = run_kvfs("mount", self.path, *self.args)
+        assert res.returncode == 0, (
+            f"kvfs mount failed (rc={res.returncode}): {res.stderr.strip()}\n{self.log_tail()}")
+        assert os.path.ismount(self.path), "kvfs mount returned 0 but nothing is mounted"
+        self.pid = int(self.stats()["pid"])
+        self._pids.add(self.pid)
+        return self
+
+    def umount(self) -> subprocess.CompletedProcess:
+        res = run_kvfs("umount", self.path, timeout=EXIT_TIMEOUT + 30)
+        assert res.returncode == 0, (
+            f"kvfs umount failed (rc={res.returncode}): {res.stderr.strip()}\n{self.log_tail()}")
+        assert not os.path.ismount(self.path)
+        if self.pid is not None:
+            assert not pid_alive(self.pid), "kvfs umount returned but the daemon still runs"
+        return res
+
+    def remount(self) -> "Mount":
+        self.umount()
+        return self.mount()
+
+    def kill9(self) -> None:
+        """SIGKILL the daemon (no flush, no clean shutdown), then detach the dead mount."""
+        pid = self.pid if self.pid is not None else int(self.stats()["pid"])
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(pid), EXIT_TIMEOUT, f"daemon {pid} to die")
+        lazy_unmount(self.path)
+        wait_for(lambda: not os.path.ismount(self.path), 30, "the mount to go away")
+        self.pid = None
+
+    def stats(self) -> dict:
+        with open(self.path / ".kvfs" / "stats", "rb") as f:
+            return json.loads(f.read())
+
+    def log_tail(self, lines: int = 40) -> str:
+        log = self.state / "kvfs.log"
+        try:
+            text = log.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return f"(no log at {log})"
+        return "--- kvfs.log (tail) ---\n" + "\n".join(text)
+
+    def cleanup(self) -> None:
+        if os.path.ismount(self.path):
+            lazy_unmount(self.path)
+        for pid in self._pids:
+            if pid_alive(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for pid in self._pids:
+            try:
+                wait_for(lambda: not pid_alive(pid), 30, f"daemon {pid} to die")
+            except AssertionError:
+                pass
+
+    def __repr__(self) -> str:
+        return f"<Mount {self.path} pid={self.pid}>"
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAVE_FUSE:
+        return
+    skip = pytest.mark.skip(reason="/dev/fuse is missing on this machine")
+    for item in items:
+        if "mount" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def kvfs_mount(tmp_path):
+    """Factory: ``kvfs_mount(*extra_args, ram="64MiB", nvme_size="1GiB", **options)``."""
+    if not HAVE_FUSE:
+        pytest.skip("/dev/fuse is missing on this machine")
+    mounts: list[Mount] = []
+
+    def factory(*extra_args, ram="64MiB", nvme_size="1GiB", **options) -> Mount:
+        root = tmp_path / f"kvfs{len(mounts)}"
+        root.mkdir()
+        m = Mount(root, extra_args, {"ram": ram, "nvme_size": nvme_size, **options})
+        mounts.append(m)
+        return m.mount()
+
+    yield factory
+    for m in mounts:
+        m.cleanup()
+
+
+@pytest.fixture
+def kvfs_cli():
+    """Run the kvfs CLI: ``kvfs_cli("stat", path, "--json")`` -> CompletedProcess."""
+    return run_kvfs

@@ -1,0 +1,184 @@
+"""The on-mount layout: namespace directories per model and KV layout, blocks sharded by hash.
+
+::
+
+    <root>/<namespace>/namespace.json         what the namespace holds (model, layout, hash algo)
+    <root>/<namespace>/<h[:2]>/<h>.kv         one block file per prefix hash ``h``
+
+``<namespace>`` is ``<model with / as -->__<layout digest, 16 hex>``: the digest covers the
+model id, every layout field, the tensor-parallel rank/size, the hash algorithm and the block
+format, so caches that are not interchangeable never share a directory. 256 shard
+directories keep a million blocks at ~4k entries per directory.
+
+Pure Python (no torch): the daemon imports :func:`block_path`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+
+from kvfs.kv.format import FORMAT
+
+log = logging.getLogger(__name__)
+
+BLOCK_SUFFIX = ".kv"
+NAMESPACE_FILE = "namespace.json"
+_HEX = re.compile(r"^[0-9a-f]{8,128}$")
+_MODEL_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+# torch dtype name -> (safetensors dtype code, element size)
+DTYPES = {
+    "float32": ("F32", 4), "float16": ("F16", 2), "bfloat16": ("BF16", 2), "float64": ("F64", 8),
+    "float8_e4m3fn": ("F8_E4M3", 1), "float8_e5m2": ("F8_E5M2", 1),
+    "int8": ("I8", 1), "uint8": ("U8", 1),
+}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+                  "bf16": "bfloat16", "fp8": "float8_e4m3fn", "double": "float64"}
+
+
+def block_path(namespace_dir: str, hash_hex: str) -> str:
+    """Path of the block file for ``hash_hex`` (lowercase hex) inside ``namespace_dir``."""
+    if not isinstance(hash_hex, str) or not _HEX.match(hash_hex):
+        raise ValueError(f"block hash must be 8-128 lowercase hex digits, got {hash_hex!r}")
+    return os.path.join(namespace_dir, hash_hex[:2], hash_hex + BLOCK_SUFFIX)
+
+
+def block_relpath(hash_hex: str) -> str:
+    """``<h[:2]>/<h>.kv``: the block's path relative to its namespace directory."""
+    return block_path("", hash_hex)
+
+
+def dtype_name(dtype) -> str:
+    """Normalise a torch dtype (or its name) to the name torch uses, e.g. ``"bfloat16"``."""
+    name = str(dtype)
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise ValueError(f"unsupported KV dtype {dtype!r}; supported: {sorted(DTYPES)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV cache of one model on one tensor-parallel rank.
+
+    A block's tensor is ``[num_layers, 2, block_tokens, num_kv_heads, head_dim]`` (2 = K, V).
+    ``dtype`` may be a torch dtype or its name; it is stored as the name.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: object = "bfloat16"
+    block_tokens: int = 16
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        for field in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "tp_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KVLayout.{field} must be a positive int, got {value!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"KVLayout.tp_rank must be in [0, tp_size), got {self.tp_rank!r}")
+
+    @property
+    def element_size(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def st_dtype(self) -> str:
+        """The safetensors dtype code (``BF16``, ``F32``, ...)."""
+        return DTYPES[self.dtype][0]
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
+
+    def block_shape(self, tokens: int | None = None) -> tuple[int, ...]:
+        t = self.block_tokens if tokens is None else tokens
+        return (self.num_layers, 2, t, self.num_kv_heads, self.head_dim)
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer (K and V) of one block."""
+        return 2 * self.block_tokens * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def block_bytes(self) -> int:
+        """Payload bytes of one block."""
+        return self.num_layers * self.layer_bytes
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVLayout":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"unknown KVLayout fields: {sorted(unknown)}")
+        return cls(**d)
+
+
+def namespace_descriptor(model: str, layout: KVLayout, hash_algo: str) -> dict:
+    """What ``namespace.json`` records; everything that makes two caches incompatible."""
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"model must be a non-empty string, got {model!r}")
+    return {"format": FORMAT, "model": model, "layout": layout.to_dict(), "hash_algo": hash_algo}
+
+
+def namespace_name(model: str, layout: KVLayout, hash_algo: str) -> str:
+    """Directory name of the namespace for this model, layout and hash algorithm."""
+    desc = namespace_descriptor(model, layout, hash_algo)
+    digest = hashlib.sha256(json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    safe = _MODEL_SAFE.sub("-", model.replace("/", "--")).strip("-.")[:80] or "model"
+    return f"{safe}__{digest}"
+
+
+def ensure_namespace(root: str, model: str, layout: KVLayout, hash_algo: str) -> str:
+    """Create (or verify) the namespace directory under ``root``; return its path."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"KV cache root {root!r} is not a directory")
+    name = namespace_name(model, layout, hash_algo)
+    ns_dir = os.path.join(root, name)
+    os.makedirs(ns_dir, exist_ok=True)
+    meta_path = os.path.join(ns_dir, NAMESPACE_FILE)
+    desc = dict(namespace_descriptor(model, layout, hash_algo), namespace=name)
+    try:
+        with open(meta_path, "rb") as f:
+            existing = json.loads(f.read())
+    except FileNotFoundError:
+        existing = None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{meta_path}: unreadable namespace metadata: {e}") from None
+    if existing is None:
+        tmp = f"{meta_path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(desc, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, meta_path)
+        log.info("created KV namespace %s", ns_dir)
+    elif existing != desc:
+        raise ValueError(f"{meta_path} describes a different cache: {existing} != {desc}")
+    return ns_dir
+
+
+def read_namespace(ns_dir: str) -> dict:
+    """The parsed ``namespace.json`` of a namespace directory."""
+    path = os.path.join(ns_dir, NAMESPACE_FILE)
+    with open(path, "rb") as f:
+        try:
+            return json.loads(f.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: unreadable namespace metadata: {e}") from None

@@ -1,0 +1,81 @@
+# kvfs: make setup | make run | make test | make test-slow | make bench | make clean
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+KVFS   := $(VENV)/bin/kvfs
+STAMP  := $(VENV)/.kvfs-setup-stamp
+TORCH_PIN := torch==2.13.0
+APT_PKGS  := fuse3 libfuse3-dev pkg-config qemu-system-x86 busybox-static attr
+# Extra pip requirements of the KV layer (exact pins), installed after torch.
+EXTRA_PIP ?=
+
+DEMO_MNT  := $(CURDIR)/mnt
+DEMO_DIR  := $(CURDIR)/.kvfs-demo
+PYTEST_ARGS ?=
+
+.PHONY: help setup apt run demo-umount test test-slow bench clean
+
+help:
+	@echo "make setup      install Debian packages (as root), .venv, kvfs and its deps"
+	@echo "make run        setup, mount kvfs at ./mnt, run a demo workload, print kvfs stat"
+	@echo "make test       setup, then the default test selection (not slow)"
+	@echo "make test-slow  setup, then the slow tests"
+	@echo "make bench      setup, then kvfs bench, results into docs/benchmarks.md"
+	@echo "make clean      unmount the demo and remove .venv, .kvfs-demo"
+
+setup: $(STAMP)
+
+# Re-run only when the packaging changes; the stamp makes a second `make setup` instant.
+$(STAMP): pyproject.toml Makefile
+	@$(MAKE) --no-print-directory apt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	@$(PY) -c 'import torch, sys; sys.exit(0 if torch.__version__.split("+")[0] == "$(TORCH_PIN)".split("==")[1] else 1)' 2>/dev/null \
+		|| $(PIP) install -q '$(TORCH_PIN)'
+	@if [ -n "$(EXTRA_PIP)" ]; then $(PIP) install -q $(EXTRA_PIP); fi
+	@test -x $(KVFS)
+	@touch $@
+	@echo "setup done: $(KVFS)"
+
+# Debian packages: installed only when one is missing (needs root).
+apt:
+	@missing=""; for p in $(APT_PKGS); do \
+		dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages:$$missing"; \
+		if [ "$$(id -u)" != 0 ]; then SUDO=sudo; else SUDO=; fi; \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -q && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+
+run: setup
+	@mkdir -p $(DEMO_MNT) $(DEMO_DIR)
+	@if mountpoint -q $(DEMO_MNT); then echo "kvfs already mounted at $(DEMO_MNT)"; else \
+		$(KVFS) mount $(DEMO_MNT) --ram 64MiB --nvme $(DEMO_DIR)/nvme --nvme-size 1GiB; fi
+	$(PY) -m kvfs.demo $(DEMO_MNT)
+	$(KVFS) stat $(DEMO_MNT)
+	@echo
+	@echo "kvfs is still mounted at $(DEMO_MNT): try  ls -l $(DEMO_MNT)/demo  or  $(KVFS) ls $(DEMO_MNT)/demo"
+	@echo "unmount with:  $(KVFS) umount $(DEMO_MNT)   (or: make demo-umount)"
+
+demo-umount:
+	@if mountpoint -q $(DEMO_MNT); then $(KVFS) umount $(DEMO_MNT); else echo "not mounted: $(DEMO_MNT)"; fi
+
+test: setup
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-slow: setup
+	$(VENV)/bin/pytest -m slow $(PYTEST_ARGS)
+
+bench: setup
+	$(PIP) install -q -e '.[bench]'
+	$(KVFS) bench --write-docs docs/benchmarks.md
+
+clean: demo-umount
+	rm -rf $(VENV) $(DEMO_DIR) .kvfs-bench

@@ -1,0 +1,4 @@
+"""``python -m kvfs.cli`` runs the kvfs command."""
+from kvfs.cli import main
+
+main()

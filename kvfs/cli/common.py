@@ -1,0 +1,84 @@
+"""Helpers shared by the kvfs subcommands: one-line errors, processes, the stats file."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+log = logging.getLogger(__name__)
+
+STATS_NAME = os.path.join(".kvfs", "stats")
+stdout = Console(highlight=False)
+stderr = Console(stderr=True, highlight=False)
+
+
+class CLIError(click.ClickException):
+    """A one-line error: printed as ``kvfs: error: MESSAGE`` with a non-zero exit."""
+
+    exit_code = 1
+
+
+def fail(message: str, code: int = 1) -> "CLIError":
+    e = CLIError(message)
+    e.exit_code = code
+    return e
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie counts as gone (PID 1 may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds pass; returns the last result."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def read_stats(mountpoint: str | os.PathLike) -> dict:
+    """The parsed ``.kvfs/stats`` of a kvfs mount, or a CLIError that says why not."""
+    mp = Path(mountpoint)
+    if not mp.exists():
+        raise fail(f"no such directory: {mp}")
+    if not os.path.ismount(mp):
+        raise fail(f"not a mountpoint: {mp}")
+    try:
+        with open(mp / STATS_NAME, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise fail(f"not a kvfs mount (no {STATS_NAME}): {mp}") from None
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            raise fail(f"the kvfs daemon of {mp} is gone (transport endpoint not connected); "
+                       f"run: fusermount3 -u -z {mp}") from None
+        raise fail(f"cannot read {mp / STATS_NAME}: {e.strerror}") from None
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise fail(f"{mp / STATS_NAME} is not valid JSON: {e}") from None
+
+
+def human(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,156 @@
+"""``kvfs stat`` and ``kvfs ls``: what is cached, where, and how hot."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat as st
+import time
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from kvfs.cli.common import fail, human, read_stats, stdout
+
+log = logging.getLogger(__name__)
+
+TIER_ORDER = ("ram", "nvme", "remote")
+_COLUMNS = [  # (key, header, formatter)
+    ("capacity", "capacity", human), ("used", "used", human), ("objects", "objects", str),
+    ("hits", "hits", str), ("misses", "misses", str),
+    ("bytes_read", "read", human), ("bytes_written", "written", human),
+    ("demotions", "demoted", str), ("promotions", "promoted", str),
+    ("evictions", "evicted", str), ("checksum_failures", "csum fail", str),
+]
+
+
+def _fmt(fn, v):
+    return "-" if v is None else fn(v)
+
+
+@click.command("stat")
+@click.argument("mountpoint", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the stats JSON as is.")
+def stat_cmd(mountpoint, as_json):
+    """Per-tier capacity, usage and counters of the kvfs mount at MOUNTPOINT."""
+    data = read_stats(mountpoint)
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    tiers = data.get("tiers") or {}
+    names = [t for t in TIER_ORDER if t in tiers] + [t for t in tiers if t not in TIER_ORDER]
+    table = Table(title=f"kvfs {data.get('mountpoint', mountpoint)}  (pid {data.get('pid', '?')})")
+    table.add_column("tier", style="bold")
+    for _, header, _ in _COLUMNS:
+        table.add_column(header, justify="right")
+    for name in names:
+        t = tiers[name] or {}
+        row = [_fmt(fn, t.get(key)) for key, _, fn in _COLUMNS]
+        if t.get("capacity") and t.get("used") is not None:
+            row[1] += f" ({100 * t['used'] / t['capacity']:.0f}%)"
+        if t.get("available") is False:
+            name = f"{name} [red](unavailable)[/red]"
+        table.add_row(name, *row)
+    stdout.print(table)
+    extras = {k: v for k, v in data.items() if k not in ("tiers", "pid", "mountpoint")
+              and not isinstance(v, (dict, list))}
+    for k in sorted(extras):
+        stdout.print(f"{k}: {extras[k]}")
+
+
+def _xattr(path: str, name: str) -> str | None:
+    try:
+        return os.getxattr(path, name, follow_symlinks=False).decode(errors="replace")
+    except OSError as e:
+        if e.errno in (errno.ENODATA, errno.ENOTSUP, errno.EPERM, errno.EINVAL, errno.EACCES):
+            return None
+        raise
+
+
+def _int(v: str | None) -> int | None:
+    try:
+        return int(float(v)) if v is not None else None
+    except ValueError:
+        return None
+
+
+def describe(path: str, name: str) -> dict:
+    """One row of ``kvfs ls``: kind, size and the kvfs extended attributes."""
+    s = os.lstat(path)
+    kind = "dir" if st.S_ISDIR(s.st_mode) else "symlink" if st.S_ISLNK(s.st_mode) else \
+        "file" if st.S_ISREG(s.st_mode) else "other"
+    row: dict = {"name": name, "type": kind, "size": s.st_size}
+    if kind == "file":
+        row["tier"] = _xattr(path, "user.kvfs.tier")
+        row["hits"] = _int(_xattr(path, "user.kvfs.hits"))
+        atime = _xattr(path, "user.kvfs.atime")
+        row["atime"] = float(atime) if atime and _int(atime) is not None else None
+        pin = _xattr(path, "user.kvfs.pin")
+        row["pinned"] = None if pin is None else pin.strip() == "1"
+    elif kind == "symlink":
+        row["target"] = os.readlink(path)
+    return row
+
+
+def _ago(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    dt = time.time() - ts
+    rel = f"{dt:.0f}s" if dt < 120 else f"{dt / 60:.0f}m" if dt < 7200 else f"{dt / 3600:.0f}h"
+    return f"{stamp} ({rel} ago)"
+
+
+@click.command("ls")
+@click.argument("path", required=False, default=".", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.option("--tree", "namespace", metavar="NAMESPACE", default=None,
+              help="Show a KV namespace directory as a prefix tree.")
+def ls_cmd(path, as_json, namespace):
+    """List PATH with size, tier, hits, last access and pin state of each file."""
+    if namespace is not None:
+        _tree(namespace, as_json)
+        return
+    p = Path(path)
+    try:
+        if p.is_dir() and not p.is_symlink():
+            is_root = os.path.ismount(p)
+            names = sorted(n for n in os.listdir(p) if not (is_root and n == ".kvfs"))
+            rows = [describe(str(p / n), n) for n in names]
+        else:
+            rows = [describe(str(p), p.name)]
+    except FileNotFoundError:
+        raise fail(f"no such file or directory: {path}") from None
+    except OSError as e:
+        raise fail(f"cannot list {path}: {e.strerror}") from None
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(box=None, pad_edge=False)
+    for col, just in (("name", "left"), ("size", "right"), ("tier", "left"), ("hits", "right"),
+                      ("last access", "left"), ("pinned", "left")):
+        table.add_column(col, justify=just)
+    for r in rows:
+        if r["type"] == "dir":
+            table.add_row(f"[bold blue]{r['name']}/[/]", "-", "dir", "", "", "")
+        elif r["type"] == "symlink":
+            table.add_row(f"{r['name']} -> {r['target']}", "-", "link", "", "", "")
+        else:
+            pinned = "-" if r.get("pinned") is None else ("yes" if r["pinned"] else "no")
+            table.add_row(r["name"], human(r["size"]), r.get("tier") or "-",
+                          "-" if r.get("hits") is None else str(r["hits"]), _ago(r.get("atime")),
+                          pinned)
+    stdout.print(table)
+
+
+def _tree(namespace: str, as_json: bool) -> None:
+    if not os.path.isdir(namespace):
+        raise fail(f"no such namespace directory: {namespace}")
+    try:
+        from kvfs.kv.tree import print_tree
+    except Exception as e:  # noqa: BLE001 - any import failure means the KV layer is unusable
+        raise fail(f"kvfs ls --tree needs the KV layer (kvfs.kv.tree), which is unavailable: {e}") \
+            from None
+    print_tree(namespace, as_json)

@@ -1,0 +1,237 @@
+"""``kvfs mount`` and ``kvfs umount``: pre-checks, spawning the daemon, waiting for it."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from kvfs.cli.common import fail, pid_alive, read_stats, stderr, wait_until
+from kvfs.config import Config
+from kvfs.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT = 120.0      # seconds to wait for the daemon's READY line
+
+
+def build_config(config_file: str | None, mountpoint: str | None = None, **flags) -> Config:
+    """Defaults, then ``config_file``, then the flags that were given; paths made absolute."""
+    try:
+        cfg = Config.load(config_file, **flags)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    except TypeError as e:           # a TOML value of the wrong shape
+        raise fail(f"bad configuration: {e}") from None
+    if mountpoint is not None:
+        cfg.mountpoint = os.path.abspath(mountpoint)
+    cfg.nvme = str(cfg.nvme_dir)
+    cfg.state = str(cfg.state_dir)
+    return cfg
+
+
+def _probe_writable(d: Path, what: str) -> None:
+    """Create ``d`` (with parents) and prove a file can be written in it."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise fail(f"{what} {d} exists and is not a directory") from None
+    except OSError as e:
+        raise fail(f"cannot create {what} {d}: {e.strerror}") from None
+    if not d.is_dir():
+        raise fail(f"{what} {d} is not a directory")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".kvfs-probe-", dir=d)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise fail(f"{what} {d} is not writable: {e.strerror}") from None
+
+
+def precheck(cfg: Config) -> None:
+    """Everything that can be checked before a daemon is spawned, as one-line errors."""
+    mp = Path(cfg.mountpoint)
+    if not mp.exists():
+        raise fail(f"mountpoint does not exist: {mp}")
+    if not mp.is_dir():
+        raise fail(f"mountpoint is not a directory: {mp}")
+    if os.path.ismount(mp):
+        raise fail(f"already mounted: {mp}")
+    if not os.path.exists("/dev/fuse"):
+        raise fail("/dev/fuse is missing: load the fuse module (modprobe fuse) or install fuse3")
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    nvme, state = cfg.nvme_dir, cfg.state_dir
+    if nvme == mp or mp in nvme.parents or state == mp or mp in state.parents:
+        raise fail(f"the NVMe and state directories must lie outside the mountpoint {mp}")
+    _probe_writable(nvme, "NVMe directory")
+    _probe_writable(state, "state directory")
+
+
+def _read_ready(rfd: int, proc: subprocess.Popen, timeout: float) -> str:
+    """Read the daemon's first line from the ready pipe (EOF or timeout: '')."""
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return ""
+        ready, _, _ = select.select([rfd], [], [], min(left, 0.5))
+        if not ready:
+            continue
+        chunk = os.read(rfd, 4096)
+        if not chunk:
+            break
+        buf += chunk
+    return buf.split(b"\n", 1)[0].decode(errors="replace").strip()
+
+
+def _log_hint(cfg: Config) -> str:
+    return f" (see {Path(cfg.state_dir) / 'kvfs.log'})"
+
+
+def spawn_daemon(cfg: Config, timeout: float = READY_TIMEOUT) -> int:
+    """Start the daemon detached; return its pid once it says READY."""
+    rfd, wfd = os.pipe()
+    log_path = Path(cfg.state_dir) / "kvfs.log"
+    argv = [sys.executable, "-m", "kvfs.daemon",
+            "--config-json", json.dumps(dataclasses.asdict(cfg)), "--ready-fd", str(wfd)]
+    env = dict(os.environ)
+    # the daemon runs with cwd=/ so the checkout must stay importable
+    pkg_root = str(Path(__file__).resolve().parent.parent.parent)
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    with open(log_path, "ab") as errlog:
+        proc = subprocess.Popen(
+            argv, pass_fds=(wfd,), start_new_session=True, cwd="/", env=env,
+            stdin=subprocess.DEVNULL, stdout=errlog, stderr=errlog)
+    os.close(wfd)
+    try:
+        line = _read_ready(rfd, proc, timeout)
+    finally:
+        os.close(rfd)
+    if line.startswith("READY"):
+        parts = line.split()
+        pid = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else proc.pid
+        if not wait_until(lambda: os.path.ismount(cfg.mountpoint), 10):
+            raise fail(f"daemon said READY but {cfg.mountpoint} is not mounted" + _log_hint(cfg))
+        return pid
+    if line.startswith("ERROR"):
+        msg = line[len("ERROR"):].strip() or "the daemon failed"
+        _reap(proc)
+        raise fail(msg)
+    if not line and proc.poll() is None:
+        proc.kill()
+        _reap(proc)
+        raise fail(f"the daemon did not become ready within {timeout:.0f}s" + _log_hint(cfg))
+    rc = _reap(proc)
+    detail = f"daemon exited with status {rc}" if rc is not None else "daemon closed its ready pipe"
+    raise fail(f"{detail} before the mount was ready" + _log_hint(cfg))
+
+
+def _reap(proc: subprocess.Popen) -> int | None:
+    try:
+        return proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def size_option(name: str, help: str):
+    return click.option(name, metavar="SIZE", default=None, help=help)
+
+
+@click.command("mount")
+@click.argument("mountpoint", type=click.Path(file_okay=True, dir_okay=True))
+@size_option("--ram", "RAM tier budget: 64MiB, 10GiB, 50% of memory (default 10%).")
+@click.option("--nvme", metavar="DIR", default=None,
+              help="Local NVMe tier directory (default ~/.cache/kvfs/nvme).")
+@size_option("--nvme-size", "NVMe tier budget: bytes or % of its filesystem (default 50%).")
+@click.option("--state", metavar="DIR", default=None,
+              help="Index (LMDB) and log directory (default <nvme>/state).")
+@click.option("--config", "config_file", metavar="FILE", default=None,
+              help="TOML config file; flags override it.")
+@click.option("--allow-other", is_flag=True, default=None,
+              help="Let other users access the mount (adds default_permissions).")
+@click.option("--remote", metavar="URL", default=None,
+              help="Remote NVMe/TCP tier: nvme-tcp://host:port/nqn (or a block device/file).")
+@size_option("--remote-size", "Remote tier budget (default 100% of the volume).")
+@click.option("--format-remote", "remote_format", is_flag=True, default=None,
+              help="Format the remote volume (destroys what is on it).")
+@click.option("--volatile-ram", is_flag=True, default=None,
+              help="On clean unmount, do not write RAM-only objects down to NVMe.")
+@click.option("--debug", is_flag=True, default=None, help="Debug logging in the daemon.")
+@click.option("--foreground", "-f", is_flag=True, default=False,
+              help="Stay attached: run the daemon in this process until unmounted.")
+@click.option("--timeout", type=float, default=READY_TIMEOUT, show_default=True,
+              help="Seconds to wait for the daemon to become ready.")
+def mount_cmd(mountpoint, config_file, foreground, timeout, **flags):
+    """Mount kvfs at MOUNTPOINT; returns once the mount is ready."""
+    cfg = build_config(config_file, mountpoint, **flags)
+    cfg.foreground = bool(foreground)
+    precheck(cfg)
+    if foreground:
+        _run_foreground(cfg)
+        return
+    pid = spawn_daemon(cfg, timeout)
+    log.info("kvfs mounted at %s (daemon pid %d)", cfg.mountpoint, pid)
+    click.echo(f"kvfs mounted at {cfg.mountpoint} (pid {pid}, nvme {cfg.nvme}, state {cfg.state})")
+
+
+def _run_foreground(cfg: Config) -> None:
+    try:
+        from kvfs import daemon
+    except ImportError as e:
+        raise fail(f"the kvfs daemon is not available: {e}") from None
+    try:
+        rc = daemon.main(cfg, ready_fd=None)
+    except ConfigError as e:
+        raise fail(str(e)) from None
+    except KeyboardInterrupt:
+        rc = 0
+    sys.exit(int(rc or 0))
+
+
+@click.command("umount")
+@click.argument("mountpoint", type=click.Path())
+@click.option("--timeout", type=float, default=600.0, show_default=True,
+              help="Seconds to wait for the daemon to finish flushing and exit.")
+@click.option("--lazy", "-z", is_flag=True, help="Lazy unmount (fusermount3 -z), e.g. a dead daemon.")
+def umount_cmd(mountpoint, timeout, lazy):
+    """Unmount kvfs at MOUNTPOINT and wait until the daemon has flushed and exited."""
+    mp = os.path.abspath(mountpoint)
+    if not os.path.exists(mp) and not lazy:
+        raise fail(f"no such directory: {mp}")
+    if not os.path.ismount(mp):
+        raise fail(f"not mounted: {mp}")
+    pid = None
+    try:
+        pid = int(read_stats(mp)["pid"])
+    except Exception as e:  # noqa: BLE001 - a dead daemon still has to be unmountable
+        if not lazy:
+            raise fail(f"{e if str(e) else 'cannot read stats'}; use kvfs umount --lazy {mp}") from None
+    cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), mp]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise fail("fusermount3 not found: install fuse3") from None
+    if res.returncode != 0:
+        why = (res.stderr or res.stdout).strip().splitlines()
+        raise fail(f"cannot unmount {mp}: {why[-1] if why else 'fusermount3 failed'}")
+    if pid is None:
+        click.echo(f"unmounted {mp}")
+        return
+    if pid_alive(pid):
+        with stderr.status(f"waiting for the kvfs daemon (pid {pid}) to flush and exit…"):
+            done = wait_until(lambda: not pid_alive(pid), timeout, interval=0.05)
+        if not done:
+            raise fail(f"unmounted {mp}, but daemon pid {pid} is still running after {timeout:.0f}s")
+    click.echo(f"unmounted {mp}")

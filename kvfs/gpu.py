@@ -1,0 +1,120 @@
+"""Device helpers for the KV loader: pinned staging, copies on a side stream, optional GDS.
+
+Everything degrades to plain CPU tensors when CUDA is absent: ``DeviceCopier`` then copies
+synchronously and ``pin`` is a no-op. Imports torch on first use only.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def cuda_available() -> bool:
+    try:
+        return _torch().cuda.is_available()
+    except ImportError:
+        return False
+
+
+def device_of(device) -> "object":
+    torch = _torch()
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def buffer_address(buf) -> int:
+    """Address of a writable buffer (mmap, bytearray)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+class PinnedRegistration:
+    """cudaHostRegister of an existing page-aligned buffer (so H2D copies can be async)."""
+
+    def __init__(self, buf, size: int):
+        self.ptr = 0
+        if not cuda_available():
+            return
+        torch = _torch()
+        ptr = buffer_address(buf)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        code = getattr(err, "value", err)
+        if code != 0:
+            log.warning("cudaHostRegister(%d bytes) failed with %s; copies will be synchronous", size, err)
+            return
+        self.ptr = ptr
+
+    @property
+    def pinned(self) -> bool:
+        return self.ptr != 0
+
+    def close(self) -> None:
+        if self.ptr:
+            _torch().cuda.cudart().cudaHostUnregister(self.ptr)
+            self.ptr = 0
+
+
+class DeviceCopier:
+    """Copies host staging tensors into a destination tensor, overlapped on a CUDA stream.
+
+    ``copy`` returns a token; ``wait(token)`` blocks until that copy finished (so its
+    staging buffer can be reused); ``finish()`` makes the caller's current stream wait for
+    every copy issued so far.
+    """
+
+    def __init__(self, device):
+        torch = _torch()
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+
+    def copy(self, dst, src, *, pinned: bool = False):
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        torch = _torch()
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=pinned)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    @staticmethod
+    def wait(token) -> None:
+        if token is not None:
+            token.synchronize()
+
+    def finish(self) -> None:
+        if self.cuda:
+            _torch().cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def publish(self, token) -> None:
+        """Make the current stream wait for one copy (layer-by-layer consumers)."""
+        if token is not None:
+            _torch().cuda.current_stream(self.device).wait_event(token)
+
+
+def kvikio_available() -> bool:
+    try:
+        import kvikio  # noqa: F401
+    except ImportError:
+        return False
+    return cuda_available()
+
+
+def gds_read(path: str, dst, offset: int, nbytes: int) -> int:
+    """Read ``nbytes`` at ``offset`` of ``path`` straight into the CUDA tensor ``dst`` (GDS)."""
+    import kvikio
+    with kvikio.CuFile(path, "r") as f:
+        n = f.pread(dst, nbytes, offset).get()
+    if n != nbytes:
+        raise OSError(f"{path}: GDS short read ({n} of {nbytes} bytes)")
+    return n

@@ -1,0 +1,229 @@
+"""``kvfs.KVCache``: save, look up and load the KV cache of token prefixes on a kvfs mount.
+
+::
+
+    layout = kvfs.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    cache = kvfs.KVCache("/mnt/kvfs", model="meta-llama/Llama-3.1-8B", layout=layout)
+    n = cache.lookup(token_ids)           # tokens in the longest cached prefix (whole blocks)
+    cache.save(token_ids, kv)             # kv: [num_layers, 2, tokens, num_kv_heads, head_dim]
+    kv = cache.load(token_ids[:n], device="cuda:0")
+
+Works on a kvfs mount (one-call lookups, fast-path loads) and on any plain directory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+
+import torch
+
+from kvfs.kv.hashing import MMInput, PrefixHasher, as_token_list
+from kvfs.kv.layout import KVLayout, block_path, ensure_namespace
+from kvfs.kv.loader import BlockPlan, Loader, LoadStats
+from kvfs.kv.lookup import PrefixLookup
+from kvfs.kv.writer import BlockWriter, SaveJob, WriterStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResult:
+    """What ``save`` did: blocks already cached, blocks queued for writing, blocks dropped."""
+
+    blocks: int
+    present: int
+    queued: int
+    dropped: int
+    job: SaveJob | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for this save's blocks to be written; raises the job's error, if any."""
+        if self.job is None:
+            return
+        if not self.job.done.wait(timeout):
+            raise TimeoutError(f"save still pending after {timeout}s")
+        if self.job.error is not None:
+            raise self.job.error
+
+
+class KVCache:
+    """A prefix-hashed KV block cache in one namespace directory under ``root``.
+
+    ``cache_salt`` isolates tenants (no block is shared across salts); ``lora_name`` keys
+    blocks to an adapter; ``hash_algo`` is ``"sha256_cbor"`` (default) or ``"xxhash_cbor"``.
+    ``save_timeout`` bounds how long ``save`` may block when the writer is backed up (the save
+    is dropped after that; ``None`` waits). ``fast_path`` uses the daemon's backing files;
+    ``verify`` checks layer checksums of blocks read through the mount.
+    """
+
+    def __init__(self, root: str | os.PathLike, model: str, layout: KVLayout, cache_salt: str | None = None, *,
+                 lora_name: str | None = None, hash_algo: str = "sha256_cbor", save_timeout: float | None = 1.0,
+                 max_pending_saves: int = 64, store_token_ids: bool = True, fast_path: bool = True,
+                 verify: bool = True, readers: int = 2, staging: int = 4):
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a kvfs.KVLayout, got {type(layout).__name__}")
+        self.root = os.fspath(root)
+        self.model = model
+        self.layout = layout
+        self.hasher = PrefixHasher(layout.block_tokens, hash_algo, cache_salt=cache_salt, lora_name=lora_name)
+        self.ns_dir = ensure_namespace(self.root, model, layout, self.hasher.algo)
+        self.namespace = os.path.basename(self.ns_dir)
+        self.save_timeout = save_timeout
+        self._lookup = PrefixLookup(self.ns_dir)
+        self._writer = BlockWriter(self.ns_dir, self.namespace, layout, self.hasher.algo,
+                                   max_pending=max_pending_saves, store_token_ids=store_token_ids)
+        self._loader = Loader(layout, fast_path=fast_path, verify=verify, readers=readers, staging=staging)
+        self._load_lock = threading.Lock()
+        self.last_load: LoadStats | None = None
+        self._closed = False
+
+    # -- naming ---------------------------------------------------------------------------
+    def block_hashes(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> list[str]:
+        """Hex hashes of every whole block of ``token_ids`` (chain order)."""
+        return self.hasher.hex_hashes(token_ids, mm_inputs=mm_inputs)
+
+    def block_paths(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> list[str]:
+        return [block_path(self.ns_dir, h) for h in self.block_hashes(token_ids, mm_inputs=mm_inputs)]
+
+    @property
+    def one_call_lookup(self) -> bool:
+        """True when ``lookup`` is answered by the kvfs daemon in one call."""
+        return self._lookup.one_call
+
+    # -- lookup ---------------------------------------------------------------------------
+    def lookup(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> int:
+        """Tokens in the longest cached prefix of ``token_ids`` (a multiple of block_tokens)."""
+        self._check_open()
+        paths = self.block_paths(token_ids, mm_inputs=mm_inputs)
+        return self._lookup.prefix(paths) * self.layout.block_tokens
+
+    # -- save -----------------------------------------------------------------------------
+    def save(self, token_ids, kv: torch.Tensor, *, mm_inputs: tuple[MMInput, ...] = (),
+             wait: bool = False) -> SaveResult:
+        """Save the whole blocks of ``kv`` (``[L, 2, >= tokens, H, D]``) under ``token_ids``.
+
+        Blocks already cached are skipped. The rest are snapshotted (copied to host memory)
+        and written in the background; ``wait=True`` (or ``flush()``) waits for them.
+        """
+        self._check_open()
+        tokens = as_token_list(token_ids)
+        lay, B = self.layout, self.layout.block_tokens
+        self._check_kv(kv, len(tokens))
+        hashes = self.block_hashes(tokens, mm_inputs=mm_inputs)
+        n = len(hashes)
+        present = self._lookup.prefix([block_path(self.ns_dir, h) for h in hashes])
+        if present == n:
+            return SaveResult(n, n, 0, 0)
+        m = n - present
+        # snapshot as [m, L, 2, B, H, D]: each block one contiguous byte range
+        part = kv[:, :, present * B:n * B].detach().unflatten(2, (m, B)).permute(2, 0, 1, 3, 4, 5)
+        ready = None
+        if part.is_cuda:
+            host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
+            host.copy_(part, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            ready = ev.synchronize
+        else:
+            host = part.clone(memory_format=torch.contiguous_format)
+
+        def payload(j: int):
+            return host[j].view(torch.uint8).numpy()
+
+        job = SaveJob(hashes=hashes[present:], parents=([""] + hashes)[present:n], first=present,
+                      token_ids=[tokens[i * B:(i + 1) * B] for i in range(present, n)],
+                      payload=payload, ready=ready)
+        queued = self._writer.submit(job, self.save_timeout)
+        if queued and wait:
+            SaveResult(n, present, n - present, 0, job).wait()
+        return SaveResult(n, present, n - present if queued else 0, 0 if queued else n - present, job)
+
+    def _check_kv(self, kv, n_tokens: int) -> None:
+        lay = self.layout
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        want = (lay.num_layers, 2, lay.num_kv_heads, lay.head_dim)
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[3], kv.shape[4]) != want:
+            raise ValueError(f"kv must be [num_layers={lay.num_layers}, 2, tokens, num_kv_heads={lay.num_kv_heads}, "
+                             f"head_dim={lay.head_dim}], got {tuple(kv.shape)}")
+        if kv.dtype != lay.torch_dtype:
+            raise ValueError(f"kv has dtype {kv.dtype}, the layout stores {lay.torch_dtype}")
+        whole = (n_tokens // lay.block_tokens) * lay.block_tokens
+        if kv.shape[2] < whole:
+            raise ValueError(f"kv covers {kv.shape[2]} tokens, token_ids has {whole} in whole blocks")
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for queued saves; raises SaveError for any that failed since the last flush."""
+        self._writer.flush(timeout)
+
+    def save_statistics(self) -> WriterStats:
+        return self._writer.statistics()
+
+    # -- load -----------------------------------------------------------------------------
+    def _plans(self, token_ids, mm_inputs) -> list[BlockPlan]:
+        tokens = as_token_list(token_ids)
+        B = self.layout.block_tokens
+        if len(tokens) % B:
+            raise ValueError(f"load needs whole blocks: {len(tokens)} tokens is not a multiple of {B} "
+                             "(use the count lookup() returns)")
+        hashes = self.block_hashes(tokens, mm_inputs=mm_inputs)
+        return [BlockPlan(block_path(self.ns_dir, h), h, (i + 1) * B) for i, h in enumerate(hashes)]
+
+    def load(self, token_ids, device="cpu", *, mm_inputs: tuple[MMInput, ...] = ()) -> torch.Tensor:
+        """The KV of ``token_ids`` (whole blocks, all cached) as ``[L, 2, tokens, H, D]``.
+
+        Raises BlockNotFound if a block is missing, BlockFormatError/ChecksumMismatch if one
+        is damaged.
+        """
+        self._check_open()
+        plans = self._plans(token_ids, mm_inputs)
+        from kvfs import gpu
+        out = torch.empty(self.layout.block_shape(len(plans) * self.layout.block_tokens),
+                          dtype=self.layout.torch_dtype, device=gpu.device_of(device))
+        self._load(plans, out)
+        return out
+
+    def load_into(self, token_ids, out: torch.Tensor, *, mm_inputs: tuple[MMInput, ...] = ()) -> LoadStats:
+        """Fill the preallocated ``out`` (``[L, 2, tokens, H, D]``) with the KV of ``token_ids``."""
+        self._check_open()
+        return self._load(self._plans(token_ids, mm_inputs), out)
+
+    def load_layers(self, token_ids, out: torch.Tensor, *, mm_inputs: tuple[MMInput, ...] = ()):
+        """Fill ``out`` layer by layer, yielding each layer index as soon as it is in place."""
+        self._check_open()
+        plans = self._plans(token_ids, mm_inputs)
+        with self._load_lock:
+            yield from self._loader.iter_layers(plans, out)
+
+    def _load(self, plans, out) -> LoadStats:
+        with self._load_lock:
+            stats = self._loader.load_into(plans, out)
+        self.last_load = stats
+        return stats
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this KVCache is closed")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush pending saves and release files, threads and buffers."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._writer.close(timeout)
+        finally:
+            self._loader.close()
+            self._lookup.close()
+
+    def __enter__(self) -> "KVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"KVCache({self.ns_dir!r}, model={self.model!r}, layout={self.layout})"

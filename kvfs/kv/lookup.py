@@ -1,0 +1,122 @@
+"""Longest cached prefix of a block chain, in one round trip to the daemon.
+
+On a kvfs mount, ``<mount>/.kvfs/lookup`` is a control file: ``pwrite`` at offset 0 a request
+(UTF-8, newline-separated paths relative to the mount root, in chain order), then
+``pread(fd, 1 MiB, 0)`` returns ``{"prefix": k, "tiers": [...]}``: ``k`` leading paths exist
+as sealed regular files. A further write at offset 0 starts a new request, so one fd serves
+a KVCache for its lifetime. (The kernel may split a large write into several FUSE writes;
+those arrive at offsets > 0 and continue the same request.)
+
+Elsewhere (a plain directory) the fallback is one ``stat`` per block from the start until
+the first miss: chains are prefix-closed when written, but eviction may remove tails (and
+in principle any block), so the first miss ends the prefix.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import threading
+
+log = logging.getLogger(__name__)
+
+CONTROL_DIR = ".kvfs"
+LOOKUP_FILE = "lookup"
+RESPONSE_MAX = 1 << 20
+
+
+def find_control(path: str) -> tuple[str, str] | None:
+    """``(mount_root, lookup_file)`` if ``path`` is inside a kvfs mount, else None.
+
+    Walks up from ``path`` to the mount point of its filesystem looking for
+    ``.kvfs/lookup``.
+    """
+    cur = os.path.realpath(path)
+    while True:
+        candidate = os.path.join(cur, CONTROL_DIR, LOOKUP_FILE)
+        try:
+            st = os.stat(candidate)
+        except OSError:
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode):
+            return cur, candidate
+        parent = os.path.dirname(cur)
+        if os.path.ismount(cur) or parent == cur:
+            return None
+        cur = parent
+
+
+class PrefixLookup:
+    """Answers "how many leading blocks of this chain are cached?" for one cache root."""
+
+    def __init__(self, root: str, *, use_control: bool = True):
+        self.root = os.path.realpath(root)
+        ctl = find_control(self.root) if use_control else None
+        self._lock = threading.Lock()
+        self._fd = -1
+        if ctl is not None:
+            self.mount_root, path = ctl
+            self._fd = os.open(path, os.O_RDWR)
+            log.debug("prefix lookups through %s", path)
+        else:
+            self.mount_root = None
+
+    @property
+    def one_call(self) -> bool:
+        """True when lookups go to the daemon in one call (a kvfs mount)."""
+        return self._fd >= 0
+
+    def prefix(self, paths: list[str]) -> int:
+        """Number of leading ``paths`` (absolute, in chain order) that exist as block files."""
+        if not paths:
+            return 0
+        if self._fd >= 0:
+            try:
+                return self._prefix_control(paths)
+            except OSError as e:
+                log.warning("lookup control file failed (%s); falling back to stat", e)
+        return self._prefix_stat(paths)
+
+    def tiers(self, paths: list[str]) -> tuple[int, list]:
+        """``(prefix, tiers)``: the daemon's answer (tiers empty without a mount)."""
+        if self._fd >= 0 and paths:
+            return self._query(paths)
+        return self._prefix_stat(paths), []
+
+    def _query(self, paths: list[str]) -> tuple[int, list]:
+        rel = [os.path.relpath(p, self.mount_root) for p in paths]
+        request = "\n".join(rel).encode("utf-8")
+        with self._lock:
+            view = memoryview(request)
+            done = 0
+            while done < len(request):
+                done += os.pwrite(self._fd, view[done:], done)
+            raw = os.pread(self._fd, RESPONSE_MAX, 0)
+        try:
+            answer = json.loads(raw)
+            k = int(answer["prefix"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise OSError(f"bad lookup answer {raw[:200]!r}: {e}") from None
+        if not 0 <= k <= len(paths):
+            raise OSError(f"lookup answered prefix {k} for {len(paths)} paths")
+        return k, list(answer.get("tiers", []))
+
+    def _prefix_control(self, paths: list[str]) -> int:
+        return self._query(paths)[0]
+
+    @staticmethod
+    def _prefix_stat(paths: list[str]) -> int:
+        for i, p in enumerate(paths):
+            try:
+                st = os.stat(p)
+            except FileNotFoundError:
+                return i
+            if not stat.S_ISREG(st.st_mode):
+                return i
+        return len(paths)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,190 @@
+"""Background block writer: temp file, one write, rename; skips blocks already present.
+
+``BlockWriter.submit`` never blocks the caller longer than its bound: the job queue is
+bounded, and a job that cannot be queued within ``timeout`` is dropped (counted, logged).
+``flush`` waits for queued jobs and raises the first failure since the last flush.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+
+from kvfs.kv.block import encode_header
+from kvfs.kv.layout import KVLayout, block_path
+
+log = logging.getLogger(__name__)
+
+
+class SaveError(RuntimeError):
+    """Saving one or more blocks failed in the background."""
+
+
+@dataclasses.dataclass
+class SaveJob:
+    """Blocks ``first .. first+len(hashes)-1`` of one prompt; ``payload(i)`` -> bytes-like."""
+
+    hashes: list[str]           # hex hashes of the blocks to write, in chain order
+    parents: list[str]          # hex hash of each block's parent ("" for block 0)
+    first: int                  # chain index of hashes[0]
+    token_ids: list[list[int]]  # token ids of each block
+    payload: object             # callable: j -> contiguous bytes-like of block j of this job
+    ready: object = None        # callable run before writing (e.g. wait for a device copy)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    written: int = 0
+    skipped: int = 0
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterStats:
+    queued: int
+    written: int
+    skipped: int
+    dropped: int
+    failed: int
+    bytes_written: int
+
+
+def write_block_file(final: str, header: bytes, payload) -> bool:
+    """Write ``header + payload`` to a temp file beside ``final`` and rename it into place.
+
+    Returns False (and writes nothing) if ``final`` already exists.
+    """
+    if os.path.exists(final):
+        return False
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.{os.urandom(6).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        bufs = [memoryview(header), memoryview(payload).cast("B")]
+        total = sum(len(b) for b in bufs)
+        done = 0
+        while done < total:
+            n = os.writev(fd, bufs)
+            done += n
+            while bufs and n >= len(bufs[0]):
+                n -= len(bufs[0])
+                bufs.pop(0)
+            if bufs and n:
+                bufs[0] = bufs[0][n:]
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.rename(tmp, final)
+    return True
+
+
+class BlockWriter:
+    """One background thread writing SaveJobs for one namespace."""
+
+    def __init__(self, ns_dir: str, namespace: str, layout: KVLayout, hash_algo: str, *,
+                 max_pending: int = 64, store_token_ids: bool = True):
+        self.ns_dir, self.namespace, self.layout, self.hash_algo = ns_dir, namespace, layout, hash_algo
+        self.store_token_ids = store_token_ids
+        self._q: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._outstanding = 0
+        self._errors: list[BaseException] = []
+        self._counts = dict(queued=0, written=0, skipped=0, dropped=0, failed=0, bytes_written=0)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kvfs-writer-{namespace[:24]}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob, timeout: float | None) -> bool:
+        """Queue ``job``; False (job dropped) if the queue stayed full for ``timeout`` s."""
+        if self._closed:
+            raise RuntimeError("the KV cache writer is closed")
+        with self._lock:
+            self._outstanding += 1
+        try:
+            self._q.put(job, timeout=timeout) if timeout is None or timeout > 0 else self._q.put_nowait(job)
+        except queue.Full:
+            with self._lock:
+                self._outstanding -= 1
+                self._counts["dropped"] += len(job.hashes)
+                self._idle.notify_all()
+            log.warning("save of %d blocks dropped: writer queue full for %.3fs", len(job.hashes), timeout or 0)
+            job.done.set()
+            return False
+        with self._lock:
+            self._counts["queued"] += 1
+        return True
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            try:
+                self._write(job)
+            except BaseException as e:  # recorded and re-raised from flush()
+                log.error("saving blocks %s.. failed: %s", job.hashes[0][:16], e)
+                job.error = e
+                with self._lock:
+                    self._errors.append(e)
+                    self._counts["failed"] += len(job.hashes) - job.written - job.skipped
+            finally:
+                job.done.set()
+                with self._lock:
+                    self._outstanding -= 1
+                    self._idle.notify_all()
+
+    def _write(self, job: SaveJob) -> None:
+        if job.ready is not None:
+            job.ready()
+        lay = self.layout
+        for j, h in enumerate(job.hashes):
+            final = block_path(self.ns_dir, h)
+            if os.path.exists(final):
+                job.skipped += 1
+                with self._lock:
+                    self._counts["skipped"] += 1
+                continue
+            payload = job.payload(j)
+            tokens = (job.first + j + 1) * lay.block_tokens
+            header = encode_header(lay, namespace=self.namespace, hash_hex=h, parent_hex=job.parents[j],
+                                   tokens=tokens, hash_algo=self.hash_algo, payload=payload,
+                                   token_ids=job.token_ids[j] if self.store_token_ids else None)
+            if write_block_file(final, header, payload):
+                job.written += 1
+                with self._lock:
+                    self._counts["written"] += 1
+                    self._counts["bytes_written"] += len(header) + lay.block_bytes
+            else:
+                job.skipped += 1
+                with self._lock:
+                    self._counts["skipped"] += 1
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued job is written; raise SaveError for failures since last flush."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._outstanding:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{self._outstanding} KV save jobs still pending after {timeout}s")
+                self._idle.wait(left)
+            errors, self._errors = self._errors, []
+        if errors:
+            raise SaveError(f"{len(errors)} save job(s) failed; first: {errors[0]!r}") from errors[0]
+
+    def statistics(self) -> WriterStats:
+        with self._lock:
+            return WriterStats(**self._counts)
+
+    def close(self, timeout: float | None = None) -> None:
+        if self._closed:
+            return
+        try:
+            self.flush(timeout)
+        finally:
+            self._closed = True
+            self._q.put(None)
+            self._thread.join(timeout)

@@ -42,10 +42,12 @@ def _env() -> dict:
     return env
 
 
-def run_kvfs(*args, timeout: float = MOUNT_TIMEOUT, input: str | None = None) -> subprocess.CompletedProcess:
+def run_kvfs(*args, timeout: float = MOUNT_TIMEOUT, input: str | None = None,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``kvfs ARGS`` (``env`` adds to the environment) and return the CompletedProcess."""
     return subprocess.run(
         [*kvfs_command(), *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env=_env(), input=input,
+        capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})}, input=input,
         stdin=None if input is not None else subprocess.DEVNULL,
     )
 

@@ -1,0 +1,44 @@
+"""The remote tier: a userspace NVMe/TCP initiator (or a kernel block device / file) under an
+object store laid out on the raw volume. ``make_remote_tier`` is what the store calls."""
+from __future__ import annotations
+
+import logging
+
+from kvfs.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def make_volume(target: str, *, instance_id: str = "", create_size: int = 0):
+    """A Volume for ``nvme-tcp://…`` or a block-device/file path (ConfigError on a bad URL)."""
+    from kvfs.remote.errors import UrlError
+    from kvfs.remote.url import is_nvme_tcp, parse_url
+    if is_nvme_tcp(target):
+        from kvfs.remote.volume import NvmeTcpVolume
+        try:
+            return NvmeTcpVolume(parse_url(target, instance_id=instance_id))
+        except UrlError as e:
+            raise ConfigError(f"bad --remote URL: {e}") from None
+    if "://" in target:
+        raise ConfigError(f"bad --remote {target!r}: use nvme-tcp://HOST:PORT/SUBNQN or a device/file path")
+    from kvfs.remote.blockdev import FileVolume
+    return FileVolume(target, create_size=create_size)
+
+
+def make_remote_tier(cfg, instance_id: str):
+    """Build (not open) the RemoteTier for ``cfg.remote`` / ``cfg.remote_size`` / ``cfg.remote_format``."""
+    from kvfs.config import parse_size
+    from kvfs.remote.tier import RemoteTier
+    target = str(cfg.remote).strip()
+    if not target:
+        raise ConfigError("no --remote given")
+    size = cfg.remote_size
+    create = 0
+    if not str(size).strip().endswith("%"):
+        create = parse_size(size)
+    vol = make_volume(target, instance_id=instance_id, create_size=create)
+    return RemoteTier(vol, instance_id=instance_id, size=size, format=bool(cfg.remote_format),
+                      describe=target.split("?", 1)[0])
+
+
+__all__ = ["make_remote_tier", "make_volume"]

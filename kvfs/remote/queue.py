@@ -76,6 +76,9 @@ class Queue:
         self._rview = memoryview(self._rbuf)
         self._rs = self._re = 0
         self.commands = 0
+        self.peak_inflight = 0
+        self.r2ts = 0
+        self.inline_writes = 0
         self.bytes_in = 0
         self.bytes_out = 0
 
@@ -160,6 +163,7 @@ class Queue:
         cid = self._free.pop()
         c = _Cmd(cid, cmd[0], what)
         self._inflight[cid] = c
+        self.peak_inflight = max(self.peak_inflight, len(self._inflight))
         P.set_cid(cmd, cid)
         parts: list = []
         hd = 4 if self.hdgst else 0
@@ -167,6 +171,7 @@ class Queue:
             n = len(write)
             P.set_sgl(cmd, P.SGL_INCAPSULE, n)
             c.length = c.sent = n
+            self.inline_writes += 1
             pdo = self._align(P.CAPSULE_CMD_HLEN + hd)
             dd = 4 if self.ddgst and n else 0
             plen = pdo + n + dd if n else P.CAPSULE_CMD_HLEN + hd
@@ -231,35 +236,45 @@ class Queue:
 
     # completion: leader/follower ------------------------------------------
     async def _wait(self, c: _Cmd, deadline: float) -> None:
-        while not c.done:
-            if self.broken:
-                raise self.broken
-            if not self._rx_busy:
-                self._rx_busy = True
-                try:
-                    with trio.move_on_at(deadline):
-                        while not c.done:
-                            await self._read_pdu()
-                except TransportError as e:
-                    self._fail(e)
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                    self._fail(TransportError(f"queue {self.qid}: receive failed: {e}"))
-                finally:
-                    self._rx_busy = False
-                    for other in self._waiting:      # hand the socket to one waiter
-                        other.wake.set()
-                        break
-            else:
-                c.wake = trio.Event()
-                self._waiting.add(c)
-                try:
-                    with trio.move_on_at(deadline):
-                        await c.wake.wait()
-                finally:
-                    self._waiting.discard(c)
-            if not c.done and trio.current_time() >= deadline:
-                self._fail(CommandTimeout(f"queue {self.qid}: {c.what or f'opcode {c.opcode:#04x}'} "
-                                          f"timed out after {self.timeout} s"))
+        try:
+            while not c.done:
+                if self.broken:
+                    raise self.broken
+                if not self._rx_busy:
+                    self._rx_busy = True
+                    try:
+                        with trio.move_on_at(deadline):
+                            while not c.done:
+                                await self._read_pdu()
+                    except TransportError as e:
+                        self._fail(e)
+                    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                        self._fail(TransportError(f"queue {self.qid}: receive failed: {e}"))
+                    finally:
+                        self._rx_busy = False
+                        self._handoff()
+                else:
+                    c.wake = trio.Event()
+                    self._waiting.add(c)
+                    try:
+                        with trio.move_on_at(deadline):
+                            await c.wake.wait()
+                    finally:
+                        self._waiting.discard(c)
+                if not c.done and trio.current_time() >= deadline:
+                    self._fail(CommandTimeout(f"queue {self.qid}: {c.what or f'opcode {c.opcode:#04x}'} "
+                                              f"timed out after {self.timeout} s"))
+        finally:
+            self._handoff()    # we may have been woken to lead just as we finished
+
+    def _handoff(self) -> None:
+        """If nobody reads the socket, wake one waiter whose command is still pending to lead."""
+        if self._rx_busy:
+            return
+        for other in self._waiting:
+            if not other.done:
+                other.wake.set()
+                return
 
     def _complete(self, c: _Cmd, result: int, status: int) -> None:
         del self._inflight[c.cid]
@@ -399,6 +414,7 @@ class Queue:
         pad = bytes(pdo - P.H2C_DATA_HLEN - hd)
         end = off + length
         c.r2t_busy = True
+        self.r2ts += 1
         pos = off
         while pos < end:
             n = min(self.maxh2cdata, end - pos)

@@ -71,6 +71,7 @@ class Queue:
         self._slots = trio.Semaphore(depth)
         self._send_lock = trio.Lock()
         self._rx_busy = False
+        self._tcp_up = False
         self._waiting: set[_Cmd] = set()
         self._rbuf = bytearray(_RBUF)
         self._rview = memoryview(self._rbuf)
@@ -94,7 +95,8 @@ class Queue:
             q._fail(CommandTimeout(f"queue {qid}: no ICResp from {host}:{port} within {timeout} s"))
             raise q.broken from None
         except OSError as e:
-            q._fail(TransportError(f"queue {qid}: cannot connect to {host}:{port}: {e.strerror or e}"))
+            q._fail(TransportError(f"queue {qid}: cannot connect to {host}:{port}: {e.strerror or e}"
+                                   + (" (during ICReq/ICResp)" if q._tcp_up else "")))
             raise q.broken from None
         except TransportError as e:
             q._fail(e)
@@ -109,6 +111,7 @@ class Queue:
         self.sock = trio.socket.socket(fam, typ, proto)
         self.sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
         await self.sock.connect(addr)
+        self._tcp_up = True
         digest = (P.DIGEST_HEADER if self.want_hdgst else 0) | (P.DIGEST_DATA if self.want_ddgst else 0)
         await self._send_raw([P.icreq(hpda=0, digest=digest, maxr2t=0)])
         hdr = await self._peek(8)

@@ -1,0 +1,121 @@
+"""Faults on the real target: killed mid-read, stalled (SIGSTOP), restarted."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+import trio
+
+from kvfs.errors import NoSuchObject, TierUnavailable
+from nvmet_fixtures import open_tier
+from test_tier import make_info
+
+pytestmark = pytest.mark.target
+CMD_TIMEOUT = 2.0
+
+
+async def wait_until(pred, timeout: float, what: str):
+    with trio.move_on_after(timeout):
+        while not pred():
+            await trio.sleep(0.05)       # polling tier state with a deadline
+        return
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+async def fill(tier, n=16, size=1 << 20):
+    rnd = random.Random(7)
+    objs = {}
+    for oid in range(1, n + 1):
+        data = rnd.randbytes(size - oid * 512)
+        objs[oid] = (await tier.put(make_info(oid, data), memoryview(data)), data)
+    return objs
+
+
+async def test_kill_during_reads_then_restart(fresh_target):
+    url = fresh_target.url + f"?timeout={CMD_TIMEOUT}"
+    tier = await open_tier(url, instance_id="faults", size="100%")
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tier.serve)
+            objs = await fill(tier)
+            ok, failed = [0], [0]
+            stop = trio.Event()
+
+            async def reader(seed):
+                rnd = random.Random(seed)
+                while not stop.is_set():
+                    oid = rnd.choice(list(objs))
+                    loc, data = objs[oid]
+                    with trio.fail_after(CMD_TIMEOUT * 3):      # never waits past the command timeout
+                        try:
+                            got = await tier.read(oid, loc, 0, len(data))
+                        except TierUnavailable:
+                            failed[0] += 1
+                            await trio.sleep(0.01)
+                            continue
+                    assert bytes(got) == data                   # never other bytes
+                    ok[0] += 1
+
+            async with trio.open_nursery() as readers:
+                for i in range(6):
+                    readers.start_soon(reader, i)
+                await wait_until(lambda: ok[0] >= 12, 60, "reads before the kill")
+                fresh_target.kill()
+                await wait_until(lambda: failed[0] >= 6, CMD_TIMEOUT * 3, "reads failing after the kill")
+                stop.set()
+            assert not tier.available
+            st = tier.status()
+            assert st["state"] == "disconnected" and st["errors"] >= 1
+            oid, (loc, data) = next(iter(objs.items()))
+            with trio.fail_after(1):                    # fails at once while disconnected
+                with pytest.raises(TierUnavailable):
+                    await tier.read(oid, loc, 0, 10)
+                with pytest.raises(TierUnavailable):
+                    await tier.put(make_info(99, b"z"), memoryview(b"z"))
+            del objs[oid]
+            await tier.delete(oid, loc)                 # remembered, applied on reconnect
+            assert tier.status()["pending_deletes"] == 1
+
+            fresh_target.start()
+            await wait_until(lambda: tier.available, 60, "reconnect after restart")
+            st = tier.status()
+            assert st["reconnects"] >= 1 and st["pending_deletes"] == 0 and st["state"] == "connected"
+            for o, (lc, d) in objs.items():
+                assert bytes(await tier.read(o, lc, 0, len(d))) == d
+            with pytest.raises(NoSuchObject):
+                await tier.read(oid, loc, 0, 10)
+            nursery.cancel_scope.cancel()
+    finally:
+        await tier.close()
+    again = await open_tier(url, instance_id="faults", fmt=False, size="100%")
+    try:
+        assert again.objects == len(objs)
+        assert {o async for o, _, _ in again.scan()} == set(objs)
+    finally:
+        await again.close()
+
+
+async def test_stalled_target_times_out_then_recovers(fresh_target):
+    url = fresh_target.url + "?timeout=1&kato=4"
+    tier = await open_tier(url, instance_id="stall", size="100%")
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tier.serve)
+            objs = await fill(tier, n=4)
+            os.kill(fresh_target.pid, signal.SIGSTOP)
+            try:
+                oid, (loc, data) = next(iter(objs.items()))
+                with trio.fail_after(5):
+                    with pytest.raises(TierUnavailable, match="timed out|stalled"):
+                        await tier.read(oid, loc, 0, len(data))
+                assert not tier.available
+            finally:
+                os.kill(fresh_target.pid, signal.SIGCONT)
+            await wait_until(lambda: tier.available, 60, "reconnect after SIGCONT")
+            for o, (lc, d) in objs.items():
+                assert bytes(await tier.read(o, lc, 0, len(d))) == d
+            nursery.cancel_scope.cancel()
+    finally:
+        await tier.close()

@@ -110,7 +110,7 @@ class PrefixLookup:
         for i, p in enumerate(paths):
             try:
                 st = os.stat(p)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 return i
             if not stat.S_ISREG(st.st_mode):
                 return i

@@ -23,3 +23,11 @@ class TierUnavailable(StoreError):
 
 class ConfigError(Exception):
     """Bad configuration or command-line input; the CLI prints it as one line."""
+
+
+class NamespaceError(StoreError):
+    """A namespace operation is not allowed; carries the errno the filesystem returns."""
+
+    def __init__(self, errno_: int, message: str = ""):
+        super().__init__(message or f"errno {errno_}")
+        self.errno = errno_

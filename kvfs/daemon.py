@@ -1,0 +1,191 @@
+"""The mount daemon: builds the tiers, index, store and FUSE layer, and serves until unmounted.
+
+Started by ``kvfs mount`` as ``python -m kvfs.daemon --config-json JSON --ready-fd N``.
+It writes ``READY <pid>`` to the fd once the mount is up, or ``ERROR <message>``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import pyfuse3
+import trio
+
+from kvfs.config import Config
+from kvfs.errors import ConfigError
+from kvfs.fs.ops import KvfsOperations
+from kvfs.store.cache import Cache
+from kvfs.store.index import Index
+from kvfs.store.nvme import NvmeTier
+from kvfs.store.objects import ObjectStore
+from kvfs.store.ram import RamTier
+
+log = logging.getLogger(__name__)
+
+READ_AHEAD_KB = 1024
+
+
+class _Ready:
+    def __init__(self, fd: int | None):
+        self.fd = fd
+
+    def send(self, line: str) -> None:
+        if self.fd is None:
+            if line.startswith("ERROR"):
+                print(f"kvfs: {line[6:]}", file=sys.stderr)
+            return
+        try:
+            os.write(self.fd, (line + "\n").encode())
+            os.close(self.fd)
+        except OSError:
+            pass
+        self.fd = None
+
+
+def _setup_logging(cfg: Config) -> None:
+    cfg.state_dir.mkdir(parents=True, exist_ok=True)
+    handlers: list[logging.Handler] = [logging.FileHandler(cfg.state_dir / "kvfs.log")]
+    if cfg.foreground:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    logging.basicConfig(level=logging.DEBUG if cfg.debug else logging.INFO, handlers=handlers, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _mount_device(mountpoint: str) -> str | None:
+    """major:minor of our mount, from mountinfo (a stat() here would ask ourselves)."""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            if parts[4] == mountpoint and "fuse.kvfs" in line:
+                found = parts[2]
+    return locals().get("found")
+
+
+def _set_read_ahead(mountpoint: str) -> None:
+    dev = _mount_device(mountpoint)
+    if dev is None:
+        return
+    path = f"/sys/class/bdi/{dev}/read_ahead_kb"
+    try:
+        with open(path, "w") as f:
+            f.write(str(READ_AHEAD_KB))
+    except OSError as e:
+        log.info("could not raise read-ahead (%s): %s", path, e)
+
+
+def build_tiers(cfg: Config, index: Index) -> list:
+    """RAM, local NVMe and (when configured) the remote tier, top to bottom."""
+    tiers = [RamTier(cfg.ram_bytes(), cfg.shm_dir, index.instance_id),
+             NvmeTier(cfg.nvme_bytes(), cfg.nvme_dir)]
+    if cfg.remote:
+        from kvfs.remote import make_remote_tier
+        tiers.append(make_remote_tier(cfg, index.instance_id))
+    return tiers
+
+
+def build_store(cfg: Config, index: Index, tiers: list) -> ObjectStore:
+    return ObjectStore(index, tiers, chunk_size=cfg.chunk_size, high=cfg.high_watermark,
+                       low=cfg.low_watermark, promote_hits=cfg.promote_hits,
+                       promote_window=cfg.promote_window)
+
+
+async def serve(cfg: Config, ready: _Ready) -> None:
+    started = time.monotonic()
+    index = Index(cfg.state_dir)
+    tiers = build_tiers(cfg, index)
+    opened = []
+    try:
+        for t in tiers:
+            await t.open()
+            opened.append(t)
+        store = build_store(cfg, index, tiers)
+        cache = Cache(index, store, tiers[1].staging_dir)
+        recovered = await cache.start()
+        mountpoint = os.path.abspath(cfg.mountpoint)
+        describe = lambda: {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
+                            "nvme_dir": str(cfg.nvme_dir), "instance": index.instance_id,
+                            "recovered": recovered, "started": started}
+        ops = KvfsOperations(cache, describe)
+        options = set(pyfuse3.default_options)
+        options.add("fsname=kvfs")
+        options.add("subtype=kvfs")
+        if cfg.allow_other:
+            options.update(("allow_other", "default_permissions"))
+        pyfuse3.init(ops, mountpoint, options)
+        unmounted = False
+        try:
+            _set_read_ahead(mountpoint)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(store.serve)
+                for t in tiers:
+                    nursery.start_soon(t.serve)
+                nursery.start_soon(cache.sweep_orphans)
+                nursery.start_soon(_on_signals)
+                log.info("mounted %s in %.2fs (%s)", mountpoint, time.monotonic() - started,
+                         ", ".join(f"{t.name} {t.capacity}" for t in tiers))
+                ready.send(f"READY {os.getpid()}")
+                await pyfuse3.main()
+                unmounted = True
+                nursery.cancel_scope.cancel()
+        finally:
+            pyfuse3.close(unmount=not unmounted)
+        log.info("unmounted; writing down")
+        store.flush_stats()
+        if not cfg.volatile_ram:
+            n = await store.write_down_volatile()
+            log.info("wrote %d RAM-only objects down", n)
+    finally:
+        for t in reversed(opened):
+            with contextlib.suppress(Exception):
+                await t.close()
+        index.close()
+        log.info("daemon exiting")
+
+
+async def _on_signals() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for sig in signals:
+            log.info("signal %d: unmounting", sig)
+            pyfuse3.terminate()
+            return
+
+
+def main(cfg: Config, ready_fd: int | None = None) -> int:
+    ready = _Ready(ready_fd)
+    try:
+        cfg.validate()
+        if not os.path.exists("/dev/fuse"):
+            raise ConfigError("/dev/fuse is missing: load the fuse module or run the container with --device /dev/fuse")
+        if not os.path.isdir(cfg.mountpoint):
+            raise ConfigError(f"mountpoint {cfg.mountpoint} does not exist or is not a directory")
+        _setup_logging(cfg)
+        trio.run(serve, cfg, ready)
+        return 0
+    except ConfigError as e:
+        ready.send(f"ERROR {e}")
+        return 2
+    except Exception as e:      # noqa: BLE001 - report any start-up failure as one line
+        log.exception("daemon failed")
+        ready.send(f"ERROR {type(e).__name__}: {e}")
+        return 1
+
+
+def _cli() -> int:
+    p = argparse.ArgumentParser(prog="kvfs-daemon")
+    p.add_argument("--config-json", required=True)
+    p.add_argument("--ready-fd", type=int)
+    a = p.parse_args()
+    fields = {f.name for f in dataclasses.fields(Config)}
+    data = {k: v for k, v in json.loads(a.config_json).items() if k in fields}
+    return main(Config(**data), a.ready_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(_cli())

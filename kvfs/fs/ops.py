@@ -1,0 +1,266 @@
+"""pyfuse3 handlers: each translates one request to the store (kvfs.store.cache.Cache)."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+
+import pyfuse3
+import trio
+
+from kvfs.fs import control
+from kvfs.fs.errmap import translate
+from kvfs.store.cache import Cache
+from kvfs.store.index import ROOT_INO
+
+log = logging.getLogger(__name__)
+
+ENTRY_TIMEOUT = 60
+ATTR_TIMEOUT = 10
+
+
+def _entry(ino: int, rec: dict) -> pyfuse3.EntryAttributes:
+    a = pyfuse3.EntryAttributes()
+    a.st_ino = ino
+    a.generation = 0
+    a.entry_timeout = ENTRY_TIMEOUT
+    a.attr_timeout = ATTR_TIMEOUT
+    a.st_mode = rec["mode"]
+    a.st_nlink = max(1, rec["nlink"])
+    a.st_uid = rec["uid"]
+    a.st_gid = rec["gid"]
+    a.st_rdev = 0
+    a.st_size = rec["size"]
+    a.st_blksize = 1 << 20
+    a.st_blocks = (rec["size"] + 511) // 512
+    a.st_atime_ns = rec["atime"]
+    a.st_mtime_ns = rec["mtime"]
+    a.st_ctime_ns = rec["ctime"]
+    return a
+
+
+class KvfsOperations(pyfuse3.Operations):
+    enable_writeback_cache = False
+
+    def __init__(self, cache: Cache, describe):
+        super().__init__()
+        self.cache = cache
+        self.control = control.Control(cache, describe)
+        self._ctl: dict[int, control.ControlHandle] = {}
+        self._next_ctl = 1 << 62
+        cache.ns.on_name_removed = self._name_removed
+        cache.on_content_changed = self._content_changed
+
+    # kernel cache coherence: names the store removed on its own (eviction, corruption)
+    def _name_removed(self, parent: int, name: bytes, ino: int) -> None:
+        try:
+            pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
+        except Exception as e:     # not mounted (handler tests) or an old kernel
+            log.debug("invalidate_entry_async failed: %s", e)
+
+    def _content_changed(self, ino: int) -> None:
+        trio.lowlevel.spawn_system_task(self._invalidate, ino)
+
+    async def _invalidate(self, ino: int) -> None:
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False, abandon_on_cancel=True)
+        except Exception as e:
+            log.debug("invalidate_inode(%d) failed: %s", ino, e)
+
+    # ---- names and attributes ----------------------------------------------
+    @translate
+    async def lookup(self, parent_inode, name, ctx=None):
+        if parent_inode == ROOT_INO and name == control.CONTROL_NAME_B:
+            return control.attrs(control.CTRL_DIR)
+        if parent_inode == control.CTRL_DIR:
+            return self.control.lookup(name)
+        if name == b".":
+            ino = parent_inode
+        elif name == b"..":
+            ino = self.cache.ns.inode(parent_inode)["parent"]
+        else:
+            ino = self.cache.ns.lookup(parent_inode, name)
+        return _entry(ino, self.cache.getattr(ino))
+
+    @translate
+    async def getattr(self, inode, ctx=None):
+        if control.is_control(inode):
+            return control.attrs(inode)
+        return _entry(inode, self.cache.getattr(inode))
+
+    @translate
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        if control.is_control(inode):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        rec = await self.cache.setattr(
+            inode,
+            size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime=attr.st_atime_ns if fields.update_atime else None,
+            mtime=attr.st_mtime_ns if fields.update_mtime else None)
+        return _entry(inode, rec)
+
+    async def forget(self, inode_list):
+        pass
+
+    @translate
+    async def readlink(self, inode, ctx):
+        rec = self.cache.ns.inode(inode)
+        if not stat.S_ISLNK(rec["mode"]):
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        return rec["target"]
+
+    def _parent_ok(self, parent_inode: int) -> None:
+        if control.is_control(parent_inode):
+            raise pyfuse3.FUSEError(errno.EPERM)
+
+    @translate
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        self._parent_ok(parent_inode)
+        ino, rec = self.cache.ns.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid)
+        return _entry(ino, rec)
+
+    @translate
+    async def rmdir(self, parent_inode, name, ctx):
+        self._parent_ok(parent_inode)
+        self.cache.ns.rmdir(parent_inode, name)
+
+    @translate
+    async def unlink(self, parent_inode, name, ctx):
+        self._parent_ok(parent_inode)
+        await self.cache.unlink(parent_inode, name)
+
+    @translate
+    async def symlink(self, parent_inode, name, target, ctx):
+        self._parent_ok(parent_inode)
+        ino, rec = self.cache.ns.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
+                                      target=bytes(target))
+        return _entry(ino, rec)
+
+    @translate
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        raise pyfuse3.FUSEError(errno.EPERM)      # kvfs objects have exactly one name
+
+    @translate
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        self._parent_ok(parent_inode_old)
+        self._parent_ok(parent_inode_new)
+        await self.cache.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    # ---- directories ----------------------------------------------------------
+    @translate
+    async def opendir(self, inode, ctx):
+        if control.is_control(inode):
+            return inode
+        if not stat.S_ISDIR(self.cache.ns.inode(inode)["mode"]):
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    @translate
+    async def readdir(self, fh, start_id, token):
+        if fh == control.CTRL_DIR:
+            self.control.readdir(start_id, token)
+            return
+        for eid, name, ino in self.cache.index.readdir(fh, start_id):
+            rec = self.cache.index.get_inode(ino)
+            if rec is None:
+                continue
+            if not pyfuse3.readdir_reply(token, name, _entry(ino, rec), eid):
+                return
+
+    async def releasedir(self, fh):
+        pass
+
+    # ---- files ------------------------------------------------------------------
+    @translate
+    async def open(self, inode, flags, ctx):
+        if control.is_control(inode):
+            fh = self._next_ctl
+            self._next_ctl += 1
+            self._ctl[fh] = self.control.open(inode, flags)
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
+        fh = await self.cache.open(inode, flags)
+        # sealed objects never change: the page cache may keep them across opens
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    @translate
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        self._parent_ok(parent_inode)
+        fh, ino, rec = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid)
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True), _entry(ino, rec)
+
+    @translate
+    async def read(self, fh, off, size):
+        if fh in self._ctl:
+            return self.control.read(self._ctl[fh], off, size)
+        return await self.cache.read(fh, off, size)
+
+    @translate
+    async def write(self, fh, off, buf):
+        if fh in self._ctl:
+            return self.control.write(self._ctl[fh], off, buf)
+        return await self.cache.write(fh, off, buf)
+
+    @translate
+    async def flush(self, fh):
+        if fh in self._ctl:
+            return
+        await self.cache.flush(fh)
+
+    @translate
+    async def fsync(self, fh, datasync):
+        if fh in self._ctl:
+            return
+        await self.cache.fsync(fh)
+
+    @translate
+    async def release(self, fh):
+        if self._ctl.pop(fh, None) is not None:
+            return
+        await self.cache.release(fh)
+
+    # ---- xattrs -------------------------------------------------------------
+    @translate
+    async def getxattr(self, inode, name, ctx):
+        if control.is_control(inode):
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return self.cache.get_xattr(inode, name)
+
+    @translate
+    async def setxattr(self, inode, name, value, ctx):
+        if control.is_control(inode):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        self.cache.set_xattr(inode, name, value)
+
+    @translate
+    async def listxattr(self, inode, ctx):
+        if control.is_control(inode):
+            return []
+        return self.cache.list_xattrs(inode)
+
+    @translate
+    async def removexattr(self, inode, name, ctx):
+        if control.is_control(inode):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        self.cache.remove_xattr(inode, name)
+
+    # ---- filesystem ---------------------------------------------------------------
+    @translate
+    async def statfs(self, ctx):
+        total, free = self.cache.statfs()
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        s.f_blocks = total // 4096
+        s.f_bfree = s.f_bavail = free // 4096
+        s.f_files = 1 << 32
+        s.f_ffree = s.f_favail = (1 << 32) - self.cache.index.counts()["inodes"]
+        s.f_namemax = 255
+        return s
+
+    @translate
+    async def access(self, inode, mode, ctx):
+        if not control.is_control(inode):
+            self.cache.ns.inode(inode)

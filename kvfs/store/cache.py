@@ -1,0 +1,475 @@
+"""The store's one entry point for the filesystem: files, handles, writes and sealing.
+
+A file being written has a WriteState shared by all its writers: a staging
+buffer (tmpfs, spilled to NVMe when RAM is full). When the last writer flushes
+or releases it, the buffer is sealed into a new immutable object and the inode
+is pointed at it in one index transaction. Readers bind to the sealed object
+they opened and keep reading it even after a new version is installed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import os
+import stat
+import time
+from typing import Callable
+
+import trio
+
+from kvfs.errors import NamespaceError
+from kvfs.store import checksum
+from kvfs.store.index import ROOT_INO, Index
+from kvfs.store.namespace import Namespace
+from kvfs.store.objects import Obj, ObjectStore
+from kvfs.store.ram import Staging
+from kvfs.store.tier import Tier
+
+log = logging.getLogger(__name__)
+
+KV_PREFIX = b"user.kvfs."
+XATTR_MAX = 64 * 1024
+_HEADER_PEEK = 64 * 1024
+
+
+@dataclasses.dataclass(eq=False)
+class WriteState:
+    ino: int
+    staging: Staging | None = None
+    base: Obj | None = None         # the sealed version the buffer started from / became
+    writers: int = 0
+    handles: int = 0
+    dirty: bool = False
+    ready: trio.Event = dataclasses.field(default_factory=trio.Event)
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Handle:
+    ino: int
+    write: bool = False
+    append: bool = False
+    ws: WriteState | None = None    # writers and readers of a file being written
+    obj: Obj | None = None          # readers of a sealed version
+
+
+def _kv_header(data: bytes) -> dict | None:
+    try:
+        from kvfs.kv.format import parse_block_header
+    except ImportError:
+        return None
+    try:
+        return parse_block_header(data)
+    except Exception:
+        return None
+
+
+class Cache:
+    def __init__(self, index: Index, store: ObjectStore, spill_dir):
+        self.index = index
+        self.store = store
+        self.ns = Namespace(index, store)
+        self.spill_dir = spill_dir
+        self.handles: dict[int, Handle] = {}
+        self.writers: dict[int, WriteState] = {}
+        self.open_count: dict[int, int] = {}
+        self._next_fh = 1
+        self.on_content_changed: Callable[[int], None] = lambda ino: None
+
+    # ---- startup ------------------------------------------------------------
+    async def start(self) -> dict[str, int]:
+        """Load the object table and recover the namespace after a restart or crash."""
+        lost = self.store.load()
+        counts, unowned = self.ns.recover(lost)
+        for obj in unowned:
+            await self.store.release_space(obj)
+        if any(counts.values()):
+            log.info("recovery: %s", counts)
+        return counts
+
+    async def sweep_orphans(self) -> int:
+        """Delete backing objects on durable tiers that the index does not know."""
+        n = 0
+        for tier in self.store.tiers[1:]:
+            if not tier.available:
+                continue
+            async for oid, loc, size in tier.scan():
+                if oid not in self.store.objs:
+                    await tier.delete(oid, loc)
+                    n += 1
+        if n:
+            log.info("removed %d orphaned backing objects", n)
+        return n
+
+    # ---- attributes -----------------------------------------------------------
+    def getattr(self, ino: int) -> dict:
+        rec = self.ns.inode(ino)
+        ws = self.writers.get(ino)
+        if ws is not None and ws.staging is not None:
+            rec = dict(rec, size=ws.staging.size)
+        return rec
+
+    def is_open(self, ino: int) -> bool:
+        return self.open_count.get(ino, 0) > 0
+
+    async def setattr(self, ino: int, *, size=None, mode=None, uid=None, gid=None,
+                      atime=None, mtime=None) -> dict:
+        rec = self.ns.inode(ino)
+        fields = {}
+        if mode is not None:
+            fields["mode"] = (rec["mode"] & ~0o7777) | (mode & 0o7777)
+        if uid is not None:
+            fields["uid"] = uid
+        if gid is not None:
+            fields["gid"] = gid
+        if atime is not None:
+            fields["atime"] = atime
+        if mtime is not None:
+            fields["mtime"] = mtime
+        if fields:
+            rec = self.ns.update(ino, **fields)
+        if size is not None:
+            if not stat.S_ISREG(rec["mode"]):
+                raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec["mode"]) else errno.EINVAL)
+            ws = self.writers.get(ino)
+            if ws is not None:
+                await (await self._staging(ws)).truncate(size)
+                ws.dirty = True
+            else:
+                ws = await self._begin_write(ino, truncate=size == 0)
+                ws.handles += 1
+                try:
+                    await (await self._staging(ws)).truncate(size)
+                    ws.dirty = True
+                    await self._seal(ws)
+                finally:
+                    await self._end(ws)
+        return self.getattr(ino)
+
+    # ---- opening --------------------------------------------------------------
+    def _new_fh(self, h: Handle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = h
+        self.open_count[h.ino] = self.open_count.get(h.ino, 0) + 1
+        return fh
+
+    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> tuple[int, int, dict]:
+        ino, rec = self.ns.make(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid, oid=None)
+        ws = WriteState(ino, staging=self.store.ram.new_staging(), dirty=True)
+        ws.ready.set()
+        self.writers[ino] = ws
+        ws.writers = ws.handles = 1
+        return self._new_fh(Handle(ino, write=True, ws=ws)), ino, rec
+
+    async def open(self, ino: int, flags: int) -> int:
+        rec = self.ns.inode(ino)
+        if stat.S_ISDIR(rec["mode"]):
+            raise NamespaceError(errno.EISDIR)
+        acc = flags & os.O_ACCMODE
+        if acc != os.O_RDONLY:
+            ws = self.writers.get(ino)
+            if ws is None:
+                ws = await self._begin_write(ino, truncate=bool(flags & os.O_TRUNC))
+            else:
+                await ws.ready.wait()
+                if flags & os.O_TRUNC:
+                    await (await self._staging(ws)).truncate(0)
+                    ws.dirty = True
+            ws.writers += 1
+            ws.handles += 1
+            return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws))
+        ws = self.writers.get(ino)
+        if ws is not None:
+            await ws.ready.wait()
+            ws.handles += 1
+            return self._new_fh(Handle(ino, ws=ws))
+        obj = self.store.objs.get(rec.get("oid"))
+        if obj is None:
+            raise NamespaceError(errno.ENOENT)
+        obj.refs += 1
+        self.store.note_open(obj)
+        return self._new_fh(Handle(ino, obj=obj))
+
+    async def _begin_write(self, ino: int, truncate: bool) -> WriteState:
+        rec = self.ns.inode(ino)
+        base = self.store.objs.get(rec.get("oid"))
+        ws = WriteState(ino, base=base, dirty=truncate)
+        if base is not None:
+            base.refs += 1
+        self.writers[ino] = ws
+        try:
+            if truncate or base is None:
+                ws.staging = self.store.ram.new_staging()
+        except BaseException as e:
+            ws.error = e
+            raise
+        finally:
+            ws.ready.set()
+        return ws
+
+    async def _staging(self, ws: WriteState) -> Staging:
+        """The write buffer, materialised from the sealed base on first need."""
+        if ws.staging is None:
+            staging = self.store.ram.new_staging()
+            try:
+                if ws.base is not None and ws.base.size:
+                    await staging.fill_from(await self.store.read_all(ws.base))
+            except BaseException:
+                staging.discard()
+                raise
+            if ws.staging is None:
+                ws.staging = staging
+            else:
+                staging.discard()
+        return ws.staging
+
+    # ---- data ---------------------------------------------------------------
+    async def read(self, fh: int, offset: int, size: int):
+        h = self.handles[fh]
+        if h.ws is not None:
+            ws = h.ws
+            if ws.staging is not None:
+                return await ws.staging.read(offset, size)
+            if ws.base is None:
+                return b""
+            return await self.store.read(ws.base, offset, size)
+        return await self.store.read(h.obj, offset, size)
+
+    async def write(self, fh: int, offset: int, data) -> int:
+        h = self.handles[fh]
+        if not h.write:
+            raise NamespaceError(errno.EBADF)
+        ws = h.ws
+        staging = await self._staging(ws)
+        if h.append:
+            offset = staging.size
+        n = await staging.write(offset, data)
+        ws.dirty = True
+        ram = self.store.ram
+        if ram.used > ram.capacity and not staging.spilled:
+            self.store.kick()
+            await staging.spill(self.spill_dir)
+        elif ram.used > ram.capacity * self.store.high:
+            self.store.kick()
+        return n
+
+    async def flush(self, fh: int) -> None:
+        """close(2): seal now if this is the only writer, so errors reach the caller."""
+        h = self.handles[fh]
+        if h.write and h.ws.dirty and h.ws.writers == 1:
+            await self._seal(h.ws)
+
+    async def fsync(self, fh: int) -> None:
+        await self.flush(fh)
+
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh)
+        n = self.open_count.get(h.ino, 1) - 1
+        if n:
+            self.open_count[h.ino] = n
+        else:
+            self.open_count.pop(h.ino, None)
+            self.ns.orphans.pop(h.ino, None)
+        if h.ws is not None:
+            ws = h.ws
+            if h.write:
+                ws.writers -= 1
+                if ws.writers == 0 and ws.dirty:
+                    try:
+                        await self._seal(ws)
+                    except Exception as e:
+                        log.error("sealing %s failed at release: %s", self.ns.path_of(ws.ino), e)
+                        self._abandon(ws)
+            await self._end(ws)
+        else:
+            h.obj.refs -= 1
+            await self.store.release_space(h.obj)
+
+    def _abandon(self, ws: WriteState) -> None:
+        """The last writer left and the new version could not be sealed."""
+        ws.dirty = False
+        rec = self.index.get_inode(ws.ino)
+        if rec is not None and rec.get("oid") is None:
+            # never sealed: it must not stay visible as an empty file
+            try:
+                self.ns.unlink(rec["parent"], rec["name"], self.is_open)
+            except NamespaceError:
+                pass
+
+    async def _end(self, ws: WriteState) -> None:
+        ws.handles -= 1
+        if ws.writers == 0 and self.writers.get(ws.ino) is ws:
+            del self.writers[ws.ino]
+        if ws.handles == 0:
+            if ws.staging is not None:
+                ws.staging.discard()
+                ws.staging = None
+            if ws.base is not None:
+                ws.base.refs -= 1
+                await self.store.release_space(ws.base)
+                ws.base = None
+
+    async def _seal(self, ws: WriteState) -> None:
+        staging = ws.staging
+        if staging is None:
+            staging = await self._staging(ws)
+        rec = self.index.get_inode(ws.ino)
+        if rec is None:                      # unlinked while open: nothing to keep
+            ws.dirty = False
+            return
+        kv = None
+        if rec["name"].endswith(b".kv") and staging.size >= 8:
+            kv = _kv_header(await staging.read(0, _HEADER_PEEK))
+        key = self.ns.path_of(ws.ino)
+        ws.staging = None
+        try:
+            obj = await self.store.create(ws.ino, staging, key, rec.get("gen", 0) + 1)
+        except BaseException:
+            ws.staging = staging
+            raise
+        if staging.fd >= 0:
+            staging.discard()
+        kvrec = None
+        if kv:
+            kvrec = {"namespace": str(kv.get("kvfs.namespace", "")), "hash": str(kv.get("kvfs.hash", "")),
+                     "parent": str(kv.get("kvfs.parent", "")), "tokens": str(kv.get("kvfs.tokens", ""))}
+        old, installed = self.ns.install(ws.ino, obj, kvrec)
+        ws.dirty = False
+        if old is not None:
+            await self.store.release_space(old)
+        if not installed:
+            await self.store.release_space(obj)
+            return
+        obj.refs += 1
+        if ws.base is not None:
+            ws.base.refs -= 1
+            await self.store.release_space(ws.base)
+        ws.base = obj
+        self.on_content_changed(ws.ino)
+
+    # ---- namespace pass-throughs that free bytes ---------------------------
+    async def unlink(self, parent: int, name: bytes) -> None:
+        obj = self.ns.unlink(parent, name, self.is_open)
+        if obj is not None:
+            await self.store.release_space(obj)
+
+    async def rename(self, op: int, old: bytes, np: int, new: bytes, flags: int) -> None:
+        obj = self.ns.rename(op, old, np, new, flags, self.is_open)
+        if obj is not None:
+            await self.store.release_space(obj)
+
+    # ---- xattrs -----------------------------------------------------------------
+    def _sealed(self, ino: int) -> Obj | None:
+        rec = self.ns.inode(ino)
+        return self.store.objs.get(rec.get("oid"))
+
+    def get_xattr(self, ino: int, name: bytes) -> bytes:
+        rec = self.ns.inode(ino)
+        if name.startswith(KV_PREFIX):
+            value = self._kv_xattr(ino, rec, name[len(KV_PREFIX):].decode("ascii", "replace"))
+            if value is None:
+                raise NamespaceError(errno.ENODATA)
+            return value.encode()
+        try:
+            return rec["xattrs"][name]
+        except KeyError:
+            raise NamespaceError(errno.ENODATA) from None
+
+    def _kv_xattr(self, ino: int, rec: dict, key: str) -> str | None:
+        if not stat.S_ISREG(rec["mode"]):
+            return None
+        obj = self.store.objs.get(rec.get("oid"))
+        kv = rec.get("kv") or {}
+        if key == "pin":
+            return "1" if rec.get("pin") else "0"
+        if key == "tier":
+            if ino in self.writers and self.writers[ino].dirty:
+                return self.store.ram.name
+            return self.store.top_tier(obj) if obj else None
+        if obj is None:
+            return None
+        if key == "checksum":
+            return checksum.hexdigest(obj.checksum)
+        if key == "hits":
+            return str(obj.hits)
+        if key == "atime":
+            return f"{obj.atime:.3f}"
+        if key in ("tokens", "parent", "hash", "namespace"):
+            return kv.get(key) if kv else None
+        if key == "backing":
+            return self._backing(obj)
+        return None
+
+    def _backing(self, obj: Obj) -> str | None:
+        for t in self.store.tiers:
+            if t.name in obj.place and t.available:
+                b = t.backing(obj.oid, obj.place[t.name])
+                if b is None:
+                    return None
+                return json.dumps(dict(b, tier=t.name, size=obj.size, checksum=checksum.hexdigest(obj.checksum)))
+        return None
+
+    def list_xattrs(self, ino: int) -> list[bytes]:
+        rec = self.ns.inode(ino)
+        names = list(rec["xattrs"])
+        if stat.S_ISREG(rec["mode"]):
+            names += [KV_PREFIX + k for k in (b"tier", b"checksum", b"pin", b"hits", b"atime")]
+            if rec.get("kv"):
+                names += [KV_PREFIX + b"tokens", KV_PREFIX + b"parent"]
+        return names
+
+    def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        rec = self.ns.inode(ino)
+        if not name.startswith(b"user."):
+            raise NamespaceError(errno.ENOTSUP)
+        if name.startswith(KV_PREFIX):
+            if name != KV_PREFIX + b"pin":
+                raise NamespaceError(errno.EPERM, f"{name.decode()} is read-only")
+            if not stat.S_ISREG(rec["mode"]):
+                raise NamespaceError(errno.EINVAL)
+            v = value.strip()
+            if v not in (b"0", b"1"):
+                raise NamespaceError(errno.EINVAL, "user.kvfs.pin takes 1 or 0")
+            self.ns.update(ino, pin=v == b"1")
+            obj = self.store.objs.get(rec.get("oid"))
+            if obj is not None:
+                obj.pinned = v == b"1"
+            return
+        if len(value) > XATTR_MAX:
+            raise NamespaceError(errno.E2BIG)
+        self.ns.set_user_xattr(ino, name, value)
+
+    def remove_xattr(self, ino: int, name: bytes) -> None:
+        if name.startswith(KV_PREFIX):
+            raise NamespaceError(errno.EPERM)
+        self.ns.remove_user_xattr(ino, name)
+
+    # ---- control and stats ------------------------------------------------------
+    def lookup_paths(self, paths: list[str]) -> dict:
+        """How many leading paths exist as sealed files (one call for a prefix chain)."""
+        comps = [[c.encode("utf-8", "surrogateescape") for c in p.strip("/").split("/") if c] for p in paths]
+        inos = self.index.lookup_many(comps)
+        tiers = []
+        for ino in inos:
+            if ino is None:
+                break
+            rec = self.index.get_inode(ino)
+            obj = self.store.objs.get(rec.get("oid")) if rec and stat.S_ISREG(rec["mode"]) else None
+            if obj is None:
+                break
+            tiers.append(self.store.top_tier(obj))
+        return {"prefix": len(tiers), "tiers": tiers}
+
+    def statfs(self) -> tuple[int, int]:
+        tiers: list[Tier] = self.store.tiers
+        total = sum(t.capacity for t in tiers)
+        free = sum(t.free() for t in tiers if t.available)
+        return total, free
+
+    def statistics(self) -> dict:
+        counts = self.index.counts()
+        return {"tiers": self.store.statistics(), "inodes": counts["inodes"], "objects": len(self.store.objs),
+                "open_handles": len(self.handles), "writing": len(self.writers), "time": time.time()}

@@ -1,0 +1,317 @@
+"""The namespace: directories, names, attributes and xattrs, over the LMDB index.
+
+Each method is one index write transaction, so a crash leaves every operation
+either done or not. Objects are dropped through the ObjectStore in the same
+transaction that removes their last name; the caller frees their bytes after.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+
+from kvfs.errors import NamespaceError
+from kvfs.store.index import ROOT_INO, Index, Txn
+from kvfs.store.objects import Obj, ObjectStore
+
+log = logging.getLogger(__name__)
+
+NAME_MAX = 255
+CONTROL_NAME = b".kvfs"
+
+
+def _err(code: int, msg: str = "") -> NamespaceError:
+    return NamespaceError(code, msg or os.strerror(code))
+
+
+class Namespace:
+    def __init__(self, index: Index, store: ObjectStore):
+        self.index = index
+        self.store = store
+        # prefix-aware eviction: (namespace, hash) -> number of cached child blocks
+        self.kv_children: dict[tuple[str, str], int] = {}
+        self.orphans: dict[int, dict] = {}      # unlinked inodes still open
+        self.on_name_removed = lambda parent, name, ino: None   # kernel cache invalidation
+        store.on_lost = self._lost
+        store.may_evict = self._may_evict
+
+    # ---- recovery -----------------------------------------------------------
+    def recover(self, lost: list[Obj]) -> tuple[dict[str, int], list[Obj]]:
+        """After load: drop names whose bytes did not survive, unsealed files, dangling entries.
+
+        Returns counts and the objects no name refers to (free them with release_space).
+        """
+        lost_oids = {o.oid for o in lost}
+        doomed: list[int] = []
+        live: set[int] = set()
+        live_oids: set[int] = set()
+        for ino, rec in self.index.iter_inodes():
+            if stat.S_ISREG(rec["mode"]):
+                oid = rec.get("oid")
+                if rec["nlink"] == 0 or oid is None or oid in lost_oids or oid not in self.store.objs:
+                    doomed.append(ino)
+                    continue
+                live_oids.add(oid)
+                self.store.objs[oid].pinned = rec.get("pin", False)
+                self._kv_add(rec)
+            live.add(ino)
+        dangling = [(p, n) for p, n, c in self.index.iter_dirents() if c not in live]
+        unowned = [o for oid, o in self.store.objs.items() if oid not in live_oids]
+        with self.index.write() as txn:
+            for ino in doomed:
+                txn.del_inode(ino)
+            for p, n in dangling:
+                txn.unlink(p, n)
+            for obj in lost:
+                txn.del_object(obj.oid)
+            for obj in unowned:
+                self.store.drop(txn, obj)
+        counts = {"dropped_files": len(doomed), "dangling_names": len(dangling),
+                  "lost_objects": len(lost), "unowned_objects": len(unowned)}
+        return counts, unowned
+
+    # ---- kv blocks ----------------------------------------------------------
+    def _kv_add(self, rec: dict) -> None:
+        kv = rec.get("kv")
+        if kv and kv.get("parent"):
+            k = (kv["namespace"], kv["parent"])
+            self.kv_children[k] = self.kv_children.get(k, 0) + 1
+
+    def _kv_remove(self, rec: dict) -> None:
+        kv = rec.get("kv")
+        if kv and kv.get("parent"):
+            k = (kv["namespace"], kv["parent"])
+            n = self.kv_children.get(k, 0) - 1
+            if n > 0:
+                self.kv_children[k] = n
+            else:
+                self.kv_children.pop(k, None)
+
+    def _may_evict(self, obj: Obj) -> bool:
+        rec = self.index.get_inode(obj.ino)
+        kv = rec.get("kv") if rec else None
+        return not kv or self.kv_children.get((kv["namespace"], kv["hash"]), 0) == 0
+
+    # ---- reads --------------------------------------------------------------
+    def inode(self, ino: int) -> dict:
+        rec = self.index.get_inode(ino) or self.orphans.get(ino)
+        if rec is None:
+            raise _err(errno.ENOENT)
+        return rec
+
+    def lookup(self, parent: int, name: bytes) -> int:
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG)
+        ino = self.index.lookup(parent, name)
+        if ino is None:
+            raise _err(errno.ENOENT)
+        return ino
+
+    def path_of(self, ino: int) -> str:
+        parts = []
+        for _ in range(4096):
+            if ino == ROOT_INO:
+                break
+            rec = self.index.get_inode(ino)
+            if rec is None:
+                break
+            parts.append(rec["name"].decode("utf-8", "surrogateescape"))
+            ino = rec["parent"]
+        return "/" + "/".join(reversed(parts))
+
+    # ---- namespace changes --------------------------------------------------
+    def _check_new(self, txn: Txn, parent: int, name: bytes) -> dict:
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG)
+        if parent == ROOT_INO and name == CONTROL_NAME:
+            raise _err(errno.EPERM, ".kvfs is reserved")
+        prec = txn.get_inode(parent)
+        if prec is None:
+            raise _err(errno.ENOENT)
+        if not stat.S_ISDIR(prec["mode"]):
+            raise _err(errno.ENOTDIR)
+        if txn.lookup(parent, name) is not None:
+            raise _err(errno.EEXIST)
+        return prec
+
+    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, **extra) -> tuple[int, dict]:
+        """Create a directory, file or symlink (mode carries the type)."""
+        with self.index.write() as txn:
+            self._check_new(txn, parent, name)
+            ino = txn.new_id(b"ino")
+            now = time.time_ns()
+            rec = dict(mode=mode, uid=uid, gid=gid, size=0, nlink=1, atime=now, mtime=now, ctime=now,
+                       parent=parent, name=name, xattrs={}, **extra)
+            if stat.S_ISLNK(mode):
+                rec["size"] = len(extra["target"])
+            txn.put_inode(ino, rec)
+            txn.link(parent, name, ino)
+            self._touch_dir(txn, parent)
+        return ino, rec
+
+    def _touch_dir(self, txn: Txn, ino: int) -> None:
+        rec = txn.get_inode(ino)
+        if rec is not None:
+            rec["mtime"] = rec["ctime"] = time.time_ns()
+            txn.put_inode(ino, rec)
+
+    def _remove(self, txn: Txn, parent: int, name: bytes, ino: int, rec: dict, keep_open: bool) -> Obj | None:
+        """Remove one name and, with it, the inode and its object."""
+        txn.unlink(parent, name)
+        txn.del_inode(ino)
+        self._kv_remove(rec)
+        if keep_open:
+            rec["nlink"] = 0
+            self.orphans[ino] = rec
+        obj = self.store.objs.get(rec.get("oid"))
+        if obj is not None:
+            self.store.drop(txn, obj)
+        self.on_name_removed(parent, name, ino)
+        return obj
+
+    def unlink(self, parent: int, name: bytes, is_open) -> Obj | None:
+        with self.index.write() as txn:
+            ino = txn.lookup(parent, name)
+            if ino is None:
+                raise _err(errno.ENOENT)
+            rec = txn.get_inode(ino)
+            if stat.S_ISDIR(rec["mode"]):
+                raise _err(errno.EISDIR)
+            obj = self._remove(txn, parent, name, ino, rec, is_open(ino))
+            self._touch_dir(txn, parent)
+        return obj
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        with self.index.write() as txn:
+            ino = txn.lookup(parent, name)
+            if ino is None:
+                raise _err(errno.ENOENT)
+            rec = txn.get_inode(ino)
+            if not stat.S_ISDIR(rec["mode"]):
+                raise _err(errno.ENOTDIR)
+            if txn.has_children(ino):
+                raise _err(errno.ENOTEMPTY)
+            txn.unlink(parent, name)
+            txn.del_inode(ino)
+            self._touch_dir(txn, parent)
+
+    def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int,
+               is_open) -> Obj | None:
+        if flags & ~1:                      # RENAME_NOREPLACE only; no EXCHANGE/WHITEOUT
+            raise _err(errno.EINVAL)
+        if len(new) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG)
+        if new_parent == ROOT_INO and new == CONTROL_NAME:
+            raise _err(errno.EPERM)
+        dropped = None
+        with self.index.write() as txn:
+            ino = txn.lookup(old_parent, old)
+            if ino is None:
+                raise _err(errno.ENOENT)
+            rec = txn.get_inode(ino)
+            prec = txn.get_inode(new_parent)
+            if prec is None:
+                raise _err(errno.ENOENT)
+            if not stat.S_ISDIR(prec["mode"]):
+                raise _err(errno.ENOTDIR)
+            if stat.S_ISDIR(rec["mode"]):
+                p = new_parent
+                while True:                  # no moving a directory under itself
+                    if p == ino:
+                        raise _err(errno.EINVAL)
+                    if p == ROOT_INO:
+                        break
+                    p = txn.get_inode(p)["parent"]
+            target = txn.lookup(new_parent, new)
+            if target == ino:
+                return None
+            if target is not None:
+                if flags & 1:
+                    raise _err(errno.EEXIST)
+                trec = txn.get_inode(target)
+                if stat.S_ISDIR(trec["mode"]):
+                    if not stat.S_ISDIR(rec["mode"]):
+                        raise _err(errno.EISDIR)
+                    if txn.has_children(target):
+                        raise _err(errno.ENOTEMPTY)
+                    txn.unlink(new_parent, new)
+                    txn.del_inode(target)
+                elif stat.S_ISDIR(rec["mode"]):
+                    raise _err(errno.ENOTDIR)
+                else:
+                    dropped = self._remove(txn, new_parent, new, target, trec, is_open(target))
+            txn.unlink(old_parent, old)
+            txn.link(new_parent, new, ino)
+            rec["parent"], rec["name"], rec["ctime"] = new_parent, new, time.time_ns()
+            txn.put_inode(ino, rec)
+            self._touch_dir(txn, old_parent)
+            if new_parent != old_parent:
+                self._touch_dir(txn, new_parent)
+        return dropped
+
+    def update(self, ino: int, **fields) -> dict:
+        with self.index.write() as txn:
+            rec = txn.get_inode(ino)
+            if rec is None:
+                rec = self.orphans.get(ino)
+                if rec is None:
+                    raise _err(errno.ENOENT)
+                rec.update(fields)
+                return rec
+            rec.update(fields)
+            rec["ctime"] = time.time_ns()
+            txn.put_inode(ino, rec)
+        return rec
+
+    def install(self, ino: int, obj: Obj, kv: dict | None) -> tuple[Obj | None, bool]:
+        """Point a file at a newly sealed object. Returns (old object, installed?)."""
+        with self.index.write() as txn:
+            rec = txn.get_inode(ino)
+            if rec is None:                 # unlinked while it was being written
+                self.store.drop(txn, obj)
+                return None, False
+            old = self.store.objs.get(rec.get("oid"))
+            if old is not None:
+                self.store.drop(txn, old)
+            self._kv_remove(rec)
+            now = time.time_ns()
+            rec.update(oid=obj.oid, size=obj.size, mtime=now, ctime=now, gen=rec.get("gen", 0) + 1)
+            if kv:
+                rec["kv"] = kv
+            else:
+                rec.pop("kv", None)
+            self._kv_add(rec)
+            obj.pinned = rec.get("pin", False)
+            txn.put_object(obj.oid, obj.record())
+            txn.put_inode(ino, rec)
+        return old, True
+
+    def _lost(self, txn: Txn, obj: Obj) -> None:
+        rec = txn.get_inode(obj.ino)
+        if rec is not None and rec.get("oid") == obj.oid:
+            txn.unlink(rec["parent"], rec["name"])
+            txn.del_inode(obj.ino)
+            self._kv_remove(rec)
+            self.on_name_removed(rec["parent"], rec["name"], obj.ino)
+
+    # ---- xattrs stored with the file -----------------------------------------
+    def set_user_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        with self.index.write() as txn:
+            rec = txn.get_inode(ino)
+            if rec is None:
+                raise _err(errno.ENOENT)
+            rec["xattrs"][name] = value
+            rec["ctime"] = time.time_ns()
+            txn.put_inode(ino, rec)
+
+    def remove_user_xattr(self, ino: int, name: bytes) -> None:
+        with self.index.write() as txn:
+            rec = txn.get_inode(ino)
+            if rec is None:
+                raise _err(errno.ENOENT)
+            if name not in rec["xattrs"]:
+                raise _err(errno.ENODATA)
+            del rec["xattrs"][name]
+            txn.put_inode(ino, rec)

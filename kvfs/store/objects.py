@@ -1,0 +1,500 @@
+"""Sealed objects: placement across tiers, verified reads, demotion, promotion, eviction.
+
+Placement is inclusive: promotion copies an object up and keeps its lower copy,
+so demoting it again is free and a restart still finds it. The RAM tier is
+volatile; an object whose only copy is in RAM does not survive a crash (its
+name disappears with it) but is written down on a clean unmount.
+
+The namespace is not this module's business: it learns that an object lost its
+bytes (eviction, checksum failure) through the ``on_lost`` callback, which
+removes the name in the same index transaction as the object record.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import time
+from typing import Callable
+
+import trio
+
+from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable
+from kvfs.store import checksum
+from kvfs.store.index import Index, Txn
+from kvfs.store.ram import RamTier, Staging
+from kvfs.store.tier import ObjectInfo, Tier
+
+log = logging.getLogger(__name__)
+
+_CHUNK_CACHE = 48          # chunks of verified lower-tier bytes shared by readers
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Obj:
+    oid: int
+    size: int
+    checksum: int
+    chunk_size: int
+    sums: tuple[int, ...]
+    place: dict[str, bytes]
+    ino: int
+    key: str = ""
+    gen: int = 0
+    hits: int = 0
+    atime: float = 0.0
+    pinned: bool = False
+    refs: int = 0
+    dead: bool = False         # no longer in the index; free its copies at refs == 0
+    busy: bool = False         # being moved between tiers
+    win_start: float = 0.0
+    win_count: int = 0
+
+    def info(self) -> ObjectInfo:
+        return ObjectInfo(self.oid, self.size, self.checksum, self.chunk_size, self.sums, self.key, self.gen)
+
+    def record(self) -> dict:
+        return dict(size=self.size, checksum=self.checksum, chunk_size=self.chunk_size,
+                    sums=checksum.pack_sums(self.sums), place=dict(self.place), ino=self.ino,
+                    key=self.key, gen=self.gen, hits=self.hits, atime=self.atime)
+
+    @classmethod
+    def from_record(cls, oid: int, r: dict) -> "Obj":
+        return cls(oid, r["size"], r["checksum"], r["chunk_size"], checksum.unpack_sums(r["sums"]),
+                   dict(r["place"]), r["ino"], r.get("key", ""), r.get("gen", 0), r.get("hits", 0),
+                   r.get("atime", 0.0))
+
+
+class TierCounters:
+    __slots__ = ("hits", "misses", "bytes_read", "bytes_written", "demotions", "promotions",
+                 "evictions", "checksum_failures", "errors")
+
+    def __init__(self):
+        for s in self.__slots__:
+            setattr(self, s, 0)
+
+    def as_dict(self) -> dict:
+        return {s: getattr(self, s) for s in self.__slots__}
+
+
+class ObjectStore:
+    def __init__(self, index: Index, tiers: list[Tier], *, chunk_size: int, high: float, low: float,
+                 promote_hits: int, promote_window: float):
+        assert isinstance(tiers[0], RamTier)
+        self.index = index
+        self.tiers = tiers
+        self.ram: RamTier = tiers[0]
+        self.chunk_size = chunk_size
+        self.high, self.low = high, low
+        self.promote_hits, self.promote_window = promote_hits, promote_window
+        self.objs: dict[int, Obj] = {}
+        self.lru: dict[str, collections.OrderedDict[int, None]] = {t.name: collections.OrderedDict() for t in tiers}
+        self.counters = {t.name: TierCounters() for t in tiers}
+        # set by the namespace: drop the object's name and record in this txn
+        self.on_lost: Callable[[Txn, Obj], None] = lambda txn, obj: None
+        self.may_evict: Callable[[Obj], bool] = lambda obj: True
+        self._chunks: collections.OrderedDict[tuple[int, int], bytes] = collections.OrderedDict()
+        self._inflight: dict[tuple[int, int], trio.Event] = {}
+        self._dirty: set[int] = set()
+        self._kick = trio.Event()
+        self._promote_send, self._promote_recv = trio.open_memory_channel(64)
+
+    # ---- loading ------------------------------------------------------------
+    def load(self) -> list[Obj]:
+        """Read the object table; return objects that lost every durable copy."""
+        durable = {t.name for t in self.tiers if not t.volatile}
+        lost = []
+        for oid, rec in self.index.iter_objects():
+            obj = Obj.from_record(oid, rec)
+            obj.place = {k: v for k, v in obj.place.items() if k in durable}
+            if obj.size and not obj.place:
+                lost.append(obj)
+                continue
+            self._adopt(obj)
+        for t in self.tiers[1:]:
+            t.used = sum(t.footprint(o.size) for o in self.objs.values() if t.name in o.place)
+            t.objects = sum(1 for o in self.objs.values() if t.name in o.place)
+        return lost
+
+    def _adopt(self, obj: Obj) -> None:
+        self.objs[obj.oid] = obj
+        for name in obj.place:
+            self.lru[name][obj.oid] = None
+
+    # ---- creating and dropping ----------------------------------------------
+    async def create(self, ino: int, staging: Staging, key: str, gen: int) -> Obj:
+        """Seal a write buffer into a new object placed on the highest tier with room.
+
+        The caller records it in the index (``obj.record()``) in the same
+        transaction that points the inode at it.
+        """
+        size = staging.size
+        mm = staging.map()
+        try:
+            view = memoryview(mm) if mm is not None else memoryview(b"")
+            whole, sums = await trio.to_thread.run_sync(checksum.summarize, view, self.chunk_size)
+            obj = Obj(self.index.new_id(b"oid"), size, whole, self.chunk_size, sums, {}, ino, key, gen,
+                      atime=time.time())
+            if size:
+                if not staging.spilled:
+                    view.release()
+                    mm.close()
+                    mm = None
+                    obj.place[self.ram.name] = self.ram.adopt(obj.info(), staging)
+                    self.counters[self.ram.name].bytes_written += size
+                else:
+                    tier = await self._room_below(0, size)
+                    obj.place[tier.name] = await tier.put(obj.info(), view)
+                    self.counters[tier.name].bytes_written += size
+        finally:
+            if mm is not None:
+                mm.close()
+        self._adopt(obj)
+        self.kick()
+        return obj
+
+    async def _room_below(self, above: int, size: int) -> Tier:
+        """The first available tier below index ``above`` that can take ``size`` bytes."""
+        lower = [i for i in range(above + 1, len(self.tiers)) if self.tiers[i].available]
+        if not lower:
+            raise TierFull("no tier below RAM is available")
+        for i in lower:
+            t = self.tiers[i]
+            if t.footprint(size) <= t.free():
+                return t
+        await self.make_room(lower[-1], self.tiers[lower[-1]].footprint(size))
+        return self.tiers[lower[-1]]
+
+    def drop(self, txn: Txn, obj: Obj) -> None:
+        """Remove the object's record in ``txn``; call ``release_space`` after commit."""
+        txn.del_object(obj.oid)
+        self._forget(obj)
+
+    def _forget(self, obj: Obj) -> None:
+        obj.dead = True
+        self.objs.pop(obj.oid, None)
+        self._dirty.discard(obj.oid)
+        for name in obj.place:
+            self.lru[name].pop(obj.oid, None)
+
+    async def release_space(self, obj: Obj) -> None:
+        """Free the copies of a dropped object unless a reader still holds it."""
+        if not obj.dead or obj.refs > 0:
+            return
+        place, obj.place = obj.place, {}
+        for name, loc in place.items():
+            tier = self._tier(name)
+            try:
+                await tier.delete(obj.oid, loc)
+            except TierUnavailable:
+                log.warning("could not free object %x on unavailable tier %s", obj.oid, name)
+        for k in [k for k in self._chunks if k[0] == obj.oid]:
+            del self._chunks[k]
+
+    def _tier(self, name: str) -> Tier:
+        return next(t for t in self.tiers if t.name == name)
+
+    # ---- reading ------------------------------------------------------------
+    def top_tier(self, obj: Obj) -> str:
+        for t in self.tiers:
+            if t.name in obj.place:
+                return t.name
+        return self.tiers[1].name if len(self.tiers) > 1 else self.ram.name
+
+    def note_open(self, obj: Obj) -> None:
+        """Count a hit on the serving tier, misses above it, and maybe promote."""
+        now = time.time()
+        obj.hits += 1
+        obj.atime = now
+        self._dirty.add(obj.oid)
+        for t in self.tiers:
+            if t.name in obj.place:
+                self.counters[t.name].hits += 1
+                break
+            self.counters[t.name].misses += 1
+        for name in obj.place:
+            lru = self.lru[name]
+            if obj.oid in lru:
+                lru.move_to_end(obj.oid)
+        if now - obj.win_start > self.promote_window:
+            obj.win_start, obj.win_count = now, 0
+        obj.win_count += 1
+        if obj.size and self.ram.name not in obj.place and obj.win_count >= self.promote_hits:
+            try:
+                self._promote_send.send_nowait(obj)
+            except trio.WouldBlock:
+                pass
+
+    async def read(self, obj: Obj, offset: int, length: int):
+        end = min(obj.size, offset + length)
+        if offset >= end:
+            return b""
+        if self.ram.name in obj.place:
+            mv = await self.ram.read(obj.oid, b"", offset, end - offset)
+            self.counters[self.ram.name].bytes_read += len(mv)
+            return mv
+        tier = self._serving_tier(obj)
+        cs = obj.chunk_size
+        first, last = offset // cs, (end - 1) // cs
+        if last + 1 < len(obj.sums) and (obj.oid, last + 1) not in self._chunks:
+            trio.lowlevel.spawn_system_task(self._prefetch, obj, tier, last + 1)
+        parts = [await self._chunk(obj, tier, i) for i in range(first, last + 1)]
+        lo = offset - first * cs
+        if len(parts) == 1:
+            return memoryview(parts[0])[lo:lo + end - offset]
+        return b"".join(parts)[lo:lo + end - offset]
+
+    def _serving_tier(self, obj: Obj) -> Tier:
+        for t in self.tiers[1:]:
+            if t.name in obj.place:
+                if not t.available:
+                    raise TierUnavailable(f"object {obj.oid:x} lives on unavailable tier {t.name}")
+                return t
+        raise NoSuchObject(f"object {obj.oid:x} has no copy")
+
+    async def _prefetch(self, obj: Obj, tier: Tier, idx: int) -> None:
+        try:
+            await self._chunk(obj, tier, idx)
+        except Exception:     # the reader that needs it will see the error
+            pass
+
+    async def _chunk(self, obj: Obj, tier: Tier, idx: int) -> bytes:
+        key = (obj.oid, idx)
+        while True:
+            data = self._chunks.get(key)
+            if data is not None:
+                self._chunks.move_to_end(key)
+                return data
+            ev = self._inflight.get(key)
+            if ev is None:
+                break
+            await ev.wait()
+            if key not in self._chunks:        # the leader failed: fail the same way
+                return await self._fetch_chunk(obj, tier, idx)
+        ev = self._inflight[key] = trio.Event()
+        try:
+            data = await self._fetch_chunk(obj, tier, idx)
+            self._chunks[key] = data
+            while len(self._chunks) > _CHUNK_CACHE:
+                self._chunks.popitem(last=False)
+            return data
+        finally:
+            del self._inflight[key]
+            ev.set()
+
+    async def _fetch_chunk(self, obj: Obj, tier: Tier, idx: int) -> bytes:
+        cs = obj.chunk_size
+        want = min(cs, obj.size - idx * cs)
+        c = self.counters[tier.name]
+        try:
+            data = bytes(await tier.read(obj.oid, obj.place[tier.name], idx * cs, want))
+        except TierUnavailable:
+            c.errors += 1
+            raise
+        except NoSuchObject:
+            data = b""
+        if len(data) != want or checksum.digest(data) != obj.sums[idx]:
+            c.checksum_failures += 1
+            log.error("checksum mismatch: object %x chunk %d on %s (%s)", obj.oid, idx, tier.name, obj.key)
+            await self.lose(obj)
+            raise CorruptObject(f"object {obj.oid:x} chunk {idx} failed its checksum on {tier.name}")
+        c.bytes_read += want
+        return data
+
+    async def read_all(self, obj: Obj) -> memoryview:
+        """The whole object, verified when it comes from a lower tier."""
+        if self.ram.name in obj.place:
+            return await self.ram.read(obj.oid, b"", 0, obj.size)
+        if not obj.size:
+            return memoryview(b"")
+        tier = self._serving_tier(obj)
+        data = bytes(await tier.read(obj.oid, obj.place[tier.name], 0, obj.size))
+        self.counters[tier.name].bytes_read += len(data)
+        ok = len(data) == obj.size and await trio.to_thread.run_sync(
+            lambda: checksum.chunk_sums(memoryview(data), obj.chunk_size) == obj.sums)
+        if not ok:
+            self.counters[tier.name].checksum_failures += 1
+            await self.lose(obj)
+            raise CorruptObject(f"object {obj.oid:x} failed its checksum on {tier.name}")
+        return memoryview(data)
+
+    async def lose(self, obj: Obj) -> None:
+        """The object's bytes are gone or wrong: drop it and its name."""
+        if obj.dead:
+            return
+        with self.index.write() as txn:
+            self.on_lost(txn, obj)
+            self.drop(txn, obj)
+        await self.release_space(obj)
+
+    # ---- pressure: demotion and eviction -----------------------------------
+    def kick(self) -> None:
+        for t in self.tiers:
+            if t.used > t.capacity * self.high:
+                self._kick.set()
+                return
+
+    def _lowest(self) -> int:
+        return max(i for i, t in enumerate(self.tiers) if t.available)
+
+    def _victim(self, tier: Tier, evict: bool) -> Obj | None:
+        for oid in self.lru[tier.name]:
+            obj = self.objs[oid]
+            if obj.refs or obj.busy:
+                continue
+            if evict and (obj.pinned or not self.may_evict(obj)):
+                continue
+            return obj
+        return None
+
+    async def make_room(self, i: int, need: int) -> None:
+        """Demote (or, on the lowest tier, evict) until tier ``i`` has ``need`` bytes free."""
+        tier = self.tiers[i]
+        while tier.free() < need:
+            evict = i >= self._lowest()
+            victim = self._victim(tier, evict)
+            if victim is None:
+                raise TierFull(f"{tier.name} tier is full and what remains is pinned or in use")
+            if evict:
+                await self.evict(victim)
+            else:
+                await self.demote(victim, i)
+
+    async def relieve(self) -> None:
+        """Bring every tier above its high watermark down to the low one."""
+        for i, tier in enumerate(self.tiers):
+            if not tier.available or tier.used <= tier.capacity * self.high:
+                continue
+            target = tier.capacity * self.low
+            while tier.used > target:
+                evict = i >= self._lowest()
+                victim = self._victim(tier, evict)
+                if victim is None:
+                    break
+                try:
+                    await (self.evict(victim) if evict else self.demote(victim, i))
+                except (TierFull, TierUnavailable) as e:
+                    log.warning("cannot relieve %s tier: %s", tier.name, e)
+                    break
+
+    async def evict(self, obj: Obj) -> None:
+        log.debug("evicting %x (%s)", obj.oid, obj.key)
+        for name in obj.place:
+            self.counters[name].evictions += 1
+        await self.lose(obj)
+
+    async def demote(self, obj: Obj, i: int) -> None:
+        src = self.tiers[i]
+        below = [t for t in self.tiers[i + 1:] if t.available]
+        obj.busy = True
+        try:
+            if not any(t.name in obj.place for t in below):
+                j = self.tiers.index(below[0]) if below else None
+                if j is None:
+                    raise TierFull("no tier to demote to")
+                dst = self.tiers[j]
+                await self.make_room(j, dst.footprint(obj.size))
+                data = await self.read_all(obj)
+                loc = await dst.put(obj.info(), data)
+                del data
+                self.counters[dst.name].bytes_written += obj.size
+                if obj.dead:
+                    await dst.delete(obj.oid, loc)
+                    return
+                obj.place[dst.name] = loc
+                self.lru[dst.name][obj.oid] = None
+            if obj.dead:
+                return
+            loc = obj.place.pop(src.name)
+            self.lru[src.name].pop(obj.oid, None)
+            with self.index.write() as txn:
+                txn.put_object(obj.oid, obj.record())
+            self.counters[src.name].demotions += 1
+            await src.delete(obj.oid, loc)
+        finally:
+            obj.busy = False
+
+    async def promote(self, obj: Obj) -> None:
+        if obj.dead or obj.busy or self.ram.name in obj.place or obj.size > self.ram.capacity * self.low:
+            return
+        obj.busy = True
+        try:
+            data = await self.read_all(obj)
+            if self.ram.free() < obj.size:
+                await self.make_room(0, obj.size)
+            if obj.dead:
+                return
+            obj.place[self.ram.name] = await self.ram.put(obj.info(), data)
+            self.lru[self.ram.name][obj.oid] = None
+            src = self.top_tier_below_ram(obj)
+            self.counters[src].promotions += 1
+            # RAM copies are volatile: the index keeps only durable placements
+        except (TierFull, TierUnavailable, CorruptObject) as e:
+            log.debug("promotion of %x skipped: %s", obj.oid, e)
+        finally:
+            obj.busy = False
+
+    def top_tier_below_ram(self, obj: Obj) -> str:
+        return next((t.name for t in self.tiers[1:] if t.name in obj.place), self.ram.name)
+
+    async def write_down_volatile(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Copy objects whose only copy is in RAM to a durable tier (clean unmount)."""
+        todo = [o for o in self.objs.values() if o.size and set(o.place) == {self.ram.name}]
+        for n, obj in enumerate(todo):
+            try:
+                tier = await self._room_below(0, obj.size)
+                data = await self.read_all(obj)
+                obj.place[tier.name] = await tier.put(obj.info(), data)
+                self.lru[tier.name][obj.oid] = None
+                with self.index.write() as txn:
+                    txn.put_object(obj.oid, obj.record())
+            except (TierFull, TierUnavailable) as e:
+                log.error("could not keep %s across the restart: %s", obj.key or hex(obj.oid), e)
+            if progress:
+                progress(n + 1, len(todo))
+        return len(todo)
+
+    # ---- background ---------------------------------------------------------
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._pressure_loop)
+            nursery.start_soon(self._promote_loop)
+            nursery.start_soon(self._stats_loop)
+            task_status.started()
+
+    async def _pressure_loop(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick = trio.Event()
+            await self.relieve()
+
+    async def _promote_loop(self) -> None:
+        async for obj in self._promote_recv:
+            await self.promote(obj)
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await trio.sleep(5)
+            self.flush_stats()
+            await trio.to_thread.run_sync(self.index.sync)
+
+    def flush_stats(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        if not dirty:
+            return
+        with self.index.write() as txn:
+            for oid in dirty:
+                obj = self.objs.get(oid)
+                if obj is not None and txn.get_object(oid) is not None:
+                    txn.put_object(oid, obj.record())
+
+    def statistics(self) -> dict:
+        out = {}
+        for t in self.tiers:
+            d = {"capacity": t.capacity, "used": t.used, "objects": t.objects, "available": t.available}
+            d.update(self.counters[t.name].as_dict())
+            d.update(t.status())
+            out[t.name] = d
+        out[self.ram.name]["staged"] = self.ram.staged
+        return out

@@ -131,25 +131,22 @@ class ObjectStore:
         """
         size = staging.size
         mm = staging.map()
+        view = memoryview(mm) if mm is not None else memoryview(b"")
         try:
-            view = memoryview(mm) if mm is not None else memoryview(b"")
             whole, sums = await trio.to_thread.run_sync(checksum.summarize, view, self.chunk_size)
             obj = Obj(self.index.new_id(b"oid"), size, whole, self.chunk_size, sums, {}, ino, key, gen,
                       atime=time.time())
-            if size:
-                if not staging.spilled:
-                    view.release()
-                    mm.close()
-                    mm = None
-                    obj.place[self.ram.name] = self.ram.adopt(obj.info(), staging)
-                    self.counters[self.ram.name].bytes_written += size
-                else:
-                    tier = await self._room_below(0, size)
-                    obj.place[tier.name] = await tier.put(obj.info(), view)
-                    self.counters[tier.name].bytes_written += size
+            if size and staging.spilled:
+                tier = await self._room_below(0, size)
+                obj.place[tier.name] = await tier.put(obj.info(), view)
+                self.counters[tier.name].bytes_written += size
         finally:
+            view.release()
             if mm is not None:
                 mm.close()
+        if size and not staging.spilled:
+            obj.place[self.ram.name] = self.ram.adopt(obj.info(), staging)
+            self.counters[self.ram.name].bytes_written += size
         self._adopt(obj)
         self.kick()
         return obj

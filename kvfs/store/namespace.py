@@ -36,6 +36,7 @@ class Namespace:
         self.on_name_removed = lambda parent, name, ino: None   # kernel cache invalidation
         store.on_lost = self._lost
         store.may_evict = self._may_evict
+        store.key_of = lambda obj: self.path_of(obj.ino)
 
     # ---- recovery -----------------------------------------------------------
     def recover(self, lost: list[Obj]) -> tuple[dict[str, int], list[Obj]]:

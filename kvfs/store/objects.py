@@ -94,6 +94,7 @@ class ObjectStore:
         # set by the namespace: drop the object's name and record in this txn
         self.on_lost: Callable[[Txn, Obj], None] = lambda txn, obj: None
         self.may_evict: Callable[[Obj], bool] = lambda obj: True
+        self.key_of: Callable[[Obj], str] = lambda obj: obj.key    # current path, for records
         self._chunks: collections.OrderedDict[tuple[int, int], bytes] = collections.OrderedDict()
         self._inflight: dict[tuple[int, int], trio.Event] = {}
         self._dirty: set[int] = set()
@@ -392,6 +393,7 @@ class ObjectStore:
                     raise TierFull("no tier to demote to")
                 dst = self.tiers[j]
                 await self.make_room(j, dst.footprint(obj.size))
+                obj.key = self.key_of(obj)
                 data = await self.read_all(obj)
                 loc = await dst.put(obj.info(), data)
                 del data
@@ -441,6 +443,7 @@ class ObjectStore:
         for n, obj in enumerate(todo):
             try:
                 tier = await self._room_below(0, obj.size)
+                obj.key = self.key_of(obj)
                 data = await self.read_all(obj)
                 obj.place[tier.name] = await tier.put(obj.info(), data)
                 self.lru[tier.name][obj.oid] = None

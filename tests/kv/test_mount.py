@@ -1,0 +1,170 @@
+"""The KV layer on a real kvfs mount: the acceptance scenario, one-call lookup, fast path,
+xattrs from block headers, persistence, and prefix-aware eviction under pressure."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import xxhash  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+import kvfs  # noqa: E402
+from kvfs.kv.format import parse_block_header  # noqa: E402
+from kvfs.kv.tree import tree_document  # noqa: E402
+
+pytestmark = [pytest.mark.mount, pytest.mark.torch]
+REPO = Path(__file__).resolve().parents[2]
+SMALL = kvfs.KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, block_tokens=16)
+# 256 KiB payload per block: pressure with few files
+BIG = kvfs.KVLayout(num_layers=8, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, block_tokens=16)
+
+
+def _kv(layout, tokens, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(layout.block_shape(tokens), generator=g).to(layout.torch_dtype)
+
+
+def _tokens(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128000, (n,), generator=g).tolist()
+
+
+def test_acceptance_shared_prefix(kvfs_mount):
+    m = kvfs_mount()
+    cache = kvfs.KVCache(m.path, model="meta-llama/Llama-3.1-8B", layout=SMALL)
+    assert cache.one_call_lookup
+    prefix = _tokens(1000, 0)
+    prompts = [prefix + _tokens(200 + 37 * i, 10 + i) for i in range(3)]
+    kvs = [_kv(SMALL, len(p), 20 + i) for i, p in enumerate(prompts)]
+    for p, kv in zip(prompts, kvs):
+        cache.save(p, kv)
+    cache.flush()
+    assert cache.save_statistics().written == 62 + 3 * 0 + sum((len(p) // 16) - 62 for p in prompts)
+    fourth = prefix + _tokens(300, 99)
+    assert cache.lookup(fourth) == 992                     # 1000 rounded down to whole blocks
+    for p, kv in zip(prompts, kvs):
+        n = cache.lookup(p)
+        assert n == (len(p) // 16) * 16
+        got = cache.load(p[:n])
+        # the shared prefix holds the first writer's KV; each tail its own
+        assert torch.equal(got[:, :, :992], kvs[0][:, :, :992])
+        assert torch.equal(got[:, :, 992:], kv[:, :, 992:n])
+    assert set(cache.last_load.sources) <= {"ram", "nvme", "mount"}
+    for path in cache.block_paths(fourth)[:62:20]:
+        with safe_open(path, "pt") as f:
+            assert f.metadata()["format"] == "kvfs-block-v1"
+            assert tuple(f.get_tensor("kv").shape) == SMALL.block_shape()
+        with open(path, "rb") as f:
+            assert parse_block_header(f.read(4096))["data_offset"] % 4096 == 0
+    # another process (another hash seed) finds the same blocks on the mount
+    code = ("import kvfs, json, sys, torch\n"
+            "lay = kvfs.KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)\n"
+            f"c = kvfs.KVCache({str(m.path)!r}, model='meta-llama/Llama-3.1-8B', layout=lay)\n"
+            "print(c.lookup(json.loads(sys.stdin.read()))); c.close()\n")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(fourth), capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONHASHSEED="7", PYTHONPATH=str(REPO)), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == 992
+    cache.close()
+
+
+def test_lookup_chain_of_1000_blocks_in_one_call(kvfs_mount):
+    m = kvfs_mount()
+    lay = kvfs.KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
+    cache = kvfs.KVCache(m.path, model="tiny", layout=lay)
+    toks = _tokens(16000, 1)
+    cache.save(toks, torch.zeros(lay.block_shape(16000), dtype=torch.float16), wait=True)
+    assert cache.lookup(toks) == 16000
+    assert cache.lookup(toks + [5] * 40) == 16000
+    paths = cache.block_paths(toks)
+    n, tiers = cache._lookup.tiers(paths)
+    assert n == 1000 and len(tiers) >= 1
+    os.unlink(paths[700])
+    assert cache.lookup(toks) == 700 * 16
+    cache.close()
+
+
+def test_fast_path_lease_ram_and_nvme(kvfs_mount):
+    m = kvfs_mount(ram="4MiB", nvme_size="256MiB")
+    cache = kvfs.KVCache(m.path, model="m", layout=BIG)
+    toks = _tokens(16 * 40, 2)                    # 40 blocks x 260 KiB: most demote to NVMe
+    kv = _kv(BIG, len(toks), 3)
+    cache.save(toks, kv, wait=True)
+    tiers = {os.getxattr(p, "user.kvfs.tier").decode() for p in cache.block_paths(toks)}
+    assert "nvme" in tiers
+    got = cache.load(toks)
+    assert torch.equal(got, kv)
+    assert cache.last_load.sources.get("nvme", 0) >= 1, cache.last_load
+    # the backing location the daemon hands out matches the file's bytes
+    p = cache.block_paths(toks)[0]
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        b = json.loads(os.getxattr(fd, "user.kvfs.backing"))
+        with open(p, "rb") as f:
+            data = f.read()
+        assert b["size"] == len(data) and b["checksum"] == f"{xxhash.xxh3_64_intdigest(data):016x}"
+        assert os.getxattr(p, "user.kvfs.checksum").decode() == b["checksum"]
+    finally:
+        os.close(fd)
+    out = torch.empty_like(kv)
+    assert list(cache.load_layers(toks, out)) == list(range(BIG.num_layers)) and torch.equal(out, kv)
+    cache.close()
+
+
+def test_block_xattrs_and_tree(kvfs_mount):
+    m = kvfs_mount()
+    cache = kvfs.KVCache(m.path, model="m", layout=SMALL)
+    shared = _tokens(64, 4)
+    for i in range(3):
+        cache.save(shared + _tokens(32, 5 + i), _kv(SMALL, 96, i))
+    cache.flush()
+    paths = cache.block_paths(shared + _tokens(32, 5))
+    hashes = cache.block_hashes(shared + _tokens(32, 5))
+    assert os.getxattr(paths[0], "user.kvfs.tokens").decode() == "16"
+    assert os.getxattr(paths[0], "user.kvfs.parent").decode() == ""
+    assert os.getxattr(paths[3], "user.kvfs.tokens").decode() == "64"
+    assert os.getxattr(paths[3], "user.kvfs.parent").decode() == hashes[2]
+    cache.load(shared)
+    doc = tree_document(cache.ns_dir)
+    assert doc["blocks"] == 4 + 3 * 2 and len(doc["roots"]) == 1
+    root = doc["roots"][0]
+    assert [b["tokens"] for b in root["blocks"]] == [16, 32, 48, 64]
+    assert len(root["children"]) == 3 and all(len(c["blocks"]) == 2 for c in root["children"])
+    assert all(b["tier"] in ("ram", "nvme") for b in root["blocks"]) and root["blocks"][0]["hits"] >= 1
+    cache.close()
+
+
+def test_blocks_survive_remount(kvfs_mount):
+    m = kvfs_mount()
+    toks = _tokens(160, 6)
+    kv = _kv(SMALL, 160, 7)
+    with kvfs.KVCache(m.path, model="m", layout=SMALL) as cache:
+        cache.save(toks, kv, wait=True)
+    m.remount()
+    with kvfs.KVCache(m.path, model="m", layout=SMALL) as cache:
+        assert cache.lookup(toks) == 160
+        assert torch.equal(cache.load(toks), kv)
+
+
+def test_pressure_keeps_shared_heads_and_drops_tails(kvfs_mount):
+    """Chains lose their tails, never their heads: the shared prefix outlives the tails."""
+    m = kvfs_mount(ram="4MiB", nvme_size="24MiB")
+    cache = kvfs.KVCache(m.path, model="m", layout=BIG)
+    head = _tokens(16 * 8, 8)                     # 8 shared blocks
+    prompts = [head + _tokens(16 * 8, 100 + i) for i in range(24)]   # 8 + 24*8 blocks ~ 52 MiB
+    for i, p in enumerate(prompts):
+        cache.save(p, _kv(BIG, len(p), i), wait=True)
+    assert cache.lookup(head) == len(head), "the shared head was evicted"
+    for p in prompts:
+        cached = [os.path.exists(q) for q in cache.block_paths(p)]
+        k = cached.index(False) if False in cached else len(cached)
+        assert not any(cached[k:]), f"a chain lost a middle block but kept its tail: {cached}"
+    alive_tails = sum(cache.lookup(p) > len(head) for p in prompts)
+    assert alive_tails < len(prompts), "nothing was evicted: the test applied no pressure"
+    cache.close()

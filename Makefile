@@ -61,7 +61,7 @@ run: setup
 	$(PY) -m kvfs.demo $(DEMO_MNT)
 	$(KVFS) stat $(DEMO_MNT)
 	@echo
-	@echo "kvfs is still mounted at $(DEMO_MNT): try  ls -l $(DEMO_MNT)/demo  or  $(KVFS) ls $(DEMO_MNT)/demo"
+	@echo "kvfs is still mounted at $(DEMO_MNT): try  ls -lR $(DEMO_MNT)/demo  or  $(KVFS) ls -R $(DEMO_MNT)/demo"
 	@echo "unmount with:  $(KVFS) umount $(DEMO_MNT)   (or: make demo-umount)"
 
 demo-umount:

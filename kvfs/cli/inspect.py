@@ -20,9 +20,9 @@ TIER_ORDER = ("ram", "nvme", "remote")
 _COLUMNS = [  # (key, header, formatter)
     ("capacity", "capacity", human), ("used", "used", human), ("objects", "objects", str),
     ("hits", "hits", str), ("misses", "misses", str),
-    ("bytes_read", "read", human), ("bytes_written", "written", human),
-    ("demotions", "demoted", str), ("promotions", "promoted", str),
-    ("evictions", "evicted", str), ("checksum_failures", "csum fail", str),
+    ("bytes_read", "bytes read", human), ("bytes_written", "bytes written", human),
+    ("demotions", "demotions", str), ("promotions", "promotions", str),
+    ("evictions", "evictions", str), ("checksum_failures", "checksum failures", str),
 ]
 
 
@@ -42,19 +42,23 @@ def stat_cmd(mountpoint, as_json):
     tiers = data.get("tiers") or {}
     names = [t for t in TIER_ORDER if t in tiers] + [t for t in tiers if t not in TIER_ORDER]
     table = Table(title=f"kvfs {data.get('mountpoint', mountpoint)}  (pid {data.get('pid', '?')})")
-    table.add_column("tier", style="bold")
-    for _, header, _ in _COLUMNS:
-        table.add_column(header, justify="right")
+    table.add_column("", style="bold")
     for name in names:
         t = tiers[name] or {}
-        row = [_fmt(fn, t.get(key)) for key, _, fn in _COLUMNS]
-        if t.get("capacity") and t.get("used") is not None:
-            row[1] += f" ({100 * t['used'] / t['capacity']:.0f}%)"
-        if t.get("available") is False:
-            name = f"{name} [red](unavailable)[/red]"
-        table.add_row(name, *row)
+        down = " [red](unavailable)[/red]" if t.get("available") is False else ""
+        table.add_column(name + down, justify="right")
+    for key, header, fn in _COLUMNS:
+        row = []
+        for name in names:
+            t = tiers[name] or {}
+            cell = _fmt(fn, t.get(key))
+            if key == "used" and t.get("capacity") and t.get("used") is not None:
+                cell += f" ({100 * t['used'] / t['capacity']:.0f}%)"
+            row.append(cell)
+        table.add_row(header, *row)
     stdout.print(table)
-    extras = {k: v for k, v in data.items() if k not in ("tiers", "pid", "mountpoint")
+    extras = {k: v for k, v in data.items()
+              if k not in ("tiers", "pid", "mountpoint", "time", "started")
               and not isinstance(v, (dict, list))}
     for k in sorted(extras):
         stdout.print(f"{k}: {extras[k]}")
@@ -97,41 +101,63 @@ def describe(path: str, name: str) -> dict:
 def _ago(ts: float | None) -> str:
     if ts is None:
         return "-"
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    fmt = "%H:%M:%S" if time.time() - ts < 86400 else "%Y-%m-%d %H:%M"
+    stamp = time.strftime(fmt, time.localtime(ts))
     dt = time.time() - ts
     rel = f"{dt:.0f}s" if dt < 120 else f"{dt / 60:.0f}m" if dt < 7200 else f"{dt / 3600:.0f}h"
     return f"{stamp} ({rel} ago)"
 
 
+def _rows(p: Path, recursive: bool) -> list[dict]:
+    if not (p.is_dir() and not p.is_symlink()):
+        return [describe(str(p), p.name) | {"path": str(p)}]
+    rows = []
+    is_root = os.path.ismount(p)
+    for n in sorted(os.listdir(p)):
+        if is_root and n == ".kvfs":
+            continue
+        row = describe(str(p / n), n) | {"path": str(p / n)}
+        rows.append(row)
+        if recursive and row["type"] == "dir":
+            for sub in _rows(p / n, True):
+                rows.append(sub | {"name": f"{n}/{sub['name']}"})
+    return rows
+
+
 @click.command("ls")
-@click.argument("path", required=False, default=".", type=click.Path())
+@click.argument("paths", nargs=-1, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="JSON output.")
+@click.option("--recursive", "-R", is_flag=True, help="List directories recursively.")
 @click.option("--tree", "namespace", metavar="NAMESPACE", default=None,
               help="Show a KV namespace directory as a prefix tree.")
-def ls_cmd(path, as_json, namespace):
-    """List PATH with size, tier, hits, last access and pin state of each file."""
+def ls_cmd(paths, as_json, recursive, namespace):
+    """List PATHs (default .) with size, tier, hits, last access and pin state of each file."""
     if namespace is not None:
         _tree(namespace, as_json)
         return
-    p = Path(path)
-    try:
-        if p.is_dir() and not p.is_symlink():
-            is_root = os.path.ismount(p)
-            names = sorted(n for n in os.listdir(p) if not (is_root and n == ".kvfs"))
-            rows = [describe(str(p / n), n) for n in names]
-        else:
-            rows = [describe(str(p), p.name)]
-    except FileNotFoundError:
-        raise fail(f"no such file or directory: {path}") from None
-    except OSError as e:
-        raise fail(f"cannot list {path}: {e.strerror}") from None
+    groups: list[tuple[str, list[dict]]] = []
+    for path in paths or (".",):
+        try:
+            groups.append((path, _rows(Path(path), recursive)))
+        except FileNotFoundError:
+            raise fail(f"no such file or directory: {path}") from None
+        except OSError as e:
+            raise fail(f"cannot list {path}: {e.strerror}") from None
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        click.echo(json.dumps([r for _, rows in groups for r in rows], indent=2))
         return
+    for i, (path, rows) in enumerate(groups):
+        if len(groups) > 1:
+            stdout.print(("\n" if i else "") + f"[bold]{path}:[/]")
+        stdout.print(_table(rows))
+
+
+def _table(rows: list[dict]) -> Table:
     table = Table(box=None, pad_edge=False)
     for col, just in (("name", "left"), ("size", "right"), ("tier", "left"), ("hits", "right"),
                       ("last access", "left"), ("pinned", "left")):
-        table.add_column(col, justify=just)
+        table.add_column(col, justify=just, overflow="fold" if col == "name" else "ellipsis",
+                         no_wrap=col != "name")
     for r in rows:
         if r["type"] == "dir":
             table.add_row(f"[bold blue]{r['name']}/[/]", "-", "dir", "", "", "")
@@ -142,7 +168,7 @@ def ls_cmd(path, as_json, namespace):
             table.add_row(r["name"], human(r["size"]), r.get("tier") or "-",
                           "-" if r.get("hits") is None else str(r["hits"]), _ago(r.get("atime")),
                           pinned)
-    stdout.print(table)
+    return table
 
 
 def _tree(namespace: str, as_json: bool) -> None:

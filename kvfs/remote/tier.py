@@ -96,11 +96,11 @@ class RemoteTier(Tier):
             sb = L.Superblock.unpack(raw)
         except ValueError as e:
             if not self.format:
-                self._refuse(f"remote volume {self.describe}: {e}; pass --remote-format to format it")
+                self._refuse(f"remote volume {self.describe}: {e}; pass --format-remote to format it")
             sb = None
         if sb is not None and sb.owner != self.instance_id and not self.format:
             self._refuse(f"remote volume {self.describe} belongs to kvfs instance {sb.owner!r} "
-                         f"(this is {self.instance_id!r}); pass --remote-format to take it over")
+                         f"(this is {self.instance_id!r}); pass --format-remote to take it over")
         if self.sb is not None:                       # reconnect: must be the same volume
             if sb is None or sb.volume_uuid != self.sb.volume_uuid:
                 raise TierUnavailable(f"remote volume {self.describe} changed while disconnected")
@@ -168,7 +168,7 @@ class RemoteTier(Tier):
             alloc = ExtentAllocator.from_used(sb.data_start, sb.data_units, used)
         except ValueError as ex:
             raise ConfigError(f"remote volume {self.describe}: allocation table is inconsistent ({ex}); "
-                              f"run fsck or pass --remote-format") from None
+                              f"run fsck or pass --format-remote") from None
         self._table, self.entries, self._alloc = table, entries, alloc
         self._slots = SlotAllocator(sb.slots, set(entries))
         self.capacity = sb.data_units * sb.unit

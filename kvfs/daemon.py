@@ -119,6 +119,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         if cfg.allow_other:
             options.update(("allow_other", "default_permissions"))
         pyfuse3.init(ops, mountpoint, options)
+        ops.mounted = True
         unmounted = False
         try:
             _set_read_ahead(mountpoint)
@@ -135,6 +136,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 unmounted = True
                 nursery.cancel_scope.cancel()
         finally:
+            ops.mounted = False
             pyfuse3.close(unmount=not unmounted)
         log.info("unmounted; writing down")
         store.flush_stats()

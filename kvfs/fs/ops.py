@@ -49,17 +49,22 @@ class KvfsOperations(pyfuse3.Operations):
         self.control = control.Control(cache, describe)
         self._ctl: dict[int, control.ControlHandle] = {}
         self._next_ctl = 1 << 62
+        self.mounted = False          # kernel notifications only while a session exists
         cache.ns.on_name_removed = self._name_removed
         cache.on_content_changed = self._content_changed
 
     # kernel cache coherence: names the store removed on its own (eviction, corruption)
     def _name_removed(self, parent: int, name: bytes, ino: int) -> None:
+        if not self.mounted:
+            return
         try:
             pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
         except Exception as e:     # not mounted (handler tests) or an old kernel
             log.debug("invalidate_entry_async failed: %s", e)
 
     def _content_changed(self, ino: int) -> None:
+        if not self.mounted:
+            return
         trio.lowlevel.spawn_system_task(self._invalidate, ino)
 
     async def _invalidate(self, ino: int) -> None:

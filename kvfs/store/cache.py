@@ -334,8 +334,7 @@ class Cache:
             staging.discard()
         kvrec = None
         if kv:
-            kvrec = {"namespace": str(kv.get("kvfs.namespace", "")), "hash": str(kv.get("kvfs.hash", "")),
-                     "parent": str(kv.get("kvfs.parent", "")), "tokens": str(kv.get("kvfs.tokens", ""))}
+            kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")}
         old, installed = self.ns.install(ws.ino, obj, kvrec)
         ws.dirty = False
         if old is not None:

@@ -201,3 +201,11 @@ def kvfs_mount(tmp_path):
 def kvfs_cli():
     """Run the kvfs CLI: ``kvfs_cli("stat", path, "--json")`` -> CompletedProcess."""
     return run_kvfs
+
+
+# Fixtures of the real nvmet-tcp target (tests/target) and the store test kit
+# (tests/store/storekit.py), shared by every directory below. One conftest only:
+# test modules import helpers from it by name (``from conftest import ...``).
+sys.path.insert(0, str(REPO / "tests" / "target"))
+sys.path.insert(0, str(REPO / "tests" / "store"))
+from nvmet_fixtures import fresh_target, nvmet_target, remote_tier, remote_url  # noqa: E402,F401

@@ -62,6 +62,15 @@ class PinnedRegistration:
             self.ptr = 0
 
 
+_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _as_numpy(t):
+    """A numpy view of a CPU tensor's bytes (any dtype, strides kept)."""
+    torch = _torch()
+    return t.view(getattr(torch, _INT_OF_SIZE[t.element_size()])).numpy()
+
+
 class DeviceCopier:
     """Copies host staging tensors into a destination tensor, overlapped on a CUDA stream.
 
@@ -78,7 +87,13 @@ class DeviceCopier:
 
     def copy(self, dst, src, *, pinned: bool = False):
         if not self.cuda:
-            dst.copy_(src)
+            if dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype:
+                # numpy copies on this thread without the GIL; torch's intra-op threads would
+                # spin on the cores the reader threads and the kvfs daemon need
+                import numpy as np
+                np.copyto(_as_numpy(dst), _as_numpy(src))
+            else:
+                dst.copy_(src)
             return None
         torch = _torch()
         with torch.cuda.stream(self.stream):

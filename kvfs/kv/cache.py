@@ -61,7 +61,7 @@ class KVCache:
     def __init__(self, root: str | os.PathLike, model: str, layout: KVLayout, cache_salt: str | None = None, *,
                  lora_name: str | None = None, hash_algo: str = "sha256_cbor", save_timeout: float | None = 1.0,
                  max_pending_saves: int = 64, store_token_ids: bool = True, fast_path: bool = True,
-                 verify: bool = True, readers: int = 2, staging: int = 4):
+                 verify: bool = True, readers: int = 4, staging: int = 8):
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a kvfs.KVLayout, got {type(layout).__name__}")
         self.root = os.fspath(root)

@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -70,6 +71,11 @@ def as_token_list(token_ids) -> list[int]:
     if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
         raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
     out = list(token_ids)
+    if all(type(t) is int for t in out):             # the common case, checked fast
+        if out and (min(out) < 0 or max(out) > _MAX_TOKEN):
+            bad = min(out) if min(out) < 0 else max(out)
+            raise ValueError(f"token id {bad} out of range [0, 2**63)")
+        return out
     for t in out:
         if not isinstance(t, int) or isinstance(t, bool):
             try:
@@ -107,7 +113,7 @@ class PrefixHasher:
     """Hashes token prefixes block by block for one namespace's hashing parameters."""
 
     def __init__(self, block_tokens: int, algo: str = "sha256_cbor", *, cache_salt: str | None = None,
-                 lora_name: str | None = None):
+                 lora_name: str | None = None, memo_size: int = 65536):
         if not isinstance(block_tokens, int) or block_tokens <= 0:
             raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -116,6 +122,10 @@ class PrefixHasher:
         self.algo = canonical_algo(algo)
         self.cache_salt = cache_salt
         self.lora_name = lora_name
+        # (parent, block tokens) -> hash, for chains without multimodal inputs: prompts that
+        # share a prefix (and lookup/save/load of one prompt) hash it once
+        self._memo: collections.OrderedDict = collections.OrderedDict()
+        self.memo_size = memo_size
 
     def hashes(self, token_ids, *, mm_inputs: Sequence[MMInput] = (), start: int = 0,
                parent: bytes | None = None) -> list[bytes]:
@@ -133,10 +143,24 @@ class PrefixHasher:
             raise ValueError("continuing a chain from start > 0 needs the parent hash")
         b = self.block_tokens
         out: list[bytes] = []
+        memo = self._memo if not mm and self.memo_size else None
         for i in range(start, len(tokens) // b):
+            block = tokens[i * b:(i + 1) * b]
+            if memo is not None:
+                key = (parent, tuple(block))
+                h = memo.get(key)
+                if h is not None:
+                    memo.move_to_end(key)
+                    parent = h
+                    out.append(h)
+                    continue
             extra = block_extra_keys(i, b, cache_salt=self.cache_salt, lora_name=self.lora_name, mm_inputs=mm)
-            parent = hash_block(self.algo, parent, tokens[i * b:(i + 1) * b], extra)
+            parent = hash_block(self.algo, parent, block, extra)
             out.append(parent)
+            if memo is not None:
+                memo[key] = parent
+                if len(memo) > self.memo_size:
+                    memo.popitem(last=False)
         return out
 
     def hex_hashes(self, token_ids, **kw) -> list[str]:

@@ -78,7 +78,7 @@ class Loader:
     """Reads blocks of one layout into tensors. Not for concurrent use by several threads."""
 
     def __init__(self, layout: KVLayout, *, fast_path: bool = True, verify: bool = True,
-                 readers: int = 2, staging: int = 4):
+                 readers: int = 4, staging: int = 8):
         if readers < 1 or staging < 2:
             raise ValueError("need readers >= 1 and staging >= 2")
         self.layout = layout
@@ -192,7 +192,7 @@ class Loader:
         if not plans:
             return
         copier = gpu.DeviceCopier(out.device)
-        n, lb, B = len(plans), lay.layer_bytes, lay.block_tokens
+        n, lb = len(plans), lay.layer_bytes
         with self._lock:
             opened = list(self._pool.map(self._open_checked, plans))
             try:

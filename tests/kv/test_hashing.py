@@ -112,3 +112,16 @@ def test_bad_input_is_rejected_clearly():
         PrefixHasher(16).hashes(list(range(64)), start=2)
     with pytest.raises(ValueError, match="offset"):
         MMInput("x", -1, 3)
+
+
+def test_memo_gives_the_same_hashes_as_fresh_hashing():
+    toks = list(range(200))
+    warm = PrefixHasher(16, cache_salt="s")
+    first = warm.hashes(toks)
+    assert warm.hashes(toks) == first == PrefixHasher(16, cache_salt="s", memo_size=0).hashes(toks)
+    tiny = PrefixHasher(16, memo_size=3)
+    assert tiny.hashes(toks) == PrefixHasher(16).hashes(toks) and len(tiny._memo) == 3
+    # a block's memo entry is keyed by its parent: the same tokens after another prefix differ
+    a = warm.hashes([1] * 16 + [2] * 16)
+    b = warm.hashes([3] * 16 + [2] * 16)
+    assert a[1] != b[1]

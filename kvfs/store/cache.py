@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 KV_PREFIX = b"user.kvfs."
 XATTR_MAX = 64 * 1024
-_HEADER_PEEK = 64 * 1024
+_HEADER_PEEK = 1 << 20      # the largest block header we parse
 
 
 @dataclasses.dataclass(eq=False)
@@ -312,6 +312,17 @@ class Cache:
                 await self.store.release_space(ws.base)
                 ws.base = None
 
+    async def _peek_block_header(self, staging: Staging) -> dict | None:
+        """The kvfs block header of the buffer, if it is one (by content, not by name:
+        runtimes write blocks under temporary names and rename them)."""
+        if staging.size < 16:
+            return None
+        first = await staging.read(0, 8)
+        n = int.from_bytes(first, "little") + 8
+        if n > min(staging.size, _HEADER_PEEK) or not (await staging.read(8, 1)) == b"{":
+            return None
+        return _kv_header(await staging.read(0, n))
+
     async def _seal(self, ws: WriteState) -> None:
         staging = ws.staging
         if staging is None:
@@ -320,9 +331,7 @@ class Cache:
         if rec is None:                      # unlinked while open: nothing to keep
             ws.dirty = False
             return
-        kv = None
-        if rec["name"].endswith(b".kv") and staging.size >= 8:
-            kv = _kv_header(await staging.read(0, _HEADER_PEEK))
+        kv = await self._peek_block_header(staging)
         key = self.ns.path_of(ws.ino)
         ws.staging = None
         try:

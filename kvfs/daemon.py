@@ -159,9 +159,18 @@ async def _on_signals() -> None:
             return
 
 
+def _raise_fd_limit() -> None:
+    """Each RAM-tier object is a tmpfs mapping, and Python's mmap keeps a descriptor."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def main(cfg: Config, ready_fd: int | None = None) -> int:
     ready = _Ready(ready_fd)
     try:
+        _raise_fd_limit()
         cfg.validate()
         if not os.path.exists("/dev/fuse"):
             raise ConfigError("/dev/fuse is missing: load the fuse module or run the container with --device /dev/fuse")

@@ -21,6 +21,8 @@ from kvfs.store.tier import ObjectInfo, Tier
 
 log = logging.getLogger(__name__)
 
+MAPPED_MIN = 1 << 20      # objects at least this big stay tmpfs files (mapped; fast path)
+
 
 class RamTier(Tier):
     name = "ram"
@@ -47,8 +49,14 @@ class RamTier(Tier):
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _install(self, oid: int, fd: int, size: int) -> None:
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        self._maps[oid] = (mm, size)
+        if size < MAPPED_MIN:
+            # small objects live in the daemon's memory: Python's mmap keeps a descriptor
+            # per mapping, and 100k small files would exhaust the descriptor limit
+            buf = os.pread(fd, size, 0)
+            os.unlink(self._path(oid))
+            self._maps[oid] = (buf, size)
+        else:
+            self._maps[oid] = (mmap.mmap(fd, size, prot=mmap.PROT_READ), size)
         self.objects += 1
 
     async def put(self, info: ObjectInfo, data: memoryview) -> bytes:
@@ -112,7 +120,8 @@ class RamTier(Tier):
             yield oid, b"", size
 
     def backing(self, oid: int, loc: bytes) -> dict | None:
-        if oid not in self._maps:
+        entry = self._maps.get(oid)
+        if entry is None or not isinstance(entry[0], mmap.mmap):
             return None
         return {"path": str(self._path(oid)), "offset": 0, "direct": False}
 

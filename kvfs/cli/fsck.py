@@ -30,6 +30,9 @@ def fsck_cmd(config_file, nvme, state, remote, repair, rebuild_remote):
         from kvfs.store.fsck import run_fsck
     except Exception as e:  # noqa: BLE001 - an unusable fsck module is reported, not raised
         raise fail(f"fsck is unavailable: {e}") from None
+    if logging.getLogger().level > logging.DEBUG:
+        # fsck logs each problem as a warning; here they are printed once, below
+        logging.getLogger("kvfs.store").setLevel(logging.ERROR)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=stderr, transient=True)
     with progress:

@@ -1,0 +1,59 @@
+"""``kvfs fsck`` through the CLI on the state a real mount left behind."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import wait_for
+from test_cli import assert_one_line_error
+
+pytestmark = pytest.mark.mount
+
+
+def fill(m, n=12, size=4 << 20):
+    for i in range(n):
+        p = m.path / f"d{i % 3}" / f"{i:02d}.bin"
+        p.parent.mkdir(exist_ok=True)
+        p.write_bytes(bytes([i + 1]) * size)
+    wait_for(lambda: any(os.getxattr(m.path / f"d{i % 3}" / f"{i:02d}.bin", "user.kvfs.tier")
+                         == b"nvme" for i in range(n)), 120, "a file on nvme")
+
+
+def nvme_objects(m):
+    return sorted(p for p in (m.nvme / "objects").rglob("*") if p.is_file())
+
+
+def test_fsck_clean_then_corrupt_then_repair(kvfs_mount, kvfs_cli):
+    m = kvfs_mount(ram="32MiB")
+    fill(m)
+    m.umount()
+    args = ("fsck", "--nvme", m.nvme, "--state", m.state)
+
+    res = kvfs_cli(*args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "clean" in res.stdout
+
+    victim = nvme_objects(m)[0]
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    res = kvfs_cli(*args)
+    assert res.returncode == 1
+    assert "problem:" in res.stdout and "--repair" in res.stderr
+    assert "Traceback" not in res.stderr
+
+    res = kvfs_cli(*args, "--repair")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "repaired" in res.stdout
+    res = kvfs_cli(*args)
+    assert res.returncode == 0 and "clean" in res.stdout, res.stdout + res.stderr
+
+
+def test_fsck_refuses_a_mounted_state(kvfs_mount, kvfs_cli):
+    m = kvfs_mount()
+    res = kvfs_cli("fsck", "--nvme", m.nvme, "--state", m.state)
+    assert_one_line_error(res, "in use")
+    assert m.stats()["pid"] == m.pid

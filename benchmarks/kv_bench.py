@@ -230,13 +230,13 @@ def bench_hf(mount: Mounted, prompt_tokens: int, runs: int) -> dict:
     model = random_llama(layers=8, hidden=1024, heads=16, kv_heads=4, intermediate=2816, vocab=32000)
     cache = kvfs.KVCache(mount.path, "random-llama-8x1024", layout_for(model.config))
     lm = PrefixCachedLM(model, cache)
-    first = tokens(prompt_tokens, 6)
+    first = [t % 32000 for t in tokens(prompt_tokens, 6)]
     shared = prompt_tokens - 48
     t0 = time.perf_counter()
     lm.prefill(first)               # computes everything and saves it
     t_first = time.perf_counter() - t0
     cache.flush()
-    second = first[:shared] + tokens(48, 7)
+    second = first[:shared] + [t % 32000 for t in tokens(48, 7)]
     with torch.no_grad():
         ids = torch.tensor([second])
         t_recompute = median_time(lambda: model(input_ids=ids, use_cache=True), max(1, runs // 2), warmup=0)

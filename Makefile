@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.kvfs-setup-stamp
 TORCH_PIN := torch==2.13.0
 APT_PKGS  := fuse3 libfuse3-dev pkg-config qemu-system-x86 busybox-static attr
 # Extra pip requirements of the KV layer (exact pins), installed after torch.
-EXTRA_PIP ?=
+EXTRA_PIP ?= transformers==5.23.0
 
 DEMO_MNT  := $(CURDIR)/mnt
 DEMO_DIR  := $(CURDIR)/.kvfs-demo

@@ -1,0 +1,84 @@
+"""Helpers shared by the real-mount tests in tests/mount (content derived from seeds, polling)."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+from conftest import pid_alive, run_kvfs, wait_for  # noqa: E402,F401
+
+MiB = 1 << 20
+
+
+def content(seed: str, size: int) -> bytes:
+    """Deterministic bytes of ``size`` derived from ``seed``."""
+    return random.Random(seed).randbytes(size)
+
+
+def put(path: Path, data: bytes) -> None:
+    """The runtime pattern: write ``name.tmp`` then ``os.replace`` over the final name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def read(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def xattr(path, name: str) -> str:
+    return os.getxattr(path, name).decode()
+
+
+def errno_of(fn, *args, **kwargs) -> int | None:
+    """Run ``fn``; return the errno of the OSError it raised, or None if it succeeded."""
+    try:
+        fn(*args, **kwargs)
+    except OSError as e:
+        return e.errno
+    return None
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+AT_FDCWD = -100
+RENAME_NOREPLACE = 1
+
+
+def renameat2(old, new, flags: int) -> None:
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 not in libc")
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    rc = fn(AT_FDCWD, os.fsencode(old), AT_FDCWD, os.fsencode(new), flags)
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def stats_json(mount) -> dict:
+    res = run_kvfs("stat", mount.path, "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def tier_total(st: dict, key: str) -> int:
+    return sum(t.get(key, 0) for t in st["tiers"].values())
+
+
+def open_mount(root: Path, *extra_args, ram="64MiB", nvme_size="1GiB", **options):
+    """A mount outside the function-scoped ``kvfs_mount`` fixture (caller calls ``cleanup``)."""
+    from conftest import Mount
+    root.mkdir(parents=True, exist_ok=True)
+    return Mount(root, extra_args, {"ram": ram, "nvme_size": nvme_size, **options}).mount()

@@ -50,6 +50,12 @@ class KvfsOperations(pyfuse3.Operations):
         self._ctl: dict[int, control.ControlHandle] = {}
         self._next_ctl = 1 << 62
         self.mounted = False          # kernel notifications only while a session exists
+        # The kernel keeps one page cache per inode, but an inode can have several versions
+        # open at once (an old reader, a writer). Track what the cached pages hold and which
+        # versions are open, so no handle is served another version's pages.
+        self._page_key: dict[int, tuple] = {}
+        self._open_keys: dict[int, dict[tuple, int]] = {}
+        self._fh_key: dict[int, tuple[int, tuple]] = {}
         cache.ns.on_name_removed = self._name_removed
         cache.on_content_changed = self._content_changed
 
@@ -63,6 +69,7 @@ class KvfsOperations(pyfuse3.Operations):
             log.debug("invalidate_entry_async failed: %s", e)
 
     def _content_changed(self, ino: int) -> None:
+        self._page_key.pop(ino, None)
         if not self.mounted:
             return
         trio.lowlevel.spawn_system_task(self._invalidate, ino)
@@ -188,14 +195,40 @@ class KvfsOperations(pyfuse3.Operations):
             self._ctl[fh] = self.control.open(inode, flags)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
         fh = await self.cache.open(inode, flags)
-        # sealed objects never change: the page cache may keep them across opens
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        return self._file_info(fh, inode)
+
+    def _file_info(self, fh: int, ino: int) -> pyfuse3.FileInfo:
+        """keep_cache when the cached pages hold this handle's version (sealed objects never
+        change); direct_io while another version of the inode is open (mmap then gives ENODEV)."""
+        key = self.cache.handles[fh].content_key()
+        keys = self._open_keys.setdefault(ino, {})
+        others = any(k != key for k in keys)
+        keys[key] = keys.get(key, 0) + 1
+        self._fh_key[fh] = (ino, key)
+        if others:
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        keep = self._page_key.get(ino) == key
+        self._page_key[ino] = key
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+
+    def _closed(self, fh: int) -> None:
+        ino, key = self._fh_key.pop(fh, (None, None))
+        if ino is None:
+            return
+        keys = self._open_keys.get(ino, {})
+        n = keys.get(key, 1) - 1
+        if n:
+            keys[key] = n
+        else:
+            keys.pop(key, None)
+        if not keys:
+            self._open_keys.pop(ino, None)
 
     @translate
     async def create(self, parent_inode, name, mode, flags, ctx):
         self._parent_ok(parent_inode)
         fh, ino, rec = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True), _entry(ino, rec)
+        return self._file_info(fh, ino), _entry(ino, rec)
 
     @translate
     async def read(self, fh, off, size):
@@ -225,6 +258,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def release(self, fh):
         if self._ctl.pop(fh, None) is not None:
             return
+        self._closed(fh)
         await self.cache.release(fh)
 
     # ---- xattrs -------------------------------------------------------------

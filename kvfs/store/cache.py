@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import json
 import logging
 import os
@@ -44,6 +45,7 @@ class WriteState:
     dirty: bool = False
     ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     error: BaseException | None = None
+    serial: int = dataclasses.field(default_factory=itertools.count(1).__next__)
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,6 +55,10 @@ class Handle:
     append: bool = False
     ws: WriteState | None = None    # writers and readers of a file being written
     obj: Obj | None = None          # readers of a sealed version
+
+    def content_key(self) -> tuple[str, int]:
+        """What this handle reads: a sealed object, or one write state's buffer."""
+        return ("obj", self.obj.oid) if self.obj is not None else ("ws", self.ws.serial)
 
 
 def _kv_header(data: bytes) -> dict | None:

@@ -1,8 +1,8 @@
-"""Known failures on a real mount, kept here (not skipped) so the lead sees them.
+"""Versions against the kernel's per-inode page cache, on a real mount.
 
-Per-inode kernel page cache vs. per-handle versions (issue 2 section 2: "readers that opened
-the old version keep reading it"; "a replaced name must not serve stale bytes").
-See the report for the diagnosis and a proposed fix in kvfs/fs/ops.py.
+Issue 2 section 2: "readers that opened the old version keep reading it"; "a replaced name
+must not serve stale bytes". kvfs/fs/ops.py tracks which version the cached pages hold and
+gives direct_io to a handle opened while another version is open.
 """
 from __future__ import annotations
 

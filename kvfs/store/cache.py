@@ -44,7 +44,6 @@ class WriteState:
     handles: int = 0
     dirty: bool = False
     ready: trio.Event = dataclasses.field(default_factory=trio.Event)
-    error: BaseException | None = None
     serial: int = dataclasses.field(default_factory=itertools.count(1).__next__)
 
 
@@ -209,9 +208,6 @@ class Cache:
         try:
             if truncate or base is None:
                 ws.staging = self.store.ram.new_staging()
-        except BaseException as e:
-            ws.error = e
-            raise
         finally:
             ws.ready.set()
         return ws

@@ -192,11 +192,14 @@ class Namespace:
             rec = txn.get_inode(ino)
             if not stat.S_ISDIR(rec["mode"]):
                 raise _err(errno.ENOTDIR)
-            if txn.has_children(ino):
-                raise _err(errno.ENOTEMPTY)
-            txn.unlink(parent, name)
-            txn.del_inode(ino)
+            self._remove_empty_dir(txn, parent, name, ino)
             self._touch_dir(txn, parent)
+
+    def _remove_empty_dir(self, txn: Txn, parent: int, name: bytes, ino: int) -> None:
+        if txn.has_children(ino):
+            raise _err(errno.ENOTEMPTY)
+        txn.unlink(parent, name)
+        txn.del_inode(ino)
 
     def rename(self, old_parent: int, old: bytes, new_parent: int, new: bytes, flags: int,
                is_open) -> Obj | None:
@@ -235,10 +238,7 @@ class Namespace:
                 if stat.S_ISDIR(trec["mode"]):
                     if not stat.S_ISDIR(rec["mode"]):
                         raise _err(errno.EISDIR)
-                    if txn.has_children(target):
-                        raise _err(errno.ENOTEMPTY)
-                    txn.unlink(new_parent, new)
-                    txn.del_inode(target)
+                    self._remove_empty_dir(txn, new_parent, new, target)
                 elif stat.S_ISDIR(rec["mode"]):
                     raise _err(errno.ENOTDIR)
                 else:

@@ -10,6 +10,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent.parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
@@ -82,3 +84,19 @@ def open_mount(root: Path, *extra_args, ram="64MiB", nvme_size="1GiB", **options
     from conftest import Mount
     root.mkdir(parents=True, exist_ok=True)
     return Mount(root, extra_args, {"ram": ram, "nvme_size": nvme_size, **options}).mount()
+
+
+@pytest.fixture(scope="module")
+def mnt(tmp_path_factory):
+    """One mount per test module (import this fixture and ``d`` into the module)."""
+    m = open_mount(tmp_path_factory.mktemp("kvfs-mod") / "kvfs")
+    yield m
+    m.cleanup()
+
+
+@pytest.fixture
+def d(mnt, request) -> Path:
+    """A fresh directory for the test inside the module's mount."""
+    p = mnt.path / request.node.name.replace("[", "_").replace("]", "_")
+    p.mkdir()
+    return p

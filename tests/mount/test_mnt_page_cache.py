@@ -7,27 +7,14 @@ gives direct_io to a handle opened while another version is open.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
 from mounthelp import MiB, content, open_mount, put, read
+from mounthelp import d, mnt  # noqa: F401 - shared fixtures
 
 pytestmark = pytest.mark.mount
 
-
-@pytest.fixture(scope="module")
-def mnt(tmp_path_factory):
-    m = open_mount(tmp_path_factory.mktemp("known") / "kvfs")
-    yield m
-    m.cleanup()
-
-
-@pytest.fixture
-def d(mnt, request) -> Path:
-    p = mnt.path / request.node.name.replace("[", "_").replace("]", "_")
-    p.mkdir()
-    return p
 
 
 @pytest.mark.parametrize("how", ["rewrite", "trunc"])

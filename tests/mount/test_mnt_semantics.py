@@ -9,27 +9,14 @@ import errno
 import os
 import stat
 import threading
-from pathlib import Path
 
 import pytest
 
 from mounthelp import MiB, content, errno_of, open_mount, put, read, renameat2, RENAME_NOREPLACE
+from mounthelp import d, mnt  # noqa: F401 - shared fixtures
 
 pytestmark = pytest.mark.mount
 
-
-@pytest.fixture(scope="module")
-def mnt(tmp_path_factory):
-    m = open_mount(tmp_path_factory.mktemp("sem") / "kvfs")
-    yield m
-    m.cleanup()
-
-
-@pytest.fixture
-def d(mnt, request) -> Path:
-    p = mnt.path / request.node.name.replace("[", "_").replace("]", "_")
-    p.mkdir()
-    return p
 
 
 # ---- directories ------------------------------------------------------------

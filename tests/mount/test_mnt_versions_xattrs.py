@@ -4,28 +4,15 @@ from __future__ import annotations
 import errno
 import json
 import os
-from pathlib import Path
 
 import pytest
 import xxhash
 
 from mounthelp import MiB, content, errno_of, open_mount, put, read, xattr
+from mounthelp import d, mnt  # noqa: F401 - shared fixtures
 
 pytestmark = pytest.mark.mount
 
-
-@pytest.fixture(scope="module")
-def mnt(tmp_path_factory):
-    m = open_mount(tmp_path_factory.mktemp("ver") / "kvfs")
-    yield m
-    m.cleanup()
-
-
-@pytest.fixture
-def d(mnt, request) -> Path:
-    p = mnt.path / request.node.name.replace("[", "_").replace("]", "_")
-    p.mkdir()
-    return p
 
 
 # ---- versions -----------------------------------------------------------------

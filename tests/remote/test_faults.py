@@ -79,7 +79,9 @@ async def test_kill_during_reads_then_restart(fresh_target):
             assert tier.status()["pending_deletes"] == 1
 
             fresh_target.start()
-            await wait_until(lambda: tier.available, 60, "reconnect after restart")
+            # the queued delete is applied just after the tier reports itself available
+            await wait_until(lambda: tier.available and tier.status()["pending_deletes"] == 0, 60,
+                             "reconnect after restart and the queued delete applied")
             st = tier.status()
             assert st["reconnects"] >= 1 and st["pending_deletes"] == 0 and st["state"] == "connected"
             for o, (lc, d) in objs.items():

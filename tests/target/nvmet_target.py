@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ def ensure_initramfs(cache: Path | None = None) -> Path:
     init = (INIT.replace("__MODULES__", " ".join(MODULES)).replace("__SUBNQN__", SUBNQN)
             .replace("__READY__", READY).replace("__RAWPORT__", str(RAW_STREAM_PORT))
             .replace("__RAWPORT2__", str(RAW_STREAM_PORT_DD)))
-    stamp = f"{vmlinuz.name}:{hash(init) & 0xffffffff:08x}"
+    stamp = f"{vmlinuz.name}:{zlib.crc32(init.encode()):08x}"   # stable across processes
     out = cache / "initramfs.cpio"
     stampfile = cache / "initramfs.stamp"
     if out.exists() and stampfile.exists() and stampfile.read_text() == stamp:

@@ -145,6 +145,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 for t in tiers:
                     nursery.start_soon(t.serve)
                 nursery.start_soon(cache.sweep_orphans)
+                nursery.start_soon(cache.serve_leases)
                 nursery.start_soon(_on_signals)
                 log.info("mounted %s in %.2fs (%s)", mountpoint, time.monotonic() - started,
                          ", ".join(f"{t.name} {t.capacity}" for t in tiers))

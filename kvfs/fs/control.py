@@ -1,19 +1,43 @@
-"""The reserved ``.kvfs`` directory: read-only stats and the one-call prefix lookup."""
+"""The reserved ``.kvfs`` directory: read-only stats, the one-call prefix lookup and leases.
+
+``lookup`` and ``lease`` take a request written at offset 0 (a larger request may arrive as
+several writes at increasing offsets) and answer it on the next read:
+
+    request   := (line "\\n")*        empty lines are ignored
+    line      := path | directive     a path is relative to the current base
+    directive := "\\0" word [" " argument]      (NUL never occurs in a path)
+
+Directives: ``\\0base DIR`` (later paths are relative to DIR, itself relative to the mount
+root; default the root), ``\\0ttl SECONDS`` (lease only, default 30, at most 600) and
+``\\0release`` (lease only: release this descriptor's lease, grant nothing).
+
+``lookup`` answers ``{"prefix": k, "tiers": [...]}``: the first ``k`` paths are sealed
+regular files (the first that is not ends the prefix), with the highest tier of each.
+``lease`` answers the same plus ``"lease"`` (id), ``"ttl"`` and ``"blocks"``: per leased file
+``[tier, path, offset, size, xxh3_64 hex, direct]`` (its backing location) or ``null`` (no
+fast path: read it through the mount). The leased objects stay where they are, counted as
+open, until the next request on the same descriptor, its close, or the ttl.
+"""
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import stat
 import time
 
 import pyfuse3
 
+log = logging.getLogger(__name__)
+
 CTRL_DIR = 0xFFFF_FFFF_FFFF_0000
 STATS = CTRL_DIR + 1
 LOOKUP = CTRL_DIR + 2
-FILES = {b"stats": STATS, b"lookup": LOOKUP}
+LEASE = CTRL_DIR + 3
+FILES = {b"stats": STATS, b"lookup": LOOKUP, b"lease": LEASE}
 CONTROL_NAME_B = b".kvfs"
 _MAX_REQUEST = 16 << 20
+LEASE_TTL = 30.0
 
 
 def is_control(ino: int) -> bool:
@@ -38,12 +62,39 @@ def attrs(ino: int) -> pyfuse3.EntryAttributes:
 
 
 class ControlHandle:
-    """Per-open state of a control file: a snapshot (stats) or a request/answer (lookup)."""
+    """Per-open state of a control file: a snapshot (stats) or a request/answer."""
 
     def __init__(self, ino: int):
         self.ino = ino
         self.request = bytearray()
         self.answer: bytes | None = None
+        self.lease: int | None = None      # the lease this descriptor holds (lease file)
+
+
+def parse_request(raw: bytes) -> tuple[list[tuple[bytes, list[bytes]]], dict[bytes, bytes]]:
+    """``([(base, paths), ...], options)`` of a request (see the module docstring)."""
+    groups: list[tuple[bytes, list[bytes]]] = []
+    opts: dict[bytes, bytes] = {}
+    base, paths = b"", []
+    for line in raw.split(b"\n"):
+        if not line:
+            continue
+        if line[0] == 0:
+            word, _, arg = line[1:].partition(b" ")
+            if word == b"base":
+                if paths:
+                    groups.append((base, paths))
+                    paths = []
+                base = arg.strip(b"/")
+            elif word in (b"ttl", b"release"):
+                opts[word] = arg
+            else:
+                raise pyfuse3.FUSEError(errno.EINVAL)
+            continue
+        paths.append(line)
+    if paths:
+        groups.append((base, paths))
+    return groups, opts
 
 
 class Control:
@@ -71,23 +122,55 @@ class Control:
             h.answer = self.stats_json()
         return h
 
-    def read(self, h: ControlHandle, off: int, size: int) -> bytes:
-        if h.ino == LOOKUP and h.answer is None:
-            paths = [p for p in h.request.decode("utf-8", "surrogateescape").split("\n") if p]
-            h.answer = (json.dumps(self.cache.lookup_paths(paths)) + "\n").encode()
-            h.request = bytearray()
+    def _lookup_answer(self, groups) -> dict:
+        objs = []
+        for base, paths in groups:
+            got = self.cache.prefix_objects(paths, base)
+            objs += got
+            if len(got) < len(paths):
+                break
+        return self.cache._answer(objs)
+
+    async def read(self, h: ControlHandle, off: int, size: int) -> bytes:
+        if h.answer is None and h.ino in (LOOKUP, LEASE):
+            raw, h.request = bytes(h.request), bytearray()
+            groups, opts = parse_request(raw)
+            if h.ino == LOOKUP:
+                answer = self._lookup_answer(groups)
+            else:
+                await self.release(h)
+                if b"release" in opts:
+                    answer = {"released": True}
+                else:
+                    try:
+                        ttl = float(opts.get(b"ttl") or LEASE_TTL)
+                    except ValueError:
+                        raise pyfuse3.FUSEError(errno.EINVAL) from None
+                    if len(groups) > 1:
+                        raise pyfuse3.FUSEError(errno.EINVAL)     # one base per lease
+                    base, paths = groups[0] if groups else (b"", [])
+                    answer = self.cache.grant_lease(paths, base, ttl)
+                    h.lease = answer["lease"]
+            h.answer = (json.dumps(answer, separators=(",", ":")) + "\n").encode()
         return (h.answer or b"")[off:off + size]
 
-    def write(self, h: ControlHandle, off: int, buf: bytes) -> int:
-        if h.ino != LOOKUP:
+    async def write(self, h: ControlHandle, off: int, buf: bytes) -> int:
+        if h.ino not in (LOOKUP, LEASE):
             raise pyfuse3.FUSEError(errno.EACCES)
-        if h.answer is not None:           # a new request after an answer
+        if h.answer is not None or off == 0:    # a new request: drop the last answer and lease
             h.answer = None
             h.request = bytearray()
+            await self.release(h)
         if len(h.request) + len(buf) > _MAX_REQUEST:
             raise pyfuse3.FUSEError(errno.E2BIG)
         h.request += buf
         return len(buf)
+
+    async def release(self, h: ControlHandle) -> None:
+        """Drop the lease this descriptor holds (a new request, close, or ``\\0release``)."""
+        if h.lease is not None:
+            lid, h.lease = h.lease, None
+            await self.cache.release_lease(lid)
 
     def readdir(self, start_id: int, token) -> None:
         names = sorted(FILES.items())

@@ -233,13 +233,13 @@ class KvfsOperations(pyfuse3.Operations):
     @translate
     async def read(self, fh, off, size):
         if fh in self._ctl:
-            return self.control.read(self._ctl[fh], off, size)
+            return await self.control.read(self._ctl[fh], off, size)
         return await self.cache.read(fh, off, size)
 
     @translate
     async def write(self, fh, off, buf):
         if fh in self._ctl:
-            return self.control.write(self._ctl[fh], off, buf)
+            return await self.control.write(self._ctl[fh], off, buf)
         return await self.cache.write(fh, off, buf)
 
     @translate
@@ -256,7 +256,9 @@ class KvfsOperations(pyfuse3.Operations):
 
     @translate
     async def release(self, fh):
-        if self._ctl.pop(fh, None) is not None:
+        h = self._ctl.pop(fh, None)
+        if h is not None:
+            await self.control.release(h)      # closing a lease descriptor ends its lease
             return
         self._closed(fh)
         await self.cache.release(fh)

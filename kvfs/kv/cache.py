@@ -20,7 +20,7 @@ import threading
 import torch
 
 from kvfs.kv.hashing import MMInput, PrefixHasher, as_token_list
-from kvfs.kv.layout import KVLayout, block_path, ensure_namespace
+from kvfs.kv.layout import BLOCK_SUFFIX, KVLayout, block_path, ensure_namespace
 from kvfs.kv.loader import BlockPlan, Loader, LoadStats
 from kvfs.kv.lookup import PrefixLookup
 from kvfs.kv.writer import BlockWriter, SaveJob, WriterStats
@@ -87,6 +87,11 @@ class KVCache:
     def block_paths(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> list[str]:
         return [block_path(self.ns_dir, h) for h in self.block_hashes(token_ids, mm_inputs=mm_inputs)]
 
+    @staticmethod
+    def _rels(hashes: list[str]) -> list[str]:
+        """``<h[:2]>/<h>.kv`` of each hash (relative to the namespace directory)."""
+        return [f"{h[:2]}/{h}{BLOCK_SUFFIX}" for h in hashes]
+
     @property
     def one_call_lookup(self) -> bool:
         """True when ``lookup`` is answered by the kvfs daemon in one call."""
@@ -96,8 +101,14 @@ class KVCache:
     def lookup(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> int:
         """Tokens in the longest cached prefix of ``token_ids`` (a multiple of block_tokens)."""
         self._check_open()
-        paths = self.block_paths(token_ids, mm_inputs=mm_inputs)
-        return self._lookup.prefix(paths) * self.layout.block_tokens
+        rels = self._rels(self.block_hashes(token_ids, mm_inputs=mm_inputs))
+        return self._lookup.prefix_rel(rels) * self.layout.block_tokens
+
+    def lookup_tiers(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> tuple[int, list[str]]:
+        """``(tokens, tiers)``: like ``lookup``, plus the tier of each cached block (on a mount)."""
+        self._check_open()
+        k, tiers = self._lookup.tiers_rel(self._rels(self.block_hashes(token_ids, mm_inputs=mm_inputs)))
+        return k * self.layout.block_tokens, tiers
 
     # -- save -----------------------------------------------------------------------------
     def save(self, token_ids, kv: torch.Tensor, *, mm_inputs: tuple[MMInput, ...] = (),
@@ -113,7 +124,7 @@ class KVCache:
         self._check_kv(kv, len(tokens))
         hashes = self.block_hashes(tokens, mm_inputs=mm_inputs)
         n = len(hashes)
-        present = self._lookup.prefix([block_path(self.ns_dir, h) for h in hashes])
+        present = self._lookup.prefix_rel(self._rels(hashes))
         if present == n:
             return SaveResult(n, n, 0, 0)
         m = n - present

@@ -15,10 +15,12 @@
 """
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import hashlib
 import logging
+import sys
 from collections.abc import Iterable, Sequence
 
 import cbor2
@@ -62,21 +64,36 @@ class MMInput:
             raise ValueError(f"MMInput.length must be an int > 0, got {self.length!r}")
 
 
-def as_token_list(token_ids) -> list[int]:
-    """Token ids from a list, tuple, range, numpy array or 1-D torch tensor, validated."""
-    if hasattr(token_ids, "tolist") and not isinstance(token_ids, (list, tuple)):
-        if getattr(token_ids, "ndim", 1) != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-        token_ids = token_ids.tolist()
-    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
-        raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
-    out = list(token_ids)
-    if all(type(t) is int for t in out):             # the common case, checked fast
-        if out and (min(out) < 0 or max(out) > _MAX_TOKEN):
-            bad = min(out) if min(out) < 0 else max(out)
-            raise ValueError(f"token id {bad} out of range [0, 2**63)")
-        return out
-    for t in out:
+_SIGN_BYTES = slice(7, None, 8) if sys.byteorder == "little" else slice(0, None, 8)
+
+
+def token_array(token_ids) -> array.array:
+    """Token ids (list, tuple, range, numpy array, 1-D torch tensor) as a validated
+    ``array('q')``: ints in ``[0, 2**63)``; bools and ``__index__`` types become ints."""
+    if isinstance(token_ids, array.array) and token_ids.typecode == "q":
+        packed = token_ids
+    else:
+        if hasattr(token_ids, "tolist") and not isinstance(token_ids, (list, tuple, array.array)):
+            if getattr(token_ids, "ndim", 1) != 1:
+                raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+            token_ids = token_ids.tolist()
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+            raise TypeError(f"token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+        if not isinstance(token_ids, (list, tuple, array.array)):
+            token_ids = list(token_ids)
+        try:                                    # the common case, checked in C
+            packed = array.array("q", token_ids)
+        except (TypeError, OverflowError):
+            packed = array.array("q", _checked_slow(token_ids))
+    # a negative int64 has its sign bit set: every sign byte below 0x80 means all >= 0
+    if not packed.tobytes()[_SIGN_BYTES].isascii():
+        raise ValueError(f"token id {min(packed)} out of range [0, 2**63)")
+    return packed
+
+
+def _checked_slow(token_ids) -> list[int]:
+    out = []
+    for t in token_ids:
         if not isinstance(t, int) or isinstance(t, bool):
             try:
                 import operator
@@ -85,7 +102,13 @@ def as_token_list(token_ids) -> list[int]:
                 raise TypeError(f"token id {t!r} is not an int") from None
         if not 0 <= t <= _MAX_TOKEN:
             raise ValueError(f"token id {t} out of range [0, 2**63)")
-    return [int(t) for t in out]
+        out.append(int(t))
+    return out
+
+
+def as_token_list(token_ids) -> list[int]:
+    """Token ids from a list, tuple, range, numpy array or 1-D torch tensor, validated."""
+    return token_array(token_ids).tolist()
 
 
 def block_extra_keys(block_index: int, block_tokens: int, *, cache_salt: str | None = None,
@@ -134,7 +157,7 @@ class PrefixHasher:
         ``start``/``parent`` continue a chain: hash blocks from block ``start`` on, given the
         hash of block ``start - 1`` (faster for a prompt that extends a known one).
         """
-        tokens = as_token_list(token_ids)
+        tokens = token_array(token_ids)
         mm = tuple(mm_inputs)
         for m in mm:
             if not isinstance(m, MMInput):
@@ -147,7 +170,7 @@ class PrefixHasher:
         for i in range(start, len(tokens) // b):
             block = tokens[i * b:(i + 1) * b]
             if memo is not None:
-                key = (parent, tuple(block))
+                key = (parent, block.tobytes())
                 h = memo.get(key)
                 if h is not None:
                     memo.move_to_end(key)

@@ -1,11 +1,13 @@
 """Longest cached prefix of a block chain, in one round trip to the daemon.
 
 On a kvfs mount, ``<mount>/.kvfs/lookup`` is a control file: ``pwrite`` at offset 0 a request
-(UTF-8, newline-separated paths relative to the mount root, in chain order), then
-``pread(fd, 1 MiB, 0)`` returns ``{"prefix": k, "tiers": [...]}``: ``k`` leading paths exist
-as sealed regular files. A further write at offset 0 starts a new request, so one fd serves
-a KVCache for its lifetime. (The kernel may split a large write into several FUSE writes;
-those arrive at offsets > 0 and continue the same request.)
+(UTF-8, newline-separated paths in chain order; a first line ``\0base DIR`` makes them
+relative to DIR, itself relative to the mount root, so a chain is sent as
+``<h[:2]>/<h>.kv`` names of one namespace directory), then ``pread`` returns
+``{"prefix": k, "tiers": [...]}``: ``k`` leading paths exist as sealed regular files. A
+further write at offset 0 starts a new request, so one fd serves a KVCache for its lifetime.
+(The kernel may split a large write into several FUSE writes; those arrive at offsets > 0
+and continue the same request.) The grammar is in ``kvfs/fs/control.py``.
 
 Elsewhere (a plain directory) the fallback is one ``stat`` per block from the start until
 the first miss: chains are prefix-closed when written, but eviction may remove tails (and
@@ -23,7 +25,30 @@ log = logging.getLogger(__name__)
 
 CONTROL_DIR = ".kvfs"
 LOOKUP_FILE = "lookup"
-RESPONSE_MAX = 1 << 20
+READ_CHUNK = 1 << 20
+
+
+def request(base: str, rels: list[str]) -> bytes:
+    """A control-file request: ``rels`` relative to ``base`` (relative to the mount root)."""
+    head = f"\0base {base}\n" if base and base != "." else ""
+    return (head + "\n".join(rels) + "\n").encode("utf-8", "surrogateescape")
+
+
+def transact(fd: int, req: bytes) -> bytes:
+    """Write a request at offset 0 of a control file and read the whole answer."""
+    view = memoryview(req)
+    done = 0
+    while done < len(req):
+        done += os.pwrite(fd, view[done:], done)
+    parts = []
+    off = 0
+    while True:
+        chunk = os.pread(fd, READ_CHUNK, off)
+        parts.append(chunk)
+        off += len(chunk)
+        if len(chunk) < READ_CHUNK:
+            break
+    return b"".join(parts)
 
 
 def find_control(path: str) -> tuple[str, str] | None:
@@ -55,9 +80,11 @@ class PrefixLookup:
         ctl = find_control(self.root) if use_control else None
         self._lock = threading.Lock()
         self._fd = -1
+        self.base = ""
         if ctl is not None:
             self.mount_root, path = ctl
             self._fd = os.open(path, os.O_RDWR)
+            self.base = os.path.relpath(self.root, self.mount_root)
             log.debug("prefix lookups through %s", path)
         else:
             self.mount_root = None
@@ -84,15 +111,34 @@ class PrefixLookup:
             return self._query(paths)
         return self._prefix_stat(paths), []
 
+    def prefix_rel(self, rels: list[str]) -> int:
+        """Like ``prefix`` for paths relative to ``root`` (e.g. ``<h[:2]>/<h>.kv``)."""
+        if not rels:
+            return 0
+        if self._fd >= 0:
+            try:
+                return self._send(request(self.base, rels), len(rels))[0]
+            except OSError as e:
+                log.warning("lookup control file failed (%s); falling back to stat", e)
+        return self._prefix_stat([os.path.join(self.root, r) for r in rels])
+
+    def tiers_rel(self, rels: list[str]) -> tuple[int, list]:
+        """``(prefix, tiers)`` for paths relative to ``root`` (tiers empty without a mount)."""
+        if self._fd >= 0 and rels:
+            return self._send(request(self.base, rels), len(rels))
+        return self._prefix_stat([os.path.join(self.root, r) for r in rels]), []
+
     def _query(self, paths: list[str]) -> tuple[int, list]:
-        rel = [os.path.relpath(p, self.mount_root) for p in paths]
-        request = "\n".join(rel).encode("utf-8")
+        head = self.root + os.sep
+        if all(p.startswith(head) for p in paths):
+            n = len(head)
+            return self._send(request(self.base, [p[n:] for p in paths]), len(paths))
+        return self._send(request("", [os.path.relpath(p, self.mount_root) for p in paths]), len(paths))
+
+    def _send(self, req: bytes, n: int) -> tuple[int, list]:
+        paths = range(n)
         with self._lock:
-            view = memoryview(request)
-            done = 0
-            while done < len(request):
-                done += os.pwrite(self._fd, view[done:], done)
-            raw = os.pread(self._fd, RESPONSE_MAX, 0)
+            raw = transact(self._fd, req)
         try:
             answer = json.loads(raw)
             k = int(answer["prefix"])

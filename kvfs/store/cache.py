@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 KV_PREFIX = b"user.kvfs."
 XATTR_MAX = 64 * 1024
 _HEADER_PEEK = 1 << 20      # the largest block header we parse
+LEASE_TTL = 30.0            # seconds a fast-path lease lives unless released first
+LEASE_TTL_MAX = 600.0
+
+
+@dataclasses.dataclass(eq=False)
+class Lease:
+    """Objects held for a fast-path reader (their refs count, like open handles)."""
+
+    id: int
+    objs: list
+    expires: float
 
 
 @dataclasses.dataclass(eq=False)
@@ -82,6 +93,8 @@ class Cache:
         self.open_count: dict[int, int] = {}
         self._next_fh = 1
         self.on_content_changed: Callable[[int], None] = lambda ino: None
+        self.leases: dict[int, Lease] = {}
+        self._next_lease = 1
 
     # ---- startup ------------------------------------------------------------
     async def start(self) -> dict[str, int]:
@@ -414,12 +427,18 @@ class Cache:
         return None
 
     def _backing(self, obj: Obj) -> str | None:
+        b = self.backing_of(obj)
+        return None if b is None else json.dumps(b)
+
+    def backing_of(self, obj: Obj) -> dict | None:
+        """Where the fast path reads ``obj``: its highest available copy, if that tier has
+        a location a loader can read (tmpfs or NVMe file); None otherwise."""
         for t in self.store.tiers:
             if t.name in obj.place and t.available:
                 b = t.backing(obj.oid, obj.place[t.name])
                 if b is None:
                     return None
-                return json.dumps(dict(b, tier=t.name, size=obj.size, checksum=checksum.hexdigest(obj.checksum)))
+                return dict(b, tier=t.name, size=obj.size, checksum=checksum.hexdigest(obj.checksum))
         return None
 
     def list_xattrs(self, ino: int) -> list[bytes]:
@@ -458,20 +477,70 @@ class Cache:
         self.ns.remove_user_xattr(ino, name)
 
     # ---- control and stats ------------------------------------------------------
-    def lookup_paths(self, paths: list[str]) -> dict:
+    def prefix_objects(self, paths: list[bytes], base: bytes = b"") -> list[Obj]:
+        """The sealed objects of the leading ``paths`` (relative to ``base``, itself relative
+        to the root) that are sealed regular files; the first path that is not ends the prefix.
+        One index read transaction; sealed-ness comes from memory, not from inode records."""
+        sealed = self.ns.sealed
+
+        def accept(ino: int) -> Obj | None:
+            obj = sealed.get(ino)
+            return None if obj is None or obj.dead else obj
+        comps = [c for c in base.split(b"/") if c and c != b"."]
+        return self.index.resolve_prefix(comps, [p.strip(b"/") for p in paths], accept)
+
+    def lookup_paths(self, paths: list, base: bytes = b"") -> dict:
         """How many leading paths exist as sealed files (one call for a prefix chain)."""
-        comps = [[c.encode("utf-8", "surrogateescape") for c in p.strip("/").split("/") if c] for p in paths]
-        inos = self.index.lookup_many(comps)
-        tiers = []
-        for ino in inos:
-            if ino is None:
-                break
-            rec = self.index.get_inode(ino)
-            obj = self.store.objs.get(rec.get("oid")) if rec and stat.S_ISREG(rec["mode"]) else None
-            if obj is None:
-                break
-            tiers.append(self.store.top_tier(obj))
-        return {"prefix": len(tiers), "tiers": tiers}
+        paths = [p if isinstance(p, bytes) else p.encode("utf-8", "surrogateescape") for p in paths]
+        return self._answer(self.prefix_objects(paths, base))
+
+    def _answer(self, objs: list[Obj]) -> dict:
+        top = self.store.top_tier
+        return {"prefix": len(objs), "tiers": [top(o) for o in objs]}
+
+    # ---- leases: the fast path's batched backing locations -------------------------
+    def grant_lease(self, paths: list[bytes], base: bytes = b"", ttl: float = LEASE_TTL) -> dict:
+        """Backing locations of the leading sealed ``paths``, held for the loader until
+        ``release_lease`` (or ``ttl`` seconds): while leased, an object is neither demoted,
+        evicted nor freed (it counts as open). Each block counts a hit, like an open."""
+        objs = self.prefix_objects(paths, base)
+        ttl = min(max(float(ttl), 0.001), LEASE_TTL_MAX)
+        lease = Lease(self._next_lease, objs, time.monotonic() + ttl)
+        self._next_lease += 1
+        blocks = []
+        for obj in objs:
+            obj.refs += 1
+            self.store.note_open(obj)
+            b = self.backing_of(obj)
+            blocks.append(None if b is None else
+                          [b["tier"], b["path"], b["offset"], b["size"], b["checksum"], bool(b.get("direct"))])
+        self.leases[lease.id] = lease
+        answer = self._answer(objs)
+        answer.update(lease=lease.id, ttl=ttl, blocks=blocks)
+        return answer
+
+    async def release_lease(self, lease_id: int) -> bool:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        for obj in lease.objs:
+            obj.refs -= 1
+            await self.store.release_space(obj)
+        return True
+
+    async def expire_leases(self) -> int:
+        now = time.monotonic()
+        old = [lid for lid, lease in self.leases.items() if lease.expires <= now]
+        for lid in old:
+            log.debug("lease %d expired", lid)
+            await self.release_lease(lid)
+        return len(old)
+
+    async def serve_leases(self, interval: float = 1.0) -> None:
+        """Background task: release leases whose holder neither released nor closed them."""
+        while True:
+            await trio.sleep(interval)
+            await self.expire_leases()
 
     def statfs(self) -> tuple[int, int]:
         tiers: list[Tier] = self.store.tiers
@@ -482,4 +551,5 @@ class Cache:
     def statistics(self) -> dict:
         counts = self.index.counts()
         return {"tiers": self.store.statistics(), "inodes": counts["inodes"], "objects": len(self.store.objs),
-                "open_handles": len(self.handles), "writing": len(self.writers), "time": time.time()}
+                "open_handles": len(self.handles), "writing": len(self.writers), "leases": len(self.leases),
+                "settled": self.store.settled(), "time": time.time()}

@@ -136,6 +136,57 @@ class Index:
                 out.append(ino)
         return out
 
+    def resolve_prefix(self, base: list[bytes], paths: list[bytes], accept) -> list:
+        """Resolve ``paths`` (``/``-separated, relative to the directory ``base``, a list of
+        components from the root) in order, in one read txn, until the first that is missing
+        or that ``accept(ino)`` turns down (returns None). Returns the accepted values.
+
+        Directories met on the way are resolved once per call (chains of KV blocks share a
+        namespace directory and 256 shard directories).
+        """
+        out: list = []
+        dirs: dict[bytes, int | None] = {}
+        with self.env.begin() as txn:
+            get = txn.get
+            ino: int | None = ROOT_INO
+            for c in base:
+                raw = get(k64(ino) + c, db=self.dirents)
+                if raw is None:
+                    return out
+                ino = _U64x2.unpack(raw)[0]
+            base_key = k64(ino)
+            dirents = self.dirents
+            unpack = _U64.unpack_from
+            for p in paths:
+                cut = p.rfind(b"/")
+                if cut < 0:
+                    parent_key, name = base_key, p
+                else:
+                    d = p[:cut]
+                    parent_key = dirs.get(d, b"")
+                    if parent_key == b"":
+                        parent_key = base_key
+                        for c in d.split(b"/"):
+                            if not c or c == b".":
+                                continue
+                            raw = get(parent_key + c, db=dirents)
+                            if raw is None:
+                                parent_key = None
+                                break
+                            parent_key = raw[:8]
+                        dirs[d] = parent_key
+                    if parent_key is None:
+                        break
+                    name = p[cut + 1:]
+                raw = get(parent_key + name, db=dirents)
+                if raw is None:
+                    break
+                v = accept(unpack(raw)[0])
+                if v is None:
+                    break
+                out.append(v)
+        return out
+
     def readdir(self, parent: int, after_eid: int) -> Iterator[tuple[int, bytes, int]]:
         """Yield (eid, name, child ino) in eid order, starting after ``after_eid``."""
         prefix = k64(parent)

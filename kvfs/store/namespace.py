@@ -32,6 +32,9 @@ class Namespace:
         self.store = store
         # prefix-aware eviction: (namespace, hash) -> number of cached child blocks
         self.kv_children: dict[tuple[str, str], int] = {}
+        # inode -> its sealed object, for regular files that have one: answers "is this name a
+        # sealed file?" without reading and unpickling inode records (batched prefix lookups)
+        self.sealed: dict[int, Obj] = {}
         self.orphans: dict[int, dict] = {}      # unlinked inodes still open
         self.on_name_removed = lambda parent, name, ino: None   # kernel cache invalidation
         store.on_lost = self._lost
@@ -56,6 +59,7 @@ class Namespace:
                     continue
                 live_oids.add(oid)
                 self.store.objs[oid].pinned = rec.get("pin", False)
+                self.sealed[ino] = self.store.objs[oid]
                 self._kv_add(rec)
             live.add(ino)
         dangling = [(p, n) for p, n, c in self.index.iter_dirents() if c not in live]
@@ -163,6 +167,7 @@ class Namespace:
         txn.unlink(parent, name)
         txn.del_inode(ino)
         self._kv_remove(rec)
+        self.sealed.pop(ino, None)
         if keep_open:
             rec["nlink"] = 0
             self.orphans[ino] = rec
@@ -287,6 +292,7 @@ class Namespace:
             obj.pinned = rec.get("pin", False)
             txn.put_object(obj.oid, obj.record())
             txn.put_inode(ino, rec)
+        self.sealed[ino] = obj
         return old, True
 
     def _lost(self, txn: Txn, obj: Obj) -> None:
@@ -295,6 +301,7 @@ class Namespace:
             txn.unlink(rec["parent"], rec["name"])
             txn.del_inode(obj.ino)
             self._kv_remove(rec)
+            self.sealed.pop(obj.ino, None)
             self.on_name_removed(rec["parent"], rec["name"], obj.ino)
 
     # ---- xattrs stored with the file -----------------------------------------

@@ -100,6 +100,7 @@ class ObjectStore:
         self._dirty: set[int] = set()
         self._kick = trio.Event()
         self._promote_send, self._promote_recv = trio.open_memory_channel(64)
+        self._moving = 0           # background relieve/promote passes running
 
     # ---- loading ------------------------------------------------------------
     def load(self) -> list[Obj]:
@@ -336,28 +337,52 @@ class ObjectStore:
     def _lowest(self) -> int:
         return max(i for i, t in enumerate(self.tiers) if t.available)
 
+    def _copy_below(self, obj: Obj, i: int) -> bool:
+        """True when a tier below ``i`` (reachable or not) holds a durable copy of ``obj``."""
+        return any(t.name in obj.place for t in self.tiers[i + 1:])
+
     def _victim(self, tier: Tier, evict: bool) -> Obj | None:
+        i = self.tiers.index(tier)
+        # On the lowest *reachable* tier with an unreachable one below it (remote target
+        # down), first take objects that also live down there: dropping this copy loses
+        # nothing, they read again when the tier comes back.
+        degraded = evict and i < len(self.tiers) - 1
+        fallback = None
         for oid in self.lru[tier.name]:
             obj = self.objs[oid]
             if obj.refs or obj.busy:
                 continue
+            if degraded and not obj.pinned and self._copy_below(obj, i):
+                return obj
             if evict and (obj.pinned or not self.may_evict(obj)):
                 continue
-            return obj
-        return None
+            if not degraded:
+                return obj
+            if fallback is None:
+                fallback = obj
+        return fallback
 
-    async def make_room(self, i: int, need: int) -> None:
-        """Demote (or, on the lowest tier, evict) until tier ``i`` has ``need`` bytes free."""
+    async def _make_way(self, victim: Obj, i: int, evict_ok: bool) -> None:
+        """Move ``victim`` off tier ``i``: demote it, drop a copy that also lives below, or evict it."""
+        if i < self._lowest() or self._copy_below(victim, i):
+            await self.demote(victim, i, evict_ok=evict_ok)
+        elif evict_ok:
+            await self.evict(victim)
+        else:
+            raise TierFull(f"{self.tiers[i].name} tier is full and a lower tier is unavailable")
+
+    async def make_room(self, i: int, need: int, *, evict_ok: bool = True) -> None:
+        """Demote (or, on the lowest reachable tier, evict) until tier ``i`` has ``need`` bytes free.
+
+        ``evict_ok=False`` (promotions while a tier is unavailable) never destroys an
+        object: it raises TierFull instead of evicting.
+        """
         tier = self.tiers[i]
         while tier.free() < need:
-            evict = i >= self._lowest()
-            victim = self._victim(tier, evict)
+            victim = self._victim(tier, i >= self._lowest())
             if victim is None:
                 raise TierFull(f"{tier.name} tier is full and what remains is pinned or in use")
-            if evict:
-                await self.evict(victim)
-            else:
-                await self.demote(victim, i)
+            await self._make_way(victim, i, evict_ok)
 
     async def relieve(self) -> None:
         """Bring every tier above its high watermark down to the low one."""
@@ -366,12 +391,11 @@ class ObjectStore:
                 continue
             target = tier.capacity * self.low
             while tier.used > target:
-                evict = i >= self._lowest()
-                victim = self._victim(tier, evict)
+                victim = self._victim(tier, i >= self._lowest())
                 if victim is None:
                     break
                 try:
-                    await (self.evict(victim) if evict else self.demote(victim, i))
+                    await self._make_way(victim, i, True)
                 except (TierFull, TierUnavailable) as e:
                     log.warning("cannot relieve %s tier: %s", tier.name, e)
                     break
@@ -382,17 +406,20 @@ class ObjectStore:
             self.counters[name].evictions += 1
         await self.lose(obj)
 
-    async def demote(self, obj: Obj, i: int) -> None:
+    async def demote(self, obj: Obj, i: int, *, evict_ok: bool = True) -> None:
+        """Move ``obj`` off tier ``i``: copy it to the next reachable tier below unless one
+        below already holds it. With no reachable tier below, a copy on an unreachable
+        one (remote target down) still counts: the object reads again when it returns."""
         src = self.tiers[i]
         below = [t for t in self.tiers[i + 1:] if t.available]
         obj.busy = True
         try:
-            if not any(t.name in obj.place for t in below):
-                j = self.tiers.index(below[0]) if below else None
-                if j is None:
+            if not any(t.name in obj.place for t in below) and (below or not self._copy_below(obj, i)):
+                if not below:
                     raise TierFull("no tier to demote to")
+                j = self.tiers.index(below[0])
                 dst = self.tiers[j]
-                await self.make_room(j, dst.footprint(obj.size))
+                await self.make_room(j, dst.footprint(obj.size), evict_ok=evict_ok)
                 obj.key = self.key_of(obj)
                 data = await self.read_all(obj)
                 loc = await dst.put(obj.info(), data)
@@ -421,7 +448,9 @@ class ObjectStore:
         try:
             data = await self.read_all(obj)
             if self.ram.free() < obj.size:
-                await self.make_room(0, obj.size)
+                # a promotion only speeds reads up: while a tier is unreachable it must not
+                # push an object out of the hierarchy (its lower copy may be the only one left)
+                await self.make_room(0, obj.size, evict_ok=all(t.available for t in self.tiers))
             if obj.dead:
                 return
             obj.place[self.ram.name] = await self.ram.put(obj.info(), data)
@@ -467,11 +496,24 @@ class ObjectStore:
         while True:
             await self._kick.wait()
             self._kick = trio.Event()
-            await self.relieve()
+            self._moving += 1
+            try:
+                await self.relieve()
+            finally:
+                self._moving -= 1
 
     async def _promote_loop(self) -> None:
         async for obj in self._promote_recv:
-            await self.promote(obj)
+            self._moving += 1
+            try:
+                await self.promote(obj)
+            finally:
+                self._moving -= 1
+
+    def settled(self) -> bool:
+        """No demotion, eviction or promotion is running or queued (for tests and tools)."""
+        return (not self._moving and not self._kick.is_set()
+                and self._promote_send.statistics().current_buffer_used == 0)
 
     async def _stats_loop(self) -> None:
         while True:

@@ -65,7 +65,7 @@ class PinnedRegistration:
 _INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
-def _as_numpy(t):
+def as_numpy(t):
     """A numpy view of a CPU tensor's bytes (any dtype, strides kept)."""
     torch = _torch()
     return t.view(getattr(torch, _INT_OF_SIZE[t.element_size()])).numpy()
@@ -91,7 +91,7 @@ class DeviceCopier:
                 # numpy copies on this thread without the GIL; torch's intra-op threads would
                 # spin on the cores the reader threads and the kvfs daemon need
                 import numpy as np
-                np.copyto(_as_numpy(dst), _as_numpy(src))
+                np.copyto(as_numpy(dst), as_numpy(src))
             else:
                 dst.copy_(src)
             return None

@@ -1,12 +1,18 @@
 """Reading block files: page-aligned buffers, full reads, and the fast path beside FUSE.
 
-Fast path (daemon protocol): with the block open through the mount (the open fd is the
-lease that keeps the backing bytes where they are), ``getxattr(fd, "user.kvfs.backing")``
-returns ``{"tier", "path", "offset", "size", "checksum", "direct"}``. The loader reads
-``size`` bytes at ``offset`` of ``path`` (O_DIRECT when ``direct``), checks xxh3_64 of them
-against ``checksum`` and only then closes the mount fd. Any OSError on the xattr means no
-fast path; the mount's own read path is the fallback. A checksum mismatch is an error.
-Pure Python (no torch).
+Fast path, batched (daemon protocol, ``kvfs/fs/control.py``): the loader writes the names of
+all the blocks it is about to read to ``<mount>/.kvfs/lease`` and reads back, in one round
+trip, each block's backing location ``[tier, path, offset, size, xxh3_64, direct]`` (the
+RAM tier's tmpfs file or the NVMe tier's file) or ``null`` (no fast path: read through the
+mount). The daemon holds the leased objects where they are (no demotion, eviction or free)
+until the loader releases the lease (``\0release``, its next request, or closing the fd) or
+the lease's ttl passes. The loader reads ``size`` bytes at ``offset`` of ``path`` (O_DIRECT
+when ``direct``) and checks their xxh3_64 before using them; a vanished path falls back to
+the mount, a mismatch is an error.
+
+Fast path, one file: with the block open through the mount (the open fd is the lease),
+``getxattr(fd, "user.kvfs.backing")`` returns the same location as JSON (used when no lease
+file exists). Pure Python (no torch).
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import json
 import logging
 import mmap
 import os
+import threading
 
 import xxhash
 
@@ -66,6 +73,28 @@ def read_full(fd: int, mv: memoryview, offset: int, length: int) -> int:
     return done
 
 
+def preadv_full(fd: int, bufs: list, offset: int) -> int:
+    """``preadv`` into ``bufs`` until they are full or EOF; returns the bytes read."""
+    total = sum(len(b) for b in bufs)
+    done = os.preadv(fd, bufs, offset)
+    if done in (0, total):
+        return done
+    mvs = [memoryview(b).cast("B") for b in bufs]
+    while done < total:
+        skip, rest = done, []
+        for mv in mvs:
+            if skip >= len(mv):
+                skip -= len(mv)
+                continue
+            rest.append(mv[skip:])
+            skip = 0
+        n = os.preadv(fd, rest, offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
 def open_for_read(path: str, direct: bool) -> tuple[int, bool]:
     """Open ``path`` read-only, with O_DIRECT if asked and the filesystem allows it."""
     if direct and O_DIRECT:
@@ -86,6 +115,98 @@ class Backing:
     size: int
     checksum: str
     direct: bool
+
+
+def backing_from_list(entry) -> Backing | None:
+    """A lease answer's ``[tier, path, offset, size, checksum, direct]`` (or null)."""
+    if entry is None:
+        return None
+    try:
+        tier, path, offset, size, checksum, direct = entry
+        b = Backing(str(tier), str(path), int(offset), int(size), str(checksum).lower(), bool(direct))
+    except (ValueError, TypeError) as e:
+        log.warning("unusable lease entry %r: %s", entry, e)
+        return None
+    if b.offset < 0 or b.size <= 0 or len(b.checksum) != 16:
+        return None
+    return b
+
+
+class LeaseClient:
+    """Batched fast-path locations for blocks under ``root`` (a directory in a kvfs mount)."""
+
+    def __init__(self, mount_root: str, root: str, *, ttl: float | None = None):
+        self.root = os.path.realpath(root)
+        self.base = os.path.relpath(self.root, mount_root)
+        self.ttl = ttl
+        self._fd = os.open(os.path.join(mount_root, ".kvfs", "lease"), os.O_RDWR)
+        self._lock = threading.Lock()
+        self._held = False
+
+    @classmethod
+    def open(cls, mount_root: str | None, root: str, **kw) -> "LeaseClient | None":
+        if mount_root is None:
+            return None
+        try:
+            return cls(mount_root, root, **kw)
+        except OSError as e:            # an older daemon without .kvfs/lease
+            log.debug("no lease file under %s: %s", mount_root, e)
+            return None
+
+    def rel(self, path: str) -> str | None:
+        head = self.root + os.sep
+        return path[len(head):] if path.startswith(head) else None
+
+    def acquire(self, rels: list[str]) -> list[Backing | None]:
+        """Lease the leading sealed blocks of ``rels``: one entry per leased block (a prefix
+        of ``rels``; a block past it was not sealed when asked)."""
+        from kvfs.kv.lookup import request, transact
+        head = f"\0ttl {self.ttl}\n" if self.ttl else ""
+        req = head.encode() + request(self.base, rels)
+        with self._lock:
+            raw = transact(self._fd, req)
+            self._held = True
+        try:
+            answer = json.loads(raw)
+            blocks = answer["blocks"]
+            if not isinstance(blocks, list) or len(blocks) > len(rels):
+                raise ValueError("blocks")
+        except (ValueError, KeyError, TypeError) as e:
+            raise OSError(f"bad lease answer {raw[:200]!r}: {e}") from None
+        return [backing_from_list(b) for b in blocks]
+
+    def release(self) -> None:
+        """Give the lease back (writing a new request releases the last one)."""
+        with self._lock:
+            if self._held:
+                os.pwrite(self._fd, b"\0release\n", 0)
+                self._held = False
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)           # closing the fd releases any lease still held
+            self._fd = -1
+
+
+def read_backing_into(b: Backing, head: memoryview, segments: list) -> int:
+    """Read a block object from its backing file straight into ``head`` (its first
+    ``len(head)`` bytes: the header) and ``segments`` (the payload, scattered), then verify
+    the object's xxh3_64. Buffered reads (the RAM tier's tmpfs file, or NVMe without
+    O_DIRECT); returns the bytes read."""
+    fd = os.open(b.path, os.O_RDONLY)
+    try:
+        n = preadv_full(fd, [head, *segments], b.offset)
+    finally:
+        os.close(fd)
+    if n < b.size:
+        raise BlockFormatError(f"{b.path}: short read of backing object ({n} of {b.size} bytes)")
+    h = xxhash.xxh3_64(head)
+    for seg in segments:
+        h.update(seg)
+    got = h.hexdigest()
+    if got != b.checksum:
+        raise ChecksumMismatch(f"{b.path}: xxh3_64 {got} != {b.checksum} ({b.tier} tier)")
+    return n
 
 
 def backing_info(fd: int) -> Backing | None:
@@ -155,12 +276,17 @@ def read_block_file(path: str, mv: memoryview, *, fast_path: bool = True) -> tup
 
 
 class OpenBlock:
-    """A block held open for partial (layer by layer) reads; the mount fd is the lease."""
+    """A block held open for partial (layer by layer) reads; the mount fd (or the lease
+    that handed out ``backing``) keeps its bytes in place."""
 
-    def __init__(self, path: str, *, fast_path: bool = True):
+    def __init__(self, path: str, *, fast_path: bool = True, backing: Backing | None = None):
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        self.backing = backing_info(self.fd) if fast_path else None
+        if backing is not None:
+            self.fd = -1
+            self.backing = backing
+        else:
+            self.fd = os.open(path, os.O_RDONLY)
+            self.backing = backing_info(self.fd) if fast_path else None
         self._bfd = -1
         self.direct = False
         self.base = 0
@@ -171,6 +297,8 @@ class OpenBlock:
             except OSError as e:
                 log.warning("%s: fast path failed (%s); reading through the mount", path, e)
                 self.backing = None
+                if self.fd < 0:
+                    self.fd = os.open(path, os.O_RDONLY)
         self.size = self.backing.size if self.backing else os.fstat(self.fd).st_size
 
     @property

@@ -21,6 +21,7 @@ import torch
 
 from kvfs.kv.hashing import MMInput, PrefixHasher, as_token_list
 from kvfs.kv.layout import BLOCK_SUFFIX, KVLayout, block_path, ensure_namespace
+from kvfs.kv.blockio import LeaseClient
 from kvfs.kv.loader import BlockPlan, Loader, LoadStats
 from kvfs.kv.lookup import PrefixLookup
 from kvfs.kv.writer import BlockWriter, SaveJob, WriterStats
@@ -74,7 +75,9 @@ class KVCache:
         self._lookup = PrefixLookup(self.ns_dir)
         self._writer = BlockWriter(self.ns_dir, self.namespace, layout, self.hasher.algo,
                                    max_pending=max_pending_saves, store_token_ids=store_token_ids)
-        self._loader = Loader(layout, fast_path=fast_path, verify=verify, readers=readers, staging=staging)
+        leases = LeaseClient.open(self._lookup.mount_root, self.ns_dir) if fast_path else None
+        self._loader = Loader(layout, fast_path=fast_path, verify=verify, readers=readers, staging=staging,
+                              leases=leases)
         self._load_lock = threading.Lock()
         self.last_load: LoadStats | None = None
         self._closed = False

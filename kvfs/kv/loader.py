@@ -1,11 +1,18 @@
 """The loader: block files -> page-aligned host staging -> destination tensor (CPU or GPU).
 
-Per block, a reader thread reads the whole file in one go (fast path beside FUSE when the
-daemon offers one, else through the mount) into one of ``staging`` page-aligned buffers and
-verifies it (whole-file xxh3 on the fast path, per-layer xxh3 from the header otherwise);
-the calling thread copies the payload into its slice of the destination (on a CUDA side
-stream when the destination is on a GPU, overlapped with the next reads). Reads release the
-GIL, so reading, hashing and copying overlap on separate cores.
+On a kvfs mount the loader first leases every block of the request in one call to the
+daemon (``.kvfs/lease``: each block's backing file and offset, held in place until released)
+and reads the backing files directly, beside FUSE; blocks without a fast path (the remote
+tier, small objects) and blocks past the leased prefix are read through the mount.
+
+A CPU destination that is contiguous is filled in place: one ``preadv`` per block scatters
+the header into a small buffer and the payload straight into the block's ``2 * num_layers``
+slices of ``out`` (no staging copy), then the block is verified (whole-object xxh3 from the
+lease, or the per-layer xxh3 of the header when read through the mount). Other destinations
+(CUDA, strided) go through ``staging`` page-aligned (pinned) buffers: a reader thread reads
+and verifies a block, the calling thread copies it into the destination (on a CUDA side
+stream, overlapped with the next reads). Reads and hashing release the GIL, so they overlap
+on separate cores.
 
 ``iter_layers`` loads layer by layer instead (all blocks' slice of layer 0, then layer 1,
 ...), yielding each layer as soon as it is in place so compute can start early.
@@ -23,8 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvfs import gpu
-from kvfs.kv.block import BlockInfo, check_header, verify_layers
-from kvfs.kv.blockio import AlignedBuffer, OpenBlock, align_up, read_block_file
+import xxhash
+
+from kvfs.kv.block import BlockInfo, ChecksumMismatch, check_header, verify_layers
+from kvfs.kv.blockio import (PAGE, AlignedBuffer, Backing, LeaseClient, OpenBlock, align_up, preadv_full,
+                             read_backing, read_backing_into, read_block_file)
 from kvfs.kv.format import HEADER_READ, BlockFormatError
 from kvfs.kv.layout import KVLayout
 
@@ -78,11 +88,13 @@ class Loader:
     """Reads blocks of one layout into tensors. Not for concurrent use by several threads."""
 
     def __init__(self, layout: KVLayout, *, fast_path: bool = True, verify: bool = True,
-                 readers: int = 4, staging: int = 8):
+                 readers: int = 4, staging: int = 8, leases: LeaseClient | None = None):
         if readers < 1 or staging < 2:
             raise ValueError("need readers >= 1 and staging >= 2")
         self.layout = layout
         self.fast_path = fast_path
+        self.leases = leases if fast_path else None
+        self._local = threading.local()
         self.verify = verify
         self.readers = readers
         self.n_staging = staging
@@ -108,12 +120,46 @@ class Loader:
         for b in bufs:
             b.close()
 
-    # -- whole blocks ---------------------------------------------------------------------
-    def _read_one(self, plan: BlockPlan, st: _Staging) -> tuple[BlockInfo, str]:
+    # -- leases ---------------------------------------------------------------------------
+    def _lease(self, plans: list[BlockPlan]) -> list[Backing | None]:
+        """Backing locations of the leading blocks, leased in one call (empty: no lease)."""
+        if self.leases is None:
+            return []
+        rels = [self.leases.rel(p.path) for p in plans]
+        if None in rels:
+            return []
         try:
-            n, source = read_block_file(plan.path, st.buf.mv, fast_path=self.fast_path)
-        except FileNotFoundError:
-            raise BlockNotFound(f"block {plan.hash} (tokens ..{plan.tokens}) is not cached: {plan.path}") from None
+            return self.leases.acquire(rels)
+        except OSError as e:
+            log.warning("lease request failed (%s); reading through the mount", e)
+            return []
+
+    def _release(self, leased) -> None:
+        if leased:
+            try:
+                self.leases.release()
+            except OSError as e:
+                log.warning("lease release failed (%s); it expires on its own", e)
+
+    # -- whole blocks ---------------------------------------------------------------------
+    def _not_found(self, plan: BlockPlan) -> BlockNotFound:
+        return BlockNotFound(f"block {plan.hash} (tokens ..{plan.tokens}) is not cached: {plan.path}")
+
+    def _read_one(self, plan: BlockPlan, st: _Staging, backing: Backing | None, xattr: bool) -> tuple[BlockInfo, str]:
+        """Read a whole block into a staging buffer and check it."""
+        n = source = None
+        if backing is not None:
+            try:
+                n, source = read_backing(backing, st.buf.mv), backing.tier
+            except ChecksumMismatch:
+                raise
+            except OSError as e:
+                log.warning("%s: fast path failed (%s); reading through the mount", plan.path, e)
+        if n is None:
+            try:
+                n, source = read_block_file(plan.path, st.buf.mv, fast_path=xattr)
+            except FileNotFoundError:
+                raise self._not_found(plan) from None
         info = check_header(st.buf.mv, path=plan.path, expect_hash=plan.hash, layout=self.layout,
                             expect_tokens=plan.tokens)
         end = info.data_offset + self.layout.block_bytes
@@ -122,6 +168,75 @@ class Loader:
         if source == "mount" and self.verify:
             verify_layers(info, st.buf.mv[info.data_offset:end], self.layout, plan.path)
         return info, source
+
+    def _head(self, size: int) -> memoryview:
+        buf = getattr(self._local, "head", None)
+        if buf is None or buf.size < size:
+            buf = self._local.head = AlignedBuffer(max(size, 2 * HEADER_READ))
+        return buf.mv[:size]
+
+    def _segments(self, out_mv: memoryview, T: int, i: int) -> list[memoryview]:
+        """The byte ranges of block ``i`` in a contiguous ``[L, 2, T, H, D]`` destination."""
+        lay = self.layout
+        tok = lay.num_kv_heads * lay.head_dim * lay.element_size
+        seg = lay.block_tokens * tok
+        first = i * lay.block_tokens * tok
+        return [out_mv[j * T * tok + first:j * T * tok + first + seg] for j in range(2 * lay.num_layers)]
+
+    def _read_in_place(self, plan: BlockPlan, backing: Backing | None, out_mv: memoryview, T: int, i: int) -> str:
+        """Read block ``i`` straight into its slices of the (contiguous, CPU) destination."""
+        lay = self.layout
+        segs = self._segments(out_mv, T, i)
+        if backing is not None:
+            off = backing.size - lay.block_bytes
+            if 8 <= off <= 2 * HEADER_READ and off % PAGE == 0:
+                head = self._head(off)
+                try:
+                    read_backing_into(backing, head, segs)
+                except ChecksumMismatch:
+                    raise
+                except OSError as e:
+                    log.warning("%s: fast path failed (%s); reading through the mount", plan.path, e)
+                else:
+                    info = check_header(head, path=plan.path, expect_hash=plan.hash, layout=lay,
+                                        expect_tokens=plan.tokens)
+                    if info.data_offset != off:
+                        raise BlockFormatError(f"{plan.path}: payload at {info.data_offset}, object size says {off}")
+                    return backing.tier
+        try:
+            fd = os.open(plan.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise self._not_found(plan) from None
+        try:
+            size = os.fstat(fd).st_size
+            off = size - lay.block_bytes
+            if not 8 <= off <= 2 * HEADER_READ:      # say what is wrong with it
+                head = self._head(HEADER_READ)
+                n = preadv_full(fd, [head], 0)
+                info = check_header(head[:n], path=plan.path, expect_hash=plan.hash, layout=lay,
+                                    expect_tokens=plan.tokens)
+                raise BlockFormatError(f"{plan.path}: {size} bytes, expected {info.data_offset + lay.block_bytes}")
+            head = self._head(off)
+            n = preadv_full(fd, [head, *segs], 0)
+        finally:
+            os.close(fd)
+        if n != size:
+            raise BlockFormatError(f"{plan.path}: short read ({n} of {size} bytes)")
+        info = check_header(head, path=plan.path, expect_hash=plan.hash, layout=lay, expect_tokens=plan.tokens)
+        if info.data_offset != off:
+            raise BlockFormatError(f"{plan.path}: payload at {info.data_offset}, file size says {off}")
+        if self.verify:
+            for layer in range(lay.num_layers):
+                h = xxhash.xxh3_64(segs[2 * layer])
+                h.update(segs[2 * layer + 1])
+                if h.hexdigest() != info.checksums[layer]:
+                    raise ChecksumMismatch(f"{plan.path}: layer {layer} checksum {h.hexdigest()} "
+                                           f"!= {info.checksums[layer]}")
+        return "mount"
+
+    @staticmethod
+    def _bytes_of(out: torch.Tensor) -> memoryview:
+        return memoryview(gpu.as_numpy(out).reshape(-1).view("uint8"))
 
     def load_into(self, plans: list[BlockPlan], out: torch.Tensor) -> LoadStats:
         """Fill ``out`` (``[L, 2, len(plans)*B, H, D]``, any device) from the blocks."""
@@ -133,23 +248,46 @@ class Loader:
             return LoadStats(0, 0, 0.0, {})
         with self._lock:
             copier = gpu.DeviceCopier(out.device)
-            bufs = self._staging(pin=copier.cuda)
+            in_place = not copier.cuda and out.device.type == "cpu" and out.is_contiguous()
+            out_mv = self._bytes_of(out) if in_place else None
+            T = out.shape[2]
+            leased = self._lease(plans)
+            # no lease file (a plain directory, an older daemon): try the per-file xattr
+            xattr = self.fast_path and self.leases is None
+
+            def backing(i: int) -> Backing | None:
+                return leased[i] if i < len(leased) else None
+
+            def direct(i: int) -> bool:
+                b = backing(i)
+                return in_place and not xattr and (b is None or not b.direct)
+            bufs = self._staging(pin=copier.cuda) if not all(map(direct, range(len(plans)))) else []
             free = collections.deque(bufs)
+            window = max(len(bufs), 2 * self.readers)
             pending: collections.deque = collections.deque()
             copying: collections.deque = collections.deque()
             nxt = 0
             B = lay.block_tokens
             try:
                 for i in range(len(plans)):
-                    while nxt < len(plans) and (free or copying) and len(pending) < len(bufs):
-                        if not free:
-                            tok, st = copying.popleft()
-                            copier.wait(tok)
-                            free.append(st)
-                        st = free.popleft()
-                        pending.append((self._pool.submit(self._read_one, plans[nxt], st), st))
+                    while nxt < len(plans) and len(pending) < window:
+                        if direct(nxt):
+                            fut = self._pool.submit(self._read_in_place, plans[nxt], backing(nxt), out_mv, T, nxt)
+                            pending.append((fut, None))
+                        else:
+                            if not free:
+                                if not copying:
+                                    break
+                                tok, st = copying.popleft()
+                                copier.wait(tok)
+                                free.append(st)
+                            st = free.popleft()
+                            pending.append((self._pool.submit(self._read_one, plans[nxt], st, backing(nxt), xattr), st))
                         nxt += 1
                     fut, st = pending.popleft()
+                    if st is None:
+                        sources[fut.result()] += 1
+                        continue
                     info, source = fut.result()
                     sources[source] += 1
                     src = st.tensor[info.data_offset:info.data_offset + lay.block_bytes]
@@ -165,6 +303,7 @@ class Loader:
                         pass
                 for tok, st in copying:
                     copier.wait(tok)
+                self._release(leased)
         dt = time.perf_counter() - t0
         return LoadStats(len(plans), len(plans) * lay.block_bytes, dt, dict(sources))
 
@@ -194,7 +333,13 @@ class Loader:
         copier = gpu.DeviceCopier(out.device)
         n, lb = len(plans), lay.layer_bytes
         with self._lock:
-            opened = list(self._pool.map(self._open_checked, plans))
+            leased = self._lease(plans)
+            backings = leased + [None] * (len(plans) - len(leased))
+            try:
+                opened = list(self._pool.map(self._open_checked, plans, backings))
+            except BaseException:
+                self._release(leased)
+                raise
             try:
                 bufs = [_Staging(n * lb, copier.cuda) for _ in range(2)]
                 try:
@@ -205,10 +350,11 @@ class Loader:
             finally:
                 for blk, _ in opened:
                     blk.close()
+                self._release(leased)
 
-    def _open_checked(self, plan: BlockPlan):
+    def _open_checked(self, plan: BlockPlan, backing: Backing | None = None):
         try:
-            blk = OpenBlock(plan.path, fast_path=self.fast_path)
+            blk = OpenBlock(plan.path, fast_path=self.fast_path and self.leases is None, backing=backing)
         except FileNotFoundError:
             raise BlockNotFound(f"block {plan.hash} (tokens ..{plan.tokens}) is not cached: {plan.path}") from None
         try:
@@ -264,5 +410,7 @@ class Loader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        if self.leases is not None:
+            self.leases.close()
         self._free(self._bufs)
         self._bufs = []

@@ -28,6 +28,8 @@ from kvfs.remote.errors import (CommandTimeout, NvmeStatusError, ProtocolError, 
 log = logging.getLogger(__name__)
 
 _RBUF = 256 * 1024
+_LOWAT_MAX = 1 << 20        # receive low-water mark while a large PDU's data is arriving
+_LOWAT_MIN = 16 * 1024       # below this, wake up for any data
 _MAX_TERM_PLEN = 4096
 
 
@@ -82,6 +84,8 @@ class Queue:
         self.inline_writes = 0
         self.bytes_in = 0
         self.bytes_out = 0
+        self.recvs = 0
+        self._lowat = 1
 
     # connection ----------------------------------------------------------
     @classmethod
@@ -298,6 +302,7 @@ class Queue:
                 raise TransportError(f"queue {self.qid}: connection closed by the target")
             self._re += k
             self.bytes_in += k
+            self.recvs += 1
         return self._rview[self._rs:self._rs + n]
 
     def _consume(self, n: int) -> None:
@@ -306,17 +311,38 @@ class Queue:
             self._rs = self._re = 0
 
     async def _recv_into(self, dst: memoryview) -> None:
+        """Receive exactly len(dst) bytes (PDU data) straight into the caller's buffer.
+
+        A target streams a large C2HData PDU in small segments; waking up for each one
+        costs more CPU than the copy. While much of the PDU is still to come, the socket's
+        receive low-water mark asks the kernel to report it readable only once a good
+        part of it has arrived (one wake-up per ``_LOWAT_MAX`` bytes instead of per segment).
+        """
         have = min(self._re - self._rs, len(dst))
         if have:
             dst[:have] = self._rview[self._rs:self._rs + have]
             self._consume(have)
         pos = have
-        while pos < len(dst):
-            k = await self.sock.recv_into(dst[pos:])
-            if k == 0:
-                raise TransportError(f"queue {self.qid}: connection closed by the target mid-PDU")
-            pos += k
-            self.bytes_in += k
+        try:
+            while pos < len(dst):
+                self._set_lowat(min(len(dst) - pos, _LOWAT_MAX))
+                k = await self.sock.recv_into(dst[pos:])
+                if k == 0:
+                    raise TransportError(f"queue {self.qid}: connection closed by the target mid-PDU")
+                pos += k
+                self.bytes_in += k
+                self.recvs += 1
+        finally:
+            self._set_lowat(1)
+
+    def _set_lowat(self, n: int) -> None:
+        n = max(1, n if n >= _LOWAT_MIN else 1)
+        if n != self._lowat and self.sock is not None and self.broken is None:
+            try:
+                self.sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_RCVLOWAT, n)
+                self._lowat = n
+            except OSError:
+                pass
 
     async def _skip(self, n: int) -> None:
         if n:

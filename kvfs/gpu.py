@@ -31,6 +31,22 @@ def device_of(device) -> "object":
     return dev
 
 
+def host_empty(shape, dtype):
+    """An uninitialised CPU tensor whose storage starts on a page boundary (an anonymous
+    mapping): the kernel copies file bytes into page-aligned memory 2-3x faster than into
+    the 64-byte-aligned memory ``torch.empty`` returns. The mapping lives as long as the tensor."""
+    import mmap
+    torch = _torch()
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape)
+
+
 def buffer_address(buf) -> int:
     """Address of a writable buffer (mmap, bytearray)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -68,6 +69,13 @@ class BlockInfo:
     metadata: dict
 
 
+@functools.lru_cache(maxsize=64)
+def _expected(layout: KVLayout) -> tuple[str, dict, dict]:
+    """What a block of ``layout`` carries: its layout JSON and dict, and its tensor entry."""
+    return (layout.to_json(), layout.to_dict(),
+            {"dtype": layout.st_dtype, "shape": list(layout.block_shape()), "data_offsets": [0, layout.block_bytes]})
+
+
 def check_header(first_bytes, *, path: str, expect_hash: str, layout: KVLayout,
                  expect_tokens: int | None = None) -> BlockInfo:
     """Parse and check a block header against what the caller expects; raise BlockFormatError."""
@@ -79,14 +87,15 @@ def check_header(first_bytes, *, path: str, expect_hash: str, layout: KVLayout,
         raise BlockFormatError(f"{path}: holds block {parsed['hash']}, expected {expect_hash}")
     if expect_tokens is not None and parsed["tokens"] != expect_tokens:
         raise BlockFormatError(f"{path}: block ends at token {parsed['tokens']}, expected {expect_tokens}")
-    try:
-        file_layout = json.loads(meta.get("kvfs.layout", ""))
-    except json.JSONDecodeError:
-        raise BlockFormatError(f"{path}: unreadable kvfs.layout") from None
-    if file_layout != layout.to_dict():
-        raise BlockFormatError(f"{path}: layout {file_layout} differs from {layout.to_dict()}")
+    want_json, want_dict, want = _expected(layout)
+    if meta.get("kvfs.layout") != want_json:            # the common case: the same encoding
+        try:
+            file_layout = json.loads(meta.get("kvfs.layout", ""))
+        except json.JSONDecodeError:
+            raise BlockFormatError(f"{path}: unreadable kvfs.layout") from None
+        if file_layout != want_dict:
+            raise BlockFormatError(f"{path}: layout {file_layout} differs from {want_dict}")
     t = parsed["tensors"].get(TENSOR)
-    want = {"dtype": layout.st_dtype, "shape": list(layout.block_shape()), "data_offsets": [0, layout.block_bytes]}
     if t != want:
         raise BlockFormatError(f"{path}: tensor {TENSOR!r} is {t}, expected {want}")
     sums = tuple(meta.get("kvfs.checksums", "").split(","))

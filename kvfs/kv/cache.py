@@ -194,8 +194,12 @@ class KVCache:
         self._check_open()
         plans = self._plans(token_ids, mm_inputs)
         from kvfs import gpu
-        out = torch.empty(self.layout.block_shape(len(plans) * self.layout.block_tokens),
-                          dtype=self.layout.torch_dtype, device=gpu.device_of(device))
+        shape = self.layout.block_shape(len(plans) * self.layout.block_tokens)
+        dev = gpu.device_of(device)
+        if dev.type == "cpu":
+            out = gpu.host_empty(shape, self.layout.torch_dtype)     # page aligned: faster reads
+        else:
+            out = torch.empty(shape, dtype=self.layout.torch_dtype, device=dev)
         self._load(plans, out)
         return out
 

@@ -76,7 +76,7 @@ def _decode_json(first_bytes: bytes) -> dict | None:
         return None
     try:
         # a truncated buffer still parses when only padding spaces were cut off
-        header = json.loads(raw.decode("utf-8").rstrip(" "))
+        header = json.loads(raw)        # trailing padding spaces are JSON whitespace
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
     return header if isinstance(header, dict) else None

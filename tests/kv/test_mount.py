@@ -168,3 +168,75 @@ def test_pressure_keeps_shared_heads_and_drops_tails(kvfs_mount):
     alive_tails = sum(cache.lookup(p) > len(head) for p in prompts)
     assert alive_tails < len(prompts), "nothing was evicted: the test applied no pressure"
     cache.close()
+
+
+# 32 layers x 2 x 16 tokens x 8 heads x 128 x bf16 = 2 MiB per block: RAM objects this big are
+# tmpfs files, so the fast path serves them from shared memory
+LLAMA = kvfs.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, block_tokens=16)
+
+
+def test_lease_fast_path_from_shared_memory(kvfs_mount):
+    m = kvfs_mount(ram="256MiB")
+    cache = kvfs.KVCache(m.path, model="m", layout=LLAMA)
+    toks = _tokens(16 * 6, 11)
+    kv = _kv(LLAMA, len(toks), 12)
+    cache.save(toks, kv, wait=True)
+    got = cache.load(toks)
+    assert torch.equal(got, kv) and cache.last_load.sources == {"ram": 6}
+    assert got.data_ptr() % 4096 == 0                     # load() hands out page-aligned memory
+    part = torch.empty_like(kv[:, :, :80])                # torch's own (not page-aligned) memory
+    cache.load_into(toks[:16 * 5], part)
+    assert cache.last_load.sources == {"ram": 5} and torch.equal(part, kv[:, :, :80])
+    strided = torch.empty(kv.shape[:2] + (96,) + kv.shape[3:], dtype=kv.dtype)[:, :, 16:]
+    cache.load_into(toks[:16 * 5], strided)               # not contiguous: through staging buffers
+    assert cache.last_load.sources == {"ram": 5} and torch.equal(strided, kv[:, :, :80])
+    out = torch.empty_like(kv)
+    assert list(cache.load_layers(toks, out)) == list(range(32)) and torch.equal(out, kv)
+    assert m.stats()["leases"] == 0                       # every load gave its lease back
+    hits = int(os.getxattr(cache.block_paths(toks)[0], "user.kvfs.hits"))
+    assert hits >= 3                                      # a leased block counts a hit, like an open
+    # a damaged shared-memory copy is caught by the loader's checksum, never returned
+    fd = os.open(m.path / ".kvfs" / "lease", os.O_RDWR)
+    try:
+        base = os.path.relpath(cache.ns_dir, m.path)
+        rels = [os.path.relpath(p, cache.ns_dir) for p in cache.block_paths(toks)]
+        os.pwrite(fd, f"\0base {base}\n{rels[2]}\n".encode(), 0)
+        ans = json.loads(os.pread(fd, 1 << 20, 0))
+        tier, path, off, size, checksum, direct = ans["blocks"][0]
+        assert tier == "ram" and path.startswith("/dev/shm/") and not direct
+        assert m.stats()["leases"] == 1
+        with open(path, "r+b") as f:
+            f.seek(off + size - 100)
+            byte = f.read(1)
+            f.seek(off + size - 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    finally:
+        os.close(fd)                                      # closing the descriptor ends the lease
+    assert m.stats()["leases"] == 0
+    with pytest.raises(kvfs.kv.block.ChecksumMismatch):
+        cache.load(toks)
+    cache.close()
+
+
+def test_lease_protocol_through_the_kernel(kvfs_mount):
+    """A request larger than one FUSE write and an answer larger than one FUSE read."""
+    m = kvfs_mount()
+    lay = kvfs.KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=16)
+    cache = kvfs.KVCache(m.path, model="tiny", layout=lay)
+    toks = _tokens(16 * 3000, 13)
+    cache.save(toks, torch.zeros(lay.block_shape(len(toks)), dtype=torch.float16), wait=True)
+    assert cache.lookup(toks) == len(toks)
+    k, tiers = cache.lookup_tiers(toks)
+    assert k == len(toks) and tiers == ["ram"] * 3000
+    from kvfs.kv.blockio import LeaseClient
+    lc = LeaseClient(str(m.path), cache.ns_dir)
+    rels = [lc.rel(p) for p in cache.block_paths(toks)]
+    blocks = lc.acquire(rels)                              # ~210 KiB request, answer 3000 entries
+    assert len(blocks) == 3000 and blocks == [None] * 3000   # small objects: no fast path
+    assert m.stats()["leases"] == 1
+    lc.release()
+    assert m.stats()["leases"] == 0
+    lc.close()
+    os.unlink(cache.block_paths(toks)[1234])
+    assert cache.lookup(toks) == 1234 * 16
+    cache.close()

@@ -382,7 +382,7 @@ def main(argv=None) -> int:
                 if "hf" in parts:
                     phase("hf", bench_hf, m, args.prompt_tokens, args.runs)
         if "nvme" in parts:
-            with Mounted(root, "nvme", ram="40MiB", nvme_size="4GiB", promote_hits=1000000) as m:
+            with Mounted(root, "nvme", ram="8MiB", nvme_size="4GiB", promote_hits=1000000) as m:
                 phase("fast_nvme", bench_loader_tier, m, "nvme", args.blocks, args.runs)
                 phase("fast_nvme_big", bench_loader_tier, m, "nvme", max(2, args.blocks // 8), args.runs, BIG_BLOCKS)
     finally:

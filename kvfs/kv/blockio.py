@@ -188,12 +188,11 @@ class LeaseClient:
             self._fd = -1
 
 
-def read_backing_into(b: Backing, head: memoryview, segments: list) -> int:
+def read_backing_into(b: Backing, head: memoryview, segments: list, *, direct: bool = False) -> int:
     """Read a block object from its backing file straight into ``head`` (its first
     ``len(head)`` bytes: the header) and ``segments`` (the payload, scattered), then verify
-    the object's xxh3_64. Buffered reads (the RAM tier's tmpfs file, or NVMe without
-    O_DIRECT); returns the bytes read."""
-    fd = os.open(b.path, os.O_RDONLY)
+    the object's xxh3_64. ``direct``: O_DIRECT (every buffer page aligned, whole pages)."""
+    fd, _ = open_for_read(b.path, direct)
     try:
         n = preadv_full(fd, [head, *segments], b.offset)
     finally:

@@ -275,6 +275,9 @@ class Loader:
             def backing(i: int) -> Backing | None:
                 return leased[i] if i < len(leased) else None
 
+            # O_DIRECT backings go through staging: one contiguous read per block (scattered
+            # O_DIRECT iovecs become one small disk request each, measured 0.56x)
+
             def direct(i: int) -> bool:
                 b = backing(i)
                 return in_place and not xattr and (b is None or not b.direct)

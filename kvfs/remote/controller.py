@@ -24,6 +24,7 @@ from kvfs.remote.url import RemoteUrl
 log = logging.getLogger(__name__)
 
 ADMIN_DEPTH = 32
+_IO_WINDOW_PER_QUEUE = 4                  # commands one read/write keeps in flight per I/O queue
 _CC_EN = 1 | (6 << 16) | (4 << 20)       # EN, NVM command set, 4 KiB pages, IOSQES 64 B, IOCQES 16 B
 
 
@@ -206,6 +207,10 @@ class Controller:
             await self._one(opcode, lba, view)
             return
         failure: list[BaseException] = []
+        # Bound what one call keeps in flight: every command's timeout runs from its
+        # submission, so a huge transfer queued whole behind a slow target would time out
+        # commands that were merely waiting their turn.
+        window = trio.Semaphore(_IO_WINDOW_PER_QUEUE * len(self.io))
 
         async def part(off: int) -> None:
             try:
@@ -214,9 +219,15 @@ class Controller:
                 if not failure:
                     failure.append(e)
                 nursery.cancel_scope.cancel()
+            finally:
+                window.release()
 
         async with trio.open_nursery() as nursery:
             for off in range(0, len(view), step):
+                await window.acquire()
+                if failure:
+                    window.release()
+                    break
                 nursery.start_soon(part, off)
         if failure:
             raise failure[0]

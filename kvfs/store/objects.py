@@ -29,6 +29,7 @@ from kvfs.store.tier import ObjectInfo, Tier
 log = logging.getLogger(__name__)
 
 _CHUNK_CACHE = 48          # chunks of verified lower-tier bytes shared by readers
+_READ_AHEAD = 2            # chunks fetched ahead of a reader of a lower tier
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -236,9 +237,12 @@ class ObjectStore:
         tier = self._serving_tier(obj)
         cs = obj.chunk_size
         first, last = offset // cs, (end - 1) // cs
-        if last + 1 < len(obj.sums) and (obj.oid, last + 1) not in self._chunks:
-            trio.lowlevel.spawn_system_task(self._prefetch, obj, tier, last + 1)
+        # read ahead: the next chunk alongside this one, the one after once this is in
+        # (a first read is not slowed by more than one competing fetch)
+        self._read_ahead(obj, tier, last + 1)
         parts = [await self._chunk(obj, tier, i) for i in range(first, last + 1)]
+        for i in range(last + 2, last + 1 + _READ_AHEAD):
+            self._read_ahead(obj, tier, i)
         lo = offset - first * cs
         if len(parts) == 1:
             return memoryview(parts[0])[lo:lo + end - offset]
@@ -251,6 +255,11 @@ class ObjectStore:
                     raise TierUnavailable(f"object {obj.oid:x} lives on unavailable tier {t.name}")
                 return t
         raise NoSuchObject(f"object {obj.oid:x} has no copy")
+
+    def _read_ahead(self, obj: Obj, tier: Tier, idx: int) -> None:
+        key = (obj.oid, idx)
+        if idx < len(obj.sums) and key not in self._chunks and key not in self._inflight:
+            trio.lowlevel.spawn_system_task(self._prefetch, obj, tier, idx)
 
     async def _prefetch(self, obj: Obj, tier: Tier, idx: int) -> None:
         try:

@@ -73,11 +73,12 @@ def read_full(fd: int, mv: memoryview, offset: int, length: int) -> int:
     return done
 
 
-def preadv_full(fd: int, bufs: list, offset: int) -> int:
-    """``preadv`` into ``bufs`` until they are full or EOF; returns the bytes read."""
-    total = sum(len(b) for b in bufs)
+def preadv_full(fd: int, bufs: list, offset: int, total: int | None = None) -> int:
+    """``preadv`` into ``bufs`` (``total`` bytes, if known) until full or EOF; returns bytes read."""
+    if total is None:
+        total = sum(len(b) for b in bufs)
     done = os.preadv(fd, bufs, offset)
-    if done in (0, total):
+    if done == total or done == 0:
         return done
     mvs = [memoryview(b).cast("B") for b in bufs]
     while done < total:
@@ -188,20 +189,25 @@ class LeaseClient:
             self._fd = -1
 
 
-def read_backing_into(b: Backing, head: memoryview, segments: list, *, direct: bool = False) -> int:
+def read_backing_into(b: Backing, head: memoryview, pieces: list, sizes: list[int], *,
+                      direct: bool = False) -> int:
     """Read a block object from its backing file straight into ``head`` (its first
-    ``len(head)`` bytes: the header) and ``segments`` (the payload, scattered), then verify
-    the object's xxh3_64. ``direct``: O_DIRECT (every buffer page aligned, whole pages)."""
+    ``len(head)`` bytes: the header) and the payload's scattered destination, given as
+    ``pieces`` (lists of buffers, ``sizes[i]`` bytes each, in file order), then verify the
+    object's xxh3_64. Each piece (~512 KiB) is hashed right after it lands, while it is still
+    in the CPU cache. ``direct``: O_DIRECT (every buffer page aligned, whole pages)."""
     fd, _ = open_for_read(b.path, direct)
     try:
-        n = preadv_full(fd, [head, *segments], b.offset)
+        n = preadv_full(fd, [head], b.offset, len(head))
+        h = xxhash.xxh3_64(head)
+        for part, size in zip(pieces, sizes):
+            n += preadv_full(fd, part, b.offset + n, size)
+            for seg in part:
+                h.update(seg)
     finally:
         os.close(fd)
     if n < b.size:
         raise BlockFormatError(f"{b.path}: short read of backing object ({n} of {b.size} bytes)")
-    h = xxhash.xxh3_64(head)
-    for seg in segments:
-        h.update(seg)
     got = h.hexdigest()
     if got != b.checksum:
         raise ChecksumMismatch(f"{b.path}: xxh3_64 {got} != {b.checksum} ({b.tier} tier)")

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 
 _CHECKED_MAX = 1 << 16
+PIECE = 512 << 10          # in-place reads land and are hashed in pieces of about this size
 
 
 class BlockNotFound(KeyError):
@@ -91,7 +92,7 @@ class Loader:
     """Reads blocks of one layout into tensors. Not for concurrent use by several threads."""
 
     def __init__(self, layout: KVLayout, *, fast_path: bool = True, verify: bool = True,
-                 readers: int = 4, staging: int = 8, leases: LeaseClient | None = None):
+                 readers: int = 4, staging: int = 8, leases: LeaseClient | None = None, shm_readers: int | None = None):
         if readers < 1 or staging < 2:
             raise ValueError("need readers >= 1 and staging >= 2")
         self.layout = layout
@@ -99,6 +100,10 @@ class Loader:
         self.leases = leases if fast_path else None
         self._local = threading.local()
         self._checked: dict = {}        # (object checksum, hash, tokens) of headers checked
+        # blocks in shared memory: a kernel copy and a hash each, memory bound; one reader per CPU
+        self.shm_readers = shm_readers or max(1, min(readers, os.cpu_count() or 1))
+        self._bases: dict[int, list[int]] = {}
+        self._cuts = self._cut_sizes = None
         self.verify = verify
         self.readers = readers
         self.n_staging = staging
@@ -182,10 +187,22 @@ class Loader:
     def _segments(self, out_mv: memoryview, T: int, i: int) -> list[memoryview]:
         """The byte ranges of block ``i`` in a contiguous ``[L, 2, T, H, D]`` destination."""
         lay = self.layout
-        tok = lay.num_kv_heads * lay.head_dim * lay.element_size
-        seg = lay.block_tokens * tok
-        first = i * lay.block_tokens * tok
-        return [out_mv[j * T * tok + first:j * T * tok + first + seg] for j in range(2 * lay.num_layers)]
+        seg = lay.block_tokens * lay.num_kv_heads * lay.head_dim * lay.element_size
+        bases = self._bases.get(T)
+        if bases is None:
+            stride = T * seg // lay.block_tokens
+            bases = self._bases[T] = [j * stride for j in range(2 * lay.num_layers)]
+        first = i * seg
+        return [out_mv[b + first:b + first + seg] for b in bases]
+
+    def _pieces(self, segs: list) -> tuple[list, list[int]]:
+        """``segs`` cut into runs of about PIECE bytes (read, then hashed while cached)."""
+        if self._cuts is None:
+            seg = len(segs[0])
+            per = max(1, PIECE // seg)
+            self._cuts = [(a, min(a + per, len(segs))) for a in range(0, len(segs), per)]
+            self._cut_sizes = [(b - a) * seg for a, b in self._cuts]
+        return [segs[a:b] for a, b in self._cuts], self._cut_sizes
 
     def _read_in_place(self, plan: BlockPlan, backing: Backing | None, out_mv: memoryview, T: int, i: int) -> str:
         """Read block ``i`` straight into its slices of the (contiguous, CPU) destination."""
@@ -196,7 +213,7 @@ class Loader:
             if 8 <= off <= 2 * HEADER_READ and off % PAGE == 0:
                 head = self._head(off)
                 try:
-                    read_backing_into(backing, head, segs)
+                    read_backing_into(backing, head, *self._pieces(segs))
                 except ChecksumMismatch:
                     raise
                 except OSError as e:
@@ -284,11 +301,17 @@ class Loader:
             if all(map(direct, range(len(plans)))):
                 # every block goes straight into out: each reader takes every readers-th block
                 # (one task per reader, not per block: fewer thread handoffs)
+                # Blocks in shared memory are read on this thread: a kernel copy plus a hash per
+                # block is memory bound, and on two vCPUs more threads measured slower. Blocks
+                # read through the mount wait on the daemon, so those take every reader.
                 futs = []
+                shm = len(leased) == len(plans) and all(b is not None for b in leased)
+                n_groups = min(self.shm_readers if shm else self.readers, len(plans))
                 try:
-                    for k in range(min(self.readers, len(plans))):
+                    for k in range(1, n_groups):
                         futs.append(self._pool.submit(self._read_group, plans, backing, out_mv, T,
-                                                      range(k, len(plans), self.readers)))
+                                                      range(k, len(plans), n_groups)))
+                    sources.update(self._read_group(plans, backing, out_mv, T, range(0, len(plans), n_groups)))
                     for f in futs:
                         sources.update(f.result())
                 finally:

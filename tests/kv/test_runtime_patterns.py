@@ -136,9 +136,15 @@ def test_vllm_pattern_is_bounded_by_eviction(kvfs_mount):
     present = [os.path.exists(_vllm_path(root, h)) for h in hashes]
     assert present[-1] and not all(present)        # newest kept, oldest evicted
     assert sum(present) * size <= 20 * 2**20
+    read = 0
     for i in range(n):                             # what exists is whole; no short reads
         if present[i]:
-            assert _vllm_read(root, hashes[i], size, direct=False) == _payload(i, size)
+            # eviction runs in the background until the tiers reach their low watermark: a block
+            # listed a moment ago may be gone now (a miss), but never reads wrong or short
+            got = _vllm_read(root, hashes[i], size, direct=False)
+            assert got is None or got == _payload(i, size)
+            read += got is not None
+    assert read > 0
 
 
 # -- LMCache ------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ class RemoteTier(Tier):
 
     @property
     def available(self) -> bool:
-        return self._loaded and self.vol.available
+        return self._loaded and self.vol.available and not self.refused
 
     # open / load -----------------------------------------------------------
     async def open(self) -> None:
@@ -90,6 +90,9 @@ class RemoteTier(Tier):
         return region // 4096 * 4096
 
     async def _load(self, *, first: bool) -> None:
+        if self.sb is not None:
+            await self._reload()
+            return
         unit0 = max(4096, self.vol.block_size)
         raw = await self.vol.read(0, unit0)
         try:
@@ -101,13 +104,6 @@ class RemoteTier(Tier):
         if sb is not None and sb.owner != self.instance_id and not self.format:
             self._refuse(f"remote volume {self.describe} belongs to kvfs instance {sb.owner!r} "
                          f"(this is {self.instance_id!r}); pass --format-remote to take it over")
-        if self.sb is not None:                       # reconnect: must be the same volume
-            if sb is None or sb.volume_uuid != self.sb.volume_uuid:
-                raise TierUnavailable(f"remote volume {self.describe} changed while disconnected")
-            await self._apply_pending_deletes()
-            self.state = "connected"
-            self._loaded = True
-            return
         if sb is None or (self.format and first):
             sb = await self._format()
         self.sb = sb
@@ -117,6 +113,33 @@ class RemoteTier(Tier):
         self.format = False
         log.info("remote tier on %s: %d objects, %d of %d bytes used", self.describe, self.objects,
                  self.used, self.capacity)
+
+    async def _reload(self) -> None:
+        """After a reconnect: use the volume again only if it is the one we formatted.
+
+        Runs before anything else can see the volume connected (no checkpoint between the
+        connect and this call), and marks the tier unloaded first, so no read or write
+        reaches a namespace that is blank, another instance's, or a different one of ours.
+        A mismatch raises TierUnavailable: the volume drops the connection and keeps
+        retrying with backoff, writing nothing, until the right volume is back.
+        """
+        self._loaded = False
+        unit0 = max(4096, self.vol.block_size)
+        raw = await self.vol.read(0, unit0)
+        try:
+            sb = L.Superblock.unpack(raw)
+        except ValueError as e:
+            sb, why = None, str(e)
+        else:
+            why = f"volume {sb.volume_uuid.hex()} of instance {sb.owner!r}" if sb else "a blank volume"
+        if sb is None or sb.volume_uuid != self.sb.volume_uuid:
+            self.state = "changed"
+            raise TierUnavailable(f"remote volume {self.describe} is not the one this tier uses "
+                                  f"(expected volume {self.sb.volume_uuid.hex()}, found {why}); "
+                                  f"leaving it alone")
+        await self._apply_pending_deletes()
+        self.state = "connected"
+        self._loaded = True
 
     def _refuse(self, msg: str) -> None:
         self.refused = msg
@@ -184,15 +207,20 @@ class RemoteTier(Tier):
         async def reconnected() -> None:
             try:
                 await self._load(first=False)
-            except ConfigError as e:
+            except ConfigError as e:          # a volume that could not be opened at mount time
                 log.error("remote tier refused after reconnect: %s", e)
+            except TierUnavailable as e:
+                log.error("%s", e)
+                raise
         await self.vol.serve(on_reconnect=reconnected)
 
     def current_state(self) -> str:
         if self.refused:
             return "refused"
         if not self.vol.available:
-            return "disconnected" if self.state != "closed" else "closed"
+            if self.state == "closed":
+                return "closed"
+            return "changed" if self.state == "changed" else "disconnected"
         return "connected" if self._loaded else "connecting"
 
     # table writes ------------------------------------------------------------

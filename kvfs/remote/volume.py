@@ -152,8 +152,12 @@ class NvmeTcpVolume(Volume):
         except NvmeStatusError as e:
             self.errors += 1
             self.last_error = str(e)
-            if e.sct == 0 and e.sc in (0x0B, 0x82, 0x0A):     # namespace gone / not ready
-                self._lost(e)
+            # namespace gone or not ready (invalid namespace, namespace not ready, invalid
+            # field), or a path error (a disabled namespace on newer targets): drop the
+            # connection; reconnecting re-identifies the namespace and checks the volume
+            if (e.sct == 0 and e.sc in (0x0B, 0x82, 0x0A)) or e.sct == 3:
+                if self.ctrl is ctrl:
+                    self._lost(e)
             raise TierUnavailable(f"remote {self.url}: {e}") from e
 
     async def read(self, offset: int, length: int) -> memoryview:
@@ -192,20 +196,19 @@ class NvmeTcpVolume(Volume):
                 continue
             try:
                 await self._connect()
-            except NvmeError as e:
+                self.reconnects += 1
+                log.info("remote %s reconnected", self.url)
+                if on_reconnect is not None:
+                    await on_reconnect()
+            except (TierUnavailable, NvmeError) as e:
+                if self.ctrl is not None:       # connected, but the volume is not usable
+                    self._lost(e)
                 self.last_error = str(e)
                 log.debug("reconnect to %s failed: %s (next try in %.1f s)", self.url, e, delay)
                 await trio.sleep(delay * random.uniform(0.8, 1.2))   # backoff between attempts
                 delay = min(delay * 2, self.backoff_max)
                 continue
             delay = self.backoff_min
-            self.reconnects += 1
-            log.info("remote %s reconnected", self.url)
-            if on_reconnect is not None:
-                try:
-                    await on_reconnect()
-                except (TierUnavailable, NvmeError) as e:
-                    self._lost(e)
 
     def status(self) -> dict:
         st = super().status()

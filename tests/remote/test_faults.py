@@ -10,6 +10,7 @@ import trio
 
 from kvfs.errors import NoSuchObject, TierUnavailable
 from nvmet_fixtures import open_tier
+from nvmet_target import SUBNQN
 from test_tier import make_info
 
 pytestmark = pytest.mark.target
@@ -116,6 +117,87 @@ async def test_stalled_target_times_out_then_recovers(fresh_target):
             finally:
                 os.kill(fresh_target.pid, signal.SIGCONT)
             await wait_until(lambda: tier.available, 60, "reconnect after SIGCONT")
+            for o, (lc, d) in objs.items():
+                assert bytes(await tier.read(o, lc, 0, len(d))) == d
+            nursery.cancel_scope.cancel()
+    finally:
+        await tier.close()
+
+
+async def test_namespace_gone_blank_volume_after_restart(fresh_target, tmp_path):
+    """The target comes back exporting a different (blank) namespace: the tier stays
+    unavailable with bounded errors and writes nothing to it; once the right volume is
+    back it reconnects by itself and its objects read back intact."""
+    url = fresh_target.url + f"?timeout={CMD_TIMEOUT}"
+    tier = await open_tier(url, instance_id="nsgone", size="100%")
+    ours = fresh_target.image
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tier.serve)
+            objs = await fill(tier, n=6)
+            fresh_target.kill()
+            blank = tmp_path / "blank.img"
+            fresh_target.image = blank
+            fresh_target.start()
+            await wait_until(lambda: tier.vol.reconnects >= 1 and tier.status()["state"] == "changed", 60,
+                             "a reconnect that finds the wrong volume")
+            seen = tier.vol.reconnects
+            await wait_until(lambda: tier.vol.reconnects > seen, 30, "another try (the tier keeps retrying)")
+            assert not tier.available
+            oid, (loc, data) = next(iter(objs.items()))
+            with trio.fail_after(1):                     # bounded: fails at once, never other bytes
+                with pytest.raises(TierUnavailable):
+                    await tier.read(oid, loc, 0, len(data))
+                with pytest.raises(TierUnavailable):
+                    await tier.put(make_info(99, b"z"), memoryview(b"z"))
+            await tier.delete(oid, loc)                  # queued, not written to the blank volume
+            del objs[oid]
+            st = tier.status()
+            assert st["errors"] >= 1 and "not the one this tier uses" in st["last_error"]
+            fresh_target.kill()
+            with open(blank, "rb") as f:                 # nothing was written to the foreign volume
+                while chunk := f.read(1 << 20):
+                    assert not any(chunk)
+            fresh_target.image = ours
+            fresh_target.start()
+            await wait_until(lambda: tier.available and tier.status()["pending_deletes"] == 0, 60,
+                             "reconnect to the right volume")
+            assert tier.status()["state"] == "connected"
+            for o, (lc, d) in objs.items():
+                assert bytes(await tier.read(o, lc, 0, len(d))) == d
+            with pytest.raises(NoSuchObject):
+                await tier.read(oid, loc, 0, 10)
+            nursery.cancel_scope.cancel()
+    finally:
+        await tier.close()
+
+
+async def test_namespace_disabled_in_configfs_then_enabled(fresh_target):
+    """The namespace is disabled on the running target (the controller stays up): I/O fails
+    with bounded errors, the tier goes unavailable and keeps retrying; re-enabled, it
+    reconnects by itself and its objects read back intact."""
+    url = fresh_target.url + f"?timeout={CMD_TIMEOUT}"
+    enable = f"/sys/kernel/config/nvmet/subsystems/{SUBNQN}/namespaces/1/enable"
+    tier = await open_tier(url, instance_id="nsdisabled", size="100%")
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tier.serve)
+            objs = await fill(tier, n=6)
+            await trio.to_thread.run_sync(fresh_target.guest, f"echo 0 > {enable}")
+            oid, (loc, data) = next(iter(objs.items()))
+            with trio.fail_after(CMD_TIMEOUT * 3):      # never waits past the command timeout
+                with pytest.raises(TierUnavailable):
+                    await tier.read(oid, loc, 0, len(data))
+            await wait_until(lambda: not tier.available, CMD_TIMEOUT * 3, "the tier to go unavailable")
+            errors = tier.status()["errors"]
+            assert errors >= 1
+            for o, (lc, d) in objs.items():
+                with trio.fail_after(1):
+                    with pytest.raises(TierUnavailable):
+                        await tier.read(o, lc, 0, len(d))
+            await trio.to_thread.run_sync(fresh_target.guest, f"echo 1 > {enable}")
+            await wait_until(lambda: tier.available, 60, "reconnect after the namespace is back")
+            assert tier.status()["state"] == "connected" and tier.vol.reconnects >= 1
             for o, (lc, d) in objs.items():
                 assert bytes(await tier.read(o, lc, 0, len(d))) == d
             nursery.cancel_scope.cancel()

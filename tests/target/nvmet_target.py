@@ -38,6 +38,7 @@ SUBNQN = "nqn.2024-01.io.kvfs:target"
 READY = "KVFS-TARGET-READY"
 RAW_STREAM_PORT = 5001     # busybox nc < /dev/zero
 RAW_STREAM_PORT_DD = 5002  # busybox nc -e "dd if=/dev/zero bs=1M" (large writes)
+CONTROL_PORT = 5003        # busybox nc -e /bin/sh: a root shell in the guest, for fault tests
 MODULES = [
     "crct10dif_common", "crct10dif_generic", "crc-t10dif", "crc64", "crc64_rocksoft_generic",
     "crc64-rocksoft", "t10-pi", "crc32c_generic", "configfs", "nvmet", "nvmet-tcp",
@@ -75,6 +76,7 @@ ln -s $S $N/ports/1/subsystems/
 (while true; do nc -l -p __RAWPORT__ < /dev/zero; done) >/dev/null 2>&1 &
 printf '#!/bin/sh\nexec dd if=/dev/zero bs=1M 2>/dev/null\n' > /bin/zero1m; chmod +x /bin/zero1m
 nc -ll -p __RAWPORT2__ -e /bin/zero1m >/dev/null 2>&1 &
+nc -ll -p __CTLPORT__ -e /bin/sh >/dev/null 2>&1 &
 echo __READY__
 while true; do sleep 3600; done
 """
@@ -144,7 +146,7 @@ def ensure_initramfs(cache: Path | None = None) -> Path:
     vmlinuz, moddir = ensure_kernel(cache)
     init = (INIT.replace("__MODULES__", " ".join(MODULES)).replace("__SUBNQN__", SUBNQN)
             .replace("__READY__", READY).replace("__RAWPORT__", str(RAW_STREAM_PORT))
-            .replace("__RAWPORT2__", str(RAW_STREAM_PORT_DD)))
+            .replace("__RAWPORT2__", str(RAW_STREAM_PORT_DD)).replace("__CTLPORT__", str(CONTROL_PORT)))
     stamp = f"{vmlinuz.name}:{zlib.crc32(init.encode()):08x}"   # stable across processes
     out = cache / "initramfs.cpio"
     stampfile = cache / "initramfs.stamp"
@@ -188,6 +190,7 @@ class Target:
     port: int = 0
     raw_port: int = 0
     raw_port_dd: int = 0
+    control_port: int = 0
     workdir: Path | None = None
     memory_mb: int = 512
     cpus: int = 1
@@ -200,6 +203,7 @@ class Target:
         self.port = self.port or free_port()
         self.raw_port = self.raw_port or free_port()
         self.raw_port_dd = self.raw_port_dd or free_port()
+        self.control_port = self.control_port or free_port()
 
     @property
     def url(self) -> str:
@@ -231,7 +235,8 @@ class Target:
             "-drive", f"file={self.image},format=raw,if=virtio,cache=writeback,discard=unmap",
             "-netdev", (f"user,id=n0,hostfwd=tcp:127.0.0.1:{self.port}-:4420,"
                         f"hostfwd=tcp:127.0.0.1:{self.raw_port}-:{RAW_STREAM_PORT},"
-                        f"hostfwd=tcp:127.0.0.1:{self.raw_port_dd}-:{RAW_STREAM_PORT_DD}"),
+                        f"hostfwd=tcp:127.0.0.1:{self.raw_port_dd}-:{RAW_STREAM_PORT_DD},"
+                        f"hostfwd=tcp:127.0.0.1:{self.control_port}-:{CONTROL_PORT}"),
             "-device", "virtio-net-pci,netdev=n0",
             "-no-reboot",
         ]
@@ -268,6 +273,38 @@ class Target:
 
     def alive(self) -> bool:
         return bool(self.proc and self.proc.poll() is None)
+
+    def guest(self, command: str, timeout: float = 30.0) -> str:
+        """Run a shell command in the guest (as root) and return its output.
+
+        Used by fault tests to change the target under a connected initiator, e.g. to
+        disable the namespace in configfs. Retried while the guest's listener restarts.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.control_port), timeout=timeout) as s:
+                    s.settimeout(max(1.0, deadline - time.monotonic()))
+                    s.sendall(f"{command}\necho __KVFS_DONE__ $?\nexit\n".encode())
+                    out = b""
+                    while b"__KVFS_DONE__" not in out or not out.endswith(b"\n"):
+                        chunk = s.recv(65536)
+                        if not chunk:
+                            break
+                        out += chunk
+            except OSError as e:
+                out, err = b"", e
+            else:
+                err = None
+            text = out.decode(errors="replace")
+            if "__KVFS_DONE__" in text:
+                body, _, rc = text.rpartition("__KVFS_DONE__")
+                if rc.strip() != "0":
+                    raise RuntimeError(f"guest command {command!r} failed ({rc.strip()}): {body.strip()}")
+                return body
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer from the guest shell within {timeout} s ({err or 'no output'})")
+            time.sleep(0.1)   # the guest's nc is between connections; nothing to wait on from here
 
 
 def main(argv: list[str] | None = None) -> int:

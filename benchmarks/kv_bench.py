@@ -304,7 +304,8 @@ def bench_hf(mount: Mounted, prompt_tokens: int, runs: int) -> dict:
            "reuse_load_s": r.load_seconds, "reuse_compute_s": r.compute_seconds,
            "speedup": t_recompute / t_reuse, "load_vs_recompute_prefix": r.load_seconds / t_recompute,
            "max_abs_logit_diff": float((r.logits - full).abs().max()),
-           "same_next_token": int(r.logits.argmax()) == int(full.argmax())}
+           "same_next_token": int(r.logits.argmax()) == int(full.argmax()),
+           "load_sources": dict(cache.last_load.sources) if cache.last_load else {}}
     cache.close()
     return out
 

@@ -481,13 +481,8 @@ class Cache:
         """The sealed objects of the leading ``paths`` (relative to ``base``, itself relative
         to the root) that are sealed regular files; the first path that is not ends the prefix.
         One index read transaction; sealed-ness comes from memory, not from inode records."""
-        sealed = self.ns.sealed
-
-        def accept(ino: int) -> Obj | None:
-            obj = sealed.get(ino)
-            return None if obj is None or obj.dead else obj
         comps = [c for c in base.split(b"/") if c and c != b"."]
-        return self.index.resolve_prefix(comps, [p.strip(b"/") for p in paths], accept)
+        return self.index.resolve_prefix(comps, [p.strip(b"/") for p in paths], self.ns.sealed)
 
     def lookup_paths(self, paths: list, base: bytes = b"") -> dict:
         """How many leading paths exist as sealed files (one call for a prefix chain)."""

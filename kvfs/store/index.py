@@ -140,6 +140,8 @@ class Index:
         """Resolve ``paths`` (``/``-separated, relative to the directory ``base``, a list of
         components from the root) in order, in one read txn, until the first that is missing
         or that ``accept(ino)`` turns down (returns None). Returns the accepted values.
+        ``accept`` may also be a dict ino -> object (a miss, or an object whose ``dead`` is
+        set, ends the prefix): the common case, without a Python call per path.
 
         Directories met on the way are resolved once per call (chains of KV blocks share a
         namespace directory and 256 shard directories).
@@ -157,6 +159,7 @@ class Index:
             base_key = k64(ino)
             dirents = self.dirents
             unpack = _U64.unpack_from
+            sealed = accept if isinstance(accept, dict) else None
             for p in paths:
                 cut = p.rfind(b"/")
                 if cut < 0:
@@ -169,7 +172,7 @@ class Index:
                         for c in d.split(b"/"):
                             if not c or c == b".":
                                 continue
-                            raw = get(parent_key + c, db=dirents)
+                            raw = get(parent_key + c, None, dirents)
                             if raw is None:
                                 parent_key = None
                                 break
@@ -178,12 +181,17 @@ class Index:
                     if parent_key is None:
                         break
                     name = p[cut + 1:]
-                raw = get(parent_key + name, db=dirents)
+                raw = get(parent_key + name, None, dirents)
                 if raw is None:
                     break
-                v = accept(unpack(raw)[0])
-                if v is None:
-                    break
+                if sealed is not None:
+                    v = sealed.get(unpack(raw)[0])
+                    if v is None or v.dead:
+                        break
+                else:
+                    v = accept(unpack(raw)[0])
+                    if v is None:
+                        break
                 out.append(v)
         return out
 

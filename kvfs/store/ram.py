@@ -123,7 +123,7 @@ class RamTier(Tier):
         entry = self._maps.get(oid)
         if entry is None or not isinstance(entry[0], mmap.mmap):
             return None
-        return {"path": str(self._path(oid)), "offset": 0, "direct": False}
+        return {"path": f"{self.dir}/{oid:016x}", "offset": 0, "direct": False}
 
     def new_staging(self) -> "Staging":
         return Staging(self, self.staging_dir / f"w{next(self._seq):x}")

@@ -23,6 +23,7 @@ _COLUMNS = [  # (key, header, formatter)
     ("bytes_read", "bytes read", human), ("bytes_written", "bytes written", human),
     ("demotions", "demotions", str), ("promotions", "promotions", str),
     ("evictions", "evictions", str), ("checksum_failures", "checksum failures", str),
+    ("errors", "errors", str), ("state", "state", str), ("reconnects", "reconnects", str),
 ]
 
 
@@ -57,6 +58,10 @@ def stat_cmd(mountpoint, as_json):
             row.append(cell)
         table.add_row(header, *row)
     stdout.print(table)
+    for name in names:
+        t = tiers[name] or {}
+        if t.get("last_error"):
+            stdout.print(f"{name} last error: {t['last_error']}", markup=False)
     extras = {k: v for k, v in data.items()
               if k not in ("tiers", "pid", "mountpoint", "time", "started")
               and not isinstance(v, (dict, list))}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import run_kvfs, wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.target]
 
@@ -121,6 +121,8 @@ def test_forty_files_on_remote_target_killed_and_restarted(kvfs_mount, fresh_tar
           f"{len(failed)} remote files failed")
     st = remote_state(m)
     assert st["state"] == "disconnected" and st["errors"] >= 1 and not st["available"]
+    shown = run_kvfs("stat", m.path)                    # state and errors for the operator
+    assert shown.returncode == 0 and "disconnected" in shown.stdout and "remote last error" in shown.stdout
     # the mount keeps serving what lives above the remote tier
     for p in files:
         if tiers[p] in ("ram", "nvme"):

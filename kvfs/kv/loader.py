@@ -169,14 +169,28 @@ class Loader:
                 n, source = read_block_file(plan.path, st.buf.mv, fast_path=xattr)
             except FileNotFoundError:
                 raise self._not_found(plan) from None
-        info = check_header(st.buf.mv, path=plan.path, expect_hash=plan.hash, layout=self.layout,
-                            expect_tokens=plan.tokens)
+        key = (backing.checksum, plan.hash, plan.tokens) if backing is not None and source == backing.tier else None
+        info = self._checked.get(key) if key else None
+        if info is None:
+            info = check_header(st.buf.mv, path=plan.path, expect_hash=plan.hash, layout=self.layout,
+                                expect_tokens=plan.tokens)
+            if key:
+                self._remember(key, info)
         end = info.data_offset + self.layout.block_bytes
         if n != end:
             raise BlockFormatError(f"{plan.path}: {n} bytes, expected {end}")
         if source == "mount" and self.verify:
             verify_layers(info, st.buf.mv[info.data_offset:end], self.layout, plan.path)
         return info, source
+
+    def _remember(self, key, info: BlockInfo) -> None:
+        """Remember a checked header under the (verified) object checksum it came with."""
+        self._checked[key] = info
+        if len(self._checked) > _CHECKED_MAX:
+            try:
+                self._checked.pop(next(iter(self._checked)), None)
+            except (RuntimeError, StopIteration):      # another reader changed it meanwhile
+                pass
 
     def _head(self, size: int) -> memoryview:
         buf = getattr(self._local, "head", None)
@@ -227,9 +241,7 @@ class Loader:
                                             expect_tokens=plan.tokens)
                         if info.data_offset != off:
                             raise BlockFormatError(f"{plan.path}: payload at {info.data_offset}, object size says {off}")
-                        self._checked[key] = None
-                        if len(self._checked) > _CHECKED_MAX:
-                            self._checked.pop(next(iter(self._checked)))
+                        self._remember(key, info)
                     return backing.tier
         try:
             fd = os.open(plan.path, os.O_RDONLY)

@@ -4,9 +4,9 @@
 40 files of 4 MiB (temp then rename, as runtimes write them) do not fit in RAM and
 local NVMe, so some are demoted to the remote volume and report
 ``user.kvfs.tier = remote``; all read back intact. Then the target VM is killed:
-reading every file finishes within 30 s in total, RAM and NVMe files intact, remote
-ones EIO or missing (or intact, when the bytes are still cached above the tier) —
-never other bytes. The target restarts on the same image: the tier reconnects by
+reads of remote files in flight end with the right bytes or EIO; then reading every
+file finishes within 30 s in total, RAM and NVMe files intact, remote ones EIO or
+missing (or intact, when the bytes are still cached above the tier) — never other bytes. The target restarts on the same image: the tier reconnects by
 itself and the remote files read back intact.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +68,12 @@ def read_outcome(path: Path) -> bytes | int:
         return e.errno
 
 
+def cold_pread(fd: int) -> bytes:
+    """The whole file through an open descriptor, its cached pages dropped first."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    return os.pread(fd, 8 * MiB, 0)
+
+
 def settled(m) -> bool:
     """No background demotion, eviction or promotion is running or queued, and RAM and NVMe
     are at or below the high watermark (90 %), where the daemon leaves them alone."""
@@ -91,16 +98,50 @@ def test_forty_files_on_remote_target_killed_and_restarted(kvfs_mount, fresh_tar
              "some files to report user.kvfs.tier = remote")
     wait_for(lambda: settled(m), 120, "background demotion to settle")
     tiers = {p: tier_of(p) for p in files}
+    held: dict[Path, int] = {}         # remote files stay open: reread without a second open
     for p, i in files.items():
-        assert read_outcome(p) == content(i), p
+        if tiers[p] == "remote":
+            held[p] = os.open(p, os.O_RDONLY)
+            assert cold_pread(held[p]) == content(i), p
+        else:
+            assert read_outcome(p) == content(i), p
     assert set(tiers.values()) <= {"ram", "nvme", "remote"}
-    assert "remote" in tiers.values()
+    assert held
     st = remote_state(m)
     assert st["state"] == "connected" and st["objects"] >= 1
 
-    # kill the target: every read finishes within the bound, with the right bytes or EIO/ENOENT
+    # kill the target while remote files are being read: those reads end with the right
+    # bytes or EIO, none hangs
     assert {p: tier_of(p) for p in files} == tiers, "files moved between tiers while idle"
-    fresh_target.kill()
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            for p, fd in held.items():
+                try:
+                    ok = cold_pread(fd) == content(files[p])
+                    seen.append("ok" if ok else f"other bytes from {p}")
+                except OSError as e:
+                    seen.append(errno.errorcode.get(e.errno, str(e.errno)))
+                if stop.is_set():
+                    return
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: seen.count("ok") >= len(held), 120, "a pass of reads before the kill")
+        fresh_target.kill()
+        wait_for(lambda: seen.count("EIO") >= 3, KILLED_READ_BOUND, "reads in flight to fail with EIO")
+    finally:
+        stop.set()
+        t.join(KILLED_READ_BOUND)
+    assert not t.is_alive(), "a read of a remote file hung after the target was killed"
+    assert set(seen) <= {"ok", "EIO"}, sorted(set(seen))
+    for fd in held.values():
+        os.close(fd)
+
+    # with the target down, every read finishes within the bound, with the right bytes or EIO/ENOENT
     t0 = time.monotonic()
     outcome = {p: read_outcome(p) for p in files}
     elapsed = time.monotonic() - t0

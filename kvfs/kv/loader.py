@@ -304,18 +304,17 @@ class Loader:
             def backing(i: int) -> Backing | None:
                 return leased[i] if i < len(leased) else None
 
-            # O_DIRECT backings go through staging: one contiguous read per block (scattered
-            # O_DIRECT iovecs become one small disk request each, measured 0.56x)
-
             def direct(i: int) -> bool:
+                # O_DIRECT backings go through staging: one contiguous read per block (scattered
+                # O_DIRECT iovecs became one small disk request each: measured 0.56x)
                 b = backing(i)
                 return in_place and not xattr and (b is None or not b.direct)
             if all(map(direct, range(len(plans)))):
-                # every block goes straight into out: each reader takes every readers-th block
-                # (one task per reader, not per block: fewer thread handoffs)
-                # Blocks in shared memory are read on this thread: a kernel copy plus a hash per
-                # block is memory bound, and on two vCPUs more threads measured slower. Blocks
-                # read through the mount wait on the daemon, so those take every reader.
+                # Every block goes straight into out. The blocks are dealt round-robin to a few
+                # groups, one task per group (not per block: fewer thread handoffs), the calling
+                # thread taking the first. Blocks in shared memory (a kernel copy and a hash each,
+                # memory bound) use one group per CPU: more measured slower on two vCPUs. Blocks
+                # read through the mount wait on the daemon, so those use every reader.
                 futs = []
                 shm = len(leased) == len(plans) and all(b is not None for b in leased)
                 n_groups = min(self.shm_readers if shm else self.readers, len(plans))

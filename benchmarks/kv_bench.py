@@ -339,7 +339,7 @@ def bench_hf(mount: Mounted, prompt_tokens: int, runs: int) -> dict:
 
 
 def report(res: dict) -> str:
-    lines = ["## KV layer (benchmarks/kv_bench.py)", ""]
+    lines = ["### One run of benchmarks/kv_bench.py", ""]
     meta = res.get("meta")
     if meta:
         lines += [f"Measured {meta['date']} on {meta['cpus']} CPUs, kernel {meta['kernel']}, Python {meta['python']}, "

@@ -192,6 +192,17 @@ class Loader:
             except (RuntimeError, StopIteration):      # another reader changed it meanwhile
                 pass
 
+    def _read_copy(self, plan: BlockPlan, st: _Staging, backing: Backing | None, xattr: bool,
+                   out: torch.Tensor, i: int, copier) -> str:
+        """Read a block into staging, check it and copy it into block ``i`` of a CPU ``out``."""
+        info, source = self._read_one(plan, st, backing, xattr)
+        lay = self.layout
+        src = st.tensor[info.data_offset:info.data_offset + lay.block_bytes]
+        src = src.view(lay.torch_dtype).view(lay.block_shape())
+        B = lay.block_tokens
+        copier.copy(out[:, :, i * B:(i + 1) * B], src)
+        return source
+
     def _head(self, size: int) -> memoryview:
         buf = getattr(self._local, "head", None)
         if buf is None or buf.size < size:
@@ -355,11 +366,21 @@ class Loader:
                                 copier.wait(tok)
                                 free.append(st)
                             st = free.popleft()
-                            pending.append((self._pool.submit(self._read_one, plans[nxt], st, backing(nxt), xattr), st))
+                            if copier.cuda:
+                                fut = self._pool.submit(self._read_one, plans[nxt], st, backing(nxt), xattr)
+                                pending.append((fut, st))
+                            else:     # the reader copies too (numpy, without the GIL): copies in parallel
+                                fut = self._pool.submit(self._read_copy, plans[nxt], st, backing(nxt), xattr,
+                                                        out, nxt, copier)
+                                pending.append((fut, (st,)))
                         nxt += 1
                     fut, st = pending.popleft()
                     if st is None:
                         sources[fut.result()] += 1
+                        continue
+                    if isinstance(st, tuple):
+                        sources[fut.result()] += 1
+                        free.append(st[0])
                         continue
                     info, source = fut.result()
                     sources[source] += 1
@@ -369,7 +390,7 @@ class Loader:
                     copying.append((tok, st))
                 copier.finish()
             finally:
-                for fut, st in pending:   # an error: let in-flight reads finish before reuse
+                for fut, _ in pending:    # an error: let in-flight reads finish before reuse
                     try:
                         fut.result()
                     except BaseException:

@@ -299,7 +299,7 @@ def mount_bench(url: str, workdir: Path, nbytes: int, runs: int) -> dict:
     _cleanups.append(teardown)
     try:
         size = 4 * MiB
-        n = max(8, nbytes // size)
+        n = max(24, nbytes // size)       # 96 MiB at least: more than RAM + NVMe hold
         rnd = random.Random(1)
         blobs = [rnd.randbytes(size) for _ in range(4)]
         files = [mnt / f"m{i // 16:02d}" / f"blk{i:05d}.bin" for i in range(n)]

@@ -143,6 +143,7 @@ class LeaseClient:
         self._fd = os.open(os.path.join(mount_root, ".kvfs", "lease"), os.O_RDWR)
         self._lock = threading.Lock()
         self._held = False
+        self.generation = 0            # counts leases acquired on this descriptor
 
     @classmethod
     def open(cls, mount_root: str | None, root: str, **kw) -> "LeaseClient | None":
@@ -165,8 +166,9 @@ class LeaseClient:
         head = f"\0ttl {self.ttl}\n" if self.ttl else ""
         req = head.encode() + request(self.base, rels)
         with self._lock:
-            raw = transact(self._fd, req)
+            raw = transact(self._fd, req)      # (this request also ends the previous lease)
             self._held = True
+            self.generation += 1
         try:
             answer = json.loads(raw)
             blocks = answer["blocks"]
@@ -176,10 +178,11 @@ class LeaseClient:
             raise OSError(f"bad lease answer {raw[:200]!r}: {e}") from None
         return [backing_from_list(b) for b in blocks]
 
-    def release(self) -> None:
-        """Give the lease back (writing a new request releases the last one)."""
+    def release(self, generation: int | None = None) -> None:
+        """Give the lease back (writing a new request releases the last one). With
+        ``generation``, only that lease: a later ``acquire`` has already ended it."""
         with self._lock:
-            if self._held:
+            if self._held and (generation is None or generation == self.generation):
                 os.pwrite(self._fd, b"\0release\n", 0)
                 self._held = False
 

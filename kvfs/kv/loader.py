@@ -143,12 +143,21 @@ class Loader:
             log.warning("lease request failed (%s); reading through the mount", e)
             return []
 
-    def _release(self, leased) -> None:
-        if leased:
-            try:
-                self.leases.release()
-            except OSError as e:
-                log.warning("lease release failed (%s); it expires on its own", e)
+    def _release(self, leased, *, wait: bool = True) -> None:
+        """End the lease. ``wait=False``: on a reader thread, off the caller's critical path
+        (a later lease on the descriptor ends it anyway; only this generation is released)."""
+        if not leased:
+            return
+        if not wait:
+            self._pool.submit(self._release_quietly, self.leases.generation)
+            return
+        self._release_quietly(None)
+
+    def _release_quietly(self, generation) -> None:
+        try:
+            self.leases.release(generation)
+        except OSError as e:
+            log.warning("lease release failed (%s); it expires on its own", e)
 
     # -- whole blocks ---------------------------------------------------------------------
     def _not_found(self, plan: BlockPlan) -> BlockNotFound:
@@ -342,7 +351,7 @@ class Loader:
                             f.result()
                         except BaseException:
                             pass
-                    self._release(leased)
+                    self._release(leased, wait=False)
                 dt = time.perf_counter() - t0
                 return LoadStats(len(plans), len(plans) * lay.block_bytes, dt, dict(sources))
             bufs = self._staging(pin=copier.cuda)
@@ -397,7 +406,7 @@ class Loader:
                         pass
                 for tok, st in copying:
                     copier.wait(tok)
-                self._release(leased)
+                self._release(leased, wait=False)
         dt = time.perf_counter() - t0
         return LoadStats(len(plans), len(plans) * lay.block_bytes, dt, dict(sources))
 

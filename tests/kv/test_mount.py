@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -231,6 +232,10 @@ def test_lease_fast_path_from_shared_memory(kvfs_mount):
             f.write(bytes([byte[0] ^ 0xFF]))
     finally:
         os.close(fd)                                      # closing the descriptor ends the lease
+    # the kernel sends FUSE_RELEASE after close(2) returns: poll with a deadline
+    deadline = time.monotonic() + 30
+    while m.stats()["leases"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert m.stats()["leases"] == 0
     with pytest.raises(kvfs.kv.block.ChecksumMismatch):
         cache.load(toks)
@@ -253,7 +258,12 @@ def test_lease_protocol_through_the_kernel(kvfs_mount):
     blocks = lc.acquire(rels)                              # ~210 KiB request, answer 3000 entries
     assert len(blocks) == 3000 and blocks == [None] * 3000   # small objects: no fast path
     assert m.stats()["leases"] == 1
-    lc.release()
+    old = lc.generation
+    lc.acquire(rels[:10])                                  # a new lease ends the previous one
+    assert m.stats()["leases"] == 1
+    lc.release(old)                                        # a late release of the old one: no-op
+    assert m.stats()["leases"] == 1
+    lc.release(lc.generation)
     assert m.stats()["leases"] == 0
     lc.close()
     os.unlink(cache.block_paths(toks)[1234])

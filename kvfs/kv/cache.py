@@ -12,6 +12,7 @@ Works on a kvfs mount (one-call lookups, fast-path loads) and on any plain direc
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -19,7 +20,9 @@ import threading
 
 import torch
 
-from kvfs.kv.hashing import MMInput, PrefixHasher, as_token_list
+import xxhash
+
+from kvfs.kv.hashing import MMInput, PrefixHasher, as_token_list, token_array
 from kvfs.kv.layout import BLOCK_SUFFIX, KVLayout, block_path, ensure_namespace
 from kvfs.kv.blockio import LeaseClient
 from kvfs.kv.loader import BlockPlan, Loader, LoadStats
@@ -27,6 +30,8 @@ from kvfs.kv.lookup import PrefixLookup
 from kvfs.kv.writer import BlockWriter, SaveJob, WriterStats
 
 log = logging.getLogger(__name__)
+
+_CHAIN_MEMO = 64       # prompts whose block hashes a KVCache remembers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +86,37 @@ class KVCache:
         self._load_lock = threading.Lock()
         self.last_load: LoadStats | None = None
         self._closed = False
+        self._chains: collections.OrderedDict = collections.OrderedDict()
+        self._chain_lock = threading.Lock()
 
     # -- naming ---------------------------------------------------------------------------
+    def _chain(self, token_ids, mm_inputs) -> list:
+        """``[hex hashes, relative names or None]`` of a prompt, memoised per prompt: a prompt is
+        typically looked up, saved and loaded, and hashing it (even from the per-block memo)
+        costs more than the daemon's answer. Keyed by xxh3-128 of the validated token ids."""
+        arr = token_array(token_ids)
+        key = (xxhash.xxh3_128_digest(arr), tuple(mm_inputs))
+        with self._chain_lock:
+            entry = self._chains.get(key)
+            if entry is not None:
+                self._chains.move_to_end(key)
+                return entry
+        entry = [self.hasher.hex_hashes(arr, mm_inputs=mm_inputs), None]
+        with self._chain_lock:
+            self._chains[key] = entry
+            while len(self._chains) > _CHAIN_MEMO:
+                self._chains.popitem(last=False)
+        return entry
+
+    def _chain_rels(self, token_ids, mm_inputs) -> list[str]:
+        entry = self._chain(token_ids, mm_inputs)
+        if entry[1] is None:
+            entry[1] = self._rels(entry[0])
+        return entry[1]
+
     def block_hashes(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> list[str]:
         """Hex hashes of every whole block of ``token_ids`` (chain order)."""
-        return self.hasher.hex_hashes(token_ids, mm_inputs=mm_inputs)
+        return list(self._chain(token_ids, mm_inputs)[0])
 
     def block_paths(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> list[str]:
         return [block_path(self.ns_dir, h) for h in self.block_hashes(token_ids, mm_inputs=mm_inputs)]
@@ -104,13 +135,12 @@ class KVCache:
     def lookup(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> int:
         """Tokens in the longest cached prefix of ``token_ids`` (a multiple of block_tokens)."""
         self._check_open()
-        rels = self._rels(self.block_hashes(token_ids, mm_inputs=mm_inputs))
-        return self._lookup.prefix_rel(rels) * self.layout.block_tokens
+        return self._lookup.prefix_rel(self._chain_rels(token_ids, mm_inputs)) * self.layout.block_tokens
 
     def lookup_tiers(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> tuple[int, list[str]]:
         """``(tokens, tiers)``: like ``lookup``, plus the tier of each cached block (on a mount)."""
         self._check_open()
-        k, tiers = self._lookup.tiers_rel(self._rels(self.block_hashes(token_ids, mm_inputs=mm_inputs)))
+        k, tiers = self._lookup.tiers_rel(self._chain_rels(token_ids, mm_inputs))
         return k * self.layout.block_tokens, tiers
 
     # -- save -----------------------------------------------------------------------------

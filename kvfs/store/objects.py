@@ -29,7 +29,7 @@ from kvfs.store.tier import ObjectInfo, Tier
 log = logging.getLogger(__name__)
 
 _CHUNK_CACHE = 48          # chunks of verified lower-tier bytes shared by readers
-_READ_AHEAD = 2            # chunks fetched ahead of a reader of a lower tier
+_READ_AHEAD = 4            # chunks fetched ahead of a reader of a lower tier (A/B on NVMe: 1: 0.55-0.60x, 2: 0.51-0.68x, 4: 0.65-0.84x O_DIRECT)
 
 
 @dataclasses.dataclass(eq=False, slots=True)

@@ -25,6 +25,17 @@ async def wait_until(pred, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+async def back_intact(tier, objs, deleted, what: str):
+    """The tier reconnects (its queued delete applied), every object in ``objs`` reads back
+    intact and the ``deleted`` (oid, location) is gone."""
+    await wait_until(lambda: tier.available and tier.status()["pending_deletes"] == 0, 60, what)
+    assert tier.status()["state"] == "connected"
+    for o, (lc, d) in objs.items():
+        assert bytes(await tier.read(o, lc, 0, len(d))) == d
+    with pytest.raises(NoSuchObject):
+        await tier.read(*deleted, 0, 10)
+
+
 async def fill(tier, n=16, size=1 << 20):
     rnd = random.Random(7)
     objs = {}
@@ -81,14 +92,8 @@ async def test_kill_during_reads_then_restart(fresh_target):
 
             fresh_target.start()
             # the queued delete is applied just after the tier reports itself available
-            await wait_until(lambda: tier.available and tier.status()["pending_deletes"] == 0, 60,
-                             "reconnect after restart and the queued delete applied")
-            st = tier.status()
-            assert st["reconnects"] >= 1 and st["pending_deletes"] == 0 and st["state"] == "connected"
-            for o, (lc, d) in objs.items():
-                assert bytes(await tier.read(o, lc, 0, len(d))) == d
-            with pytest.raises(NoSuchObject):
-                await tier.read(oid, loc, 0, 10)
+            await back_intact(tier, objs, (oid, loc), "reconnect after restart and the queued delete applied")
+            assert tier.status()["reconnects"] >= 1
             nursery.cancel_scope.cancel()
     finally:
         await tier.close()
@@ -160,13 +165,7 @@ async def test_namespace_gone_blank_volume_after_restart(fresh_target, tmp_path)
                     assert not any(chunk)
             fresh_target.image = ours
             fresh_target.start()
-            await wait_until(lambda: tier.available and tier.status()["pending_deletes"] == 0, 60,
-                             "reconnect to the right volume")
-            assert tier.status()["state"] == "connected"
-            for o, (lc, d) in objs.items():
-                assert bytes(await tier.read(o, lc, 0, len(d))) == d
-            with pytest.raises(NoSuchObject):
-                await tier.read(oid, loc, 0, 10)
+            await back_intact(tier, objs, (oid, loc), "reconnect to the right volume")
             nursery.cancel_scope.cancel()
     finally:
         await tier.close()

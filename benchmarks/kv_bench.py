@@ -134,7 +134,7 @@ def bench_lookup(mount_path: Path, tmpfs: Path, runs: int) -> dict:
         t = toks[:16 * n] + [7] * 8                   # a prompt a little longer than the chain
         c = caches["mount"]
         paths = c.block_paths(t)
-        rels = c._rels(c.block_hashes(t))
+        rels = c._chain_rels(t, ())
         assert c.lookup(t) == 16 * n and stat_on_mount.prefix(paths) == n and c._lookup.prefix_rel(rels) == n
         reps = runs * 20
 

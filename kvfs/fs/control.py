@@ -28,6 +28,8 @@ import time
 
 import pyfuse3
 
+from kvfs.store.cache import LEASE_TTL
+
 log = logging.getLogger(__name__)
 
 CTRL_DIR = 0xFFFF_FFFF_FFFF_0000
@@ -37,7 +39,6 @@ LEASE = CTRL_DIR + 3
 FILES = {b"stats": STATS, b"lookup": LOOKUP, b"lease": LEASE}
 CONTROL_NAME_B = b".kvfs"
 _MAX_REQUEST = 16 << 20
-LEASE_TTL = 30.0
 
 
 def is_control(ino: int) -> bool:
@@ -129,7 +130,7 @@ class Control:
             objs += got
             if len(got) < len(paths):
                 break
-        return self.cache._answer(objs)
+        return self.cache.prefix_answer(objs)
 
     async def read(self, h: ControlHandle, off: int, size: int) -> bytes:
         if h.answer is None and h.ino in (LOOKUP, LEASE):

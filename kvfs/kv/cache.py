@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from kvfs.kv.hashing import MMInput, PrefixHasher, as_token_list, token_array
-from kvfs.kv.layout import BLOCK_SUFFIX, KVLayout, block_path, ensure_namespace
+from kvfs.kv.layout import KVLayout, block_path, block_relpath, ensure_namespace
 from kvfs.kv.blockio import LeaseClient
 from kvfs.kv.loader import BlockPlan, Loader, LoadStats
 from kvfs.kv.lookup import PrefixLookup
@@ -111,7 +111,7 @@ class KVCache:
     def _chain_rels(self, token_ids, mm_inputs) -> list[str]:
         entry = self._chain(token_ids, mm_inputs)
         if entry[1] is None:
-            entry[1] = self._rels(entry[0])
+            entry[1] = [block_relpath(h) for h in entry[0]]
         return entry[1]
 
     def block_hashes(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> list[str]:
@@ -120,11 +120,6 @@ class KVCache:
 
     def block_paths(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> list[str]:
         return [block_path(self.ns_dir, h) for h in self.block_hashes(token_ids, mm_inputs=mm_inputs)]
-
-    @staticmethod
-    def _rels(hashes: list[str]) -> list[str]:
-        """``<h[:2]>/<h>.kv`` of each hash (relative to the namespace directory)."""
-        return [f"{h[:2]}/{h}{BLOCK_SUFFIX}" for h in hashes]
 
     @property
     def one_call_lookup(self) -> bool:
@@ -157,7 +152,7 @@ class KVCache:
         self._check_kv(kv, len(tokens))
         hashes = self.block_hashes(tokens, mm_inputs=mm_inputs)
         n = len(hashes)
-        present = self._lookup.prefix_rel(self._rels(hashes))
+        present = self._lookup.prefix_rel(self._chain_rels(tokens, mm_inputs))
         if present == n:
             return SaveResult(n, n, 0, 0)
         m = n - present

@@ -100,7 +100,7 @@ class PrefixLookup:
             return 0
         if self._fd >= 0:
             try:
-                return self._prefix_control(paths)
+                return self._query(paths)[0]
             except OSError as e:
                 log.warning("lookup control file failed (%s); falling back to stat", e)
         return self._prefix_stat(paths)
@@ -136,7 +136,6 @@ class PrefixLookup:
         return self._send(request("", [os.path.relpath(p, self.mount_root) for p in paths]), len(paths))
 
     def _send(self, req: bytes, n: int) -> tuple[int, list]:
-        paths = range(n)
         with self._lock:
             raw = transact(self._fd, req)
         try:
@@ -144,12 +143,9 @@ class PrefixLookup:
             k = int(answer["prefix"])
         except (ValueError, KeyError, TypeError) as e:
             raise OSError(f"bad lookup answer {raw[:200]!r}: {e}") from None
-        if not 0 <= k <= len(paths):
-            raise OSError(f"lookup answered prefix {k} for {len(paths)} paths")
+        if not 0 <= k <= n:
+            raise OSError(f"lookup answered prefix {k} for {n} paths")
         return k, list(answer.get("tiers", []))
-
-    def _prefix_control(self, paths: list[str]) -> int:
-        return self._query(paths)[0]
 
     @staticmethod
     def _prefix_stat(paths: list[str]) -> int:

@@ -93,10 +93,8 @@ class RemoteTier(Tier):
         if self.sb is not None:
             await self._reload()
             return
-        unit0 = max(4096, self.vol.block_size)
-        raw = await self.vol.read(0, unit0)
         try:
-            sb = L.Superblock.unpack(raw)
+            sb = await self._read_superblock()
         except ValueError as e:
             if not self.format:
                 self._refuse(f"remote volume {self.describe}: {e}; pass --format-remote to format it")
@@ -114,6 +112,10 @@ class RemoteTier(Tier):
         log.info("remote tier on %s: %d objects, %d of %d bytes used", self.describe, self.objects,
                  self.used, self.capacity)
 
+    async def _read_superblock(self) -> "L.Superblock | None":
+        """The volume's superblock; None when blank, ValueError when not ours or damaged."""
+        return L.Superblock.unpack(await self.vol.read(0, max(4096, self.vol.block_size)))
+
     async def _reload(self) -> None:
         """After a reconnect: use the volume again only if it is the one we formatted.
 
@@ -124,10 +126,8 @@ class RemoteTier(Tier):
         retrying with backoff, writing nothing, until the right volume is back.
         """
         self._loaded = False
-        unit0 = max(4096, self.vol.block_size)
-        raw = await self.vol.read(0, unit0)
         try:
-            sb = L.Superblock.unpack(raw)
+            sb = await self._read_superblock()
         except ValueError as e:
             sb, why = None, str(e)
         else:

@@ -484,12 +484,8 @@ class Cache:
         comps = [c for c in base.split(b"/") if c and c != b"."]
         return self.index.resolve_prefix(comps, [p.strip(b"/") for p in paths], self.ns.sealed)
 
-    def lookup_paths(self, paths: list, base: bytes = b"") -> dict:
-        """How many leading paths exist as sealed files (one call for a prefix chain)."""
-        paths = [p if isinstance(p, bytes) else p.encode("utf-8", "surrogateescape") for p in paths]
-        return self._answer(self.prefix_objects(paths, base))
-
-    def _answer(self, objs: list[Obj]) -> dict:
+    def prefix_answer(self, objs: list[Obj]) -> dict:
+        """The lookup answer for the leading sealed objects of a chain: count and top tiers."""
         top = self.store.top_tier
         return {"prefix": len(objs), "tiers": [top(o) for o in objs]}
 
@@ -510,7 +506,7 @@ class Cache:
             blocks.append(None if b is None else
                           [b["tier"], b["path"], b["offset"], b["size"], b["checksum"], bool(b.get("direct"))])
         self.leases[lease.id] = lease
-        answer = self._answer(objs)
+        answer = self.prefix_answer(objs)
         answer.update(lease=lease.id, ttl=ttl, blocks=blocks)
         return answer
 

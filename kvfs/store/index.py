@@ -121,27 +121,11 @@ class Index:
             raw = txn.get(k64(parent) + name, db=self.dirents)
         return _U64x2.unpack(raw)[0] if raw is not None else None
 
-    def lookup_many(self, paths: list[list[bytes]]) -> list[int | None]:
-        """Resolve many paths (lists of components from the root) in one read txn."""
-        out: list[int | None] = []
-        with self.env.begin() as txn:
-            for comps in paths:
-                ino: int | None = ROOT_INO
-                for c in comps:
-                    raw = txn.get(k64(ino) + c, db=self.dirents)
-                    if raw is None:
-                        ino = None
-                        break
-                    ino = _U64x2.unpack(raw)[0]
-                out.append(ino)
-        return out
-
-    def resolve_prefix(self, base: list[bytes], paths: list[bytes], accept) -> list:
+    def resolve_prefix(self, base: list[bytes], paths: list[bytes], sealed: dict) -> list:
         """Resolve ``paths`` (``/``-separated, relative to the directory ``base``, a list of
-        components from the root) in order, in one read txn, until the first that is missing
-        or that ``accept(ino)`` turns down (returns None). Returns the accepted values.
-        ``accept`` may also be a dict ino -> object (a miss, or an object whose ``dead`` is
-        set, ends the prefix): the common case, without a Python call per path.
+        components from the root) in order, in one read txn, and map each inode through
+        ``sealed`` (ino -> object) until the first that is missing, not in ``sealed``, or
+        whose object is ``dead``. Returns the objects of the leading paths.
 
         Directories met on the way are resolved once per call (chains of KV blocks share a
         namespace directory and 256 shard directories).
@@ -159,7 +143,6 @@ class Index:
             base_key = k64(ino)
             dirents = self.dirents
             unpack = _U64.unpack_from
-            sealed = accept if isinstance(accept, dict) else None
             for p in paths:
                 cut = p.rfind(b"/")
                 if cut < 0:
@@ -184,14 +167,9 @@ class Index:
                 raw = get(parent_key + name, None, dirents)
                 if raw is None:
                     break
-                if sealed is not None:
-                    v = sealed.get(unpack(raw)[0])
-                    if v is None or v.dead:
-                        break
-                else:
-                    v = accept(unpack(raw)[0])
-                    if v is None:
-                        break
+                v = sealed.get(unpack(raw)[0])
+                if v is None or v.dead:
+                    break
                 out.append(v)
         return out
 

@@ -36,8 +36,8 @@ class RamTier(Tier):
         self.staged = 0                      # bytes held by write buffers (part of used)
         self._seq = itertools.count()
 
-    def _path(self, oid: int) -> Path:
-        return self.dir / f"{oid:016x}"
+    def _path(self, oid: int) -> str:
+        return f"{self.dir}/{oid:016x}"
 
     async def open(self) -> None:
         # whatever a crashed daemon left here is volatile and gone by definition
@@ -123,7 +123,7 @@ class RamTier(Tier):
         entry = self._maps.get(oid)
         if entry is None or not isinstance(entry[0], mmap.mmap):
             return None
-        return {"path": f"{self.dir}/{oid:016x}", "offset": 0, "direct": False}
+        return {"path": self._path(oid), "offset": 0, "direct": False}
 
     def new_staging(self) -> "Staging":
         return Staging(self, self.staging_dir / f"w{next(self._seq):x}")

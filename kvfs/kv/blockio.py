@@ -192,18 +192,71 @@ class LeaseClient:
             self._fd = -1
 
 
-def read_backing_into(b: Backing, head: memoryview, pieces: list, sizes: list[int], *,
-                      direct: bool = False) -> int:
+class VerifiedObjects:
+    """Shared-memory objects this process has hashed and found intact, by file identity.
+
+    A RAM-tier object is a tmpfs file the daemon never changes once sealed. After the loader
+    has read one and its xxh3 matched, later reads of the same file skip the hash while the
+    file is provably the one verified: same path, offset, size and daemon checksum, and the
+    same device, inode, size, mtime and ctime (a write or truncate through the file API
+    changes them; an unlinked and recreated object is another inode). What this trusts is
+    what the page cache trusts: bytes in memory are not re-hashed on every read. Objects
+    read from a lower tier (NVMe with O_DIRECT) are always hashed."""
+
+    def __init__(self, limit: int = 1 << 16):
+        self.limit = limit
+        self._keys: dict = {}
+
+    @staticmethod
+    def key(b: Backing, st: os.stat_result) -> tuple:
+        return (b.path, b.offset, b.size, b.checksum, st.st_dev, st.st_ino, st.st_size,
+                st.st_mtime_ns, st.st_ctime_ns)
+
+    def __contains__(self, key) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key) -> None:
+        self._keys[key] = None
+        if len(self._keys) > self.limit:
+            try:
+                self._keys.pop(next(iter(self._keys)), None)
+            except (RuntimeError, StopIteration):      # another reader changed it meanwhile
+                pass
+
+    def clear(self) -> None:
+        self._keys.clear()
+
+
+def _mismatch(b: Backing, got: str) -> ChecksumMismatch:
+    return ChecksumMismatch(f"{b.path}: xxh3_64 {got} != {b.checksum} ({b.tier} tier)")
+
+
+def read_backing_into(b: Backing, head: memoryview, segs: list, cuts: list[tuple[int, int, int]], *,
+                      direct: bool = False, verified: VerifiedObjects | None = None) -> int:
     """Read a block object from its backing file straight into ``head`` (its first
-    ``len(head)`` bytes: the header) and the payload's scattered destination, given as
-    ``pieces`` (lists of buffers, ``sizes[i]`` bytes each, in file order), then verify the
-    object's xxh3_64. Each piece (~512 KiB) is hashed right after it lands, while it is still
-    in the CPU cache. ``direct``: O_DIRECT (every buffer page aligned, whole pages)."""
+    ``len(head)`` bytes: the header) and the payload's scattered destination ``segs``
+    (buffers in file order), then verify the object's xxh3_64. ``cuts`` groups ``segs`` into
+    pieces ``(first, end, nbytes)`` of ~512 KiB: each piece is hashed right after it lands,
+    while it is still in the CPU cache. ``direct``: O_DIRECT (every buffer page aligned,
+    whole pages). ``verified``: skip the hash of a shared-memory object already verified
+    unchanged (one ``preadv`` for the whole object); record it once verified."""
     fd, _ = open_for_read(b.path, direct)
     try:
+        key = None
+        if verified is not None:
+            key = verified.key(b, os.fstat(fd))
+            if key in verified:
+                n = preadv_full(fd, [head, *segs], b.offset, b.size)
+                if n < b.size:
+                    raise BlockFormatError(f"{b.path}: short read of backing object ({n} of {b.size} bytes)")
+                return n
         n = preadv_full(fd, [head], b.offset, len(head))
         h = xxhash.xxh3_64(head)
-        for part, size in zip(pieces, sizes):
+        for first, end, size in cuts:
+            part = segs[first:end]
             n += preadv_full(fd, part, b.offset + n, size)
             for seg in part:
                 h.update(seg)
@@ -213,7 +266,9 @@ def read_backing_into(b: Backing, head: memoryview, pieces: list, sizes: list[in
         raise BlockFormatError(f"{b.path}: short read of backing object ({n} of {b.size} bytes)")
     got = h.hexdigest()
     if got != b.checksum:
-        raise ChecksumMismatch(f"{b.path}: xxh3_64 {got} != {b.checksum} ({b.tier} tier)")
+        raise _mismatch(b, got)
+    if key is not None:
+        verified.add(key)
     return n
 
 
@@ -236,13 +291,17 @@ def backing_info(fd: int) -> Backing | None:
     return b
 
 
-def read_backing(b: Backing, mv: memoryview) -> int:
-    """Read the whole object from its backing location into ``mv`` and verify its checksum."""
+def read_backing(b: Backing, mv: memoryview, *, verified: VerifiedObjects | None = None) -> int:
+    """Read the whole object from its backing location into ``mv`` and verify its checksum
+    (``verified``: as for ``read_backing_into``)."""
     if align_up(b.size) > len(mv):
         raise BlockFormatError(f"{b.path}: backing object of {b.size} bytes exceeds the {len(mv)}-byte buffer")
     direct = b.direct and b.offset % PAGE == 0
     fd, direct = open_for_read(b.path, direct)
+    key = None
     try:
+        if verified is not None and not direct:
+            key = verified.key(b, os.fstat(fd))
         if direct:
             n = read_full(fd, mv, b.offset, align_up(b.size))
         else:
@@ -251,9 +310,13 @@ def read_backing(b: Backing, mv: memoryview) -> int:
         os.close(fd)
     if n < b.size:
         raise BlockFormatError(f"{b.path}: short read of backing object ({n} of {b.size} bytes)")
+    if key is not None and key in verified:
+        return b.size
     got = f"{xxhash.xxh3_64_intdigest(mv[:b.size]):016x}"
     if got != b.checksum:
-        raise ChecksumMismatch(f"{b.path}: xxh3_64 {got} != {b.checksum} ({b.tier} tier)")
+        raise _mismatch(b, got)
+    if key is not None:
+        verified.add(key)
     return b.size
 
 

@@ -61,15 +61,20 @@ class KVCache:
     blocks to an adapter; ``hash_algo`` is ``"sha256_cbor"`` (default) or ``"xxhash_cbor"``.
     ``save_timeout`` bounds how long ``save`` may block when the writer is backed up (the save
     is dropped after that; ``None`` waits). ``fast_path`` uses the daemon's backing files;
-    ``verify`` checks layer checksums of blocks read through the mount.
+    ``verify`` checks layer checksums of blocks read through the mount. Fast-path reads always
+    check the object's xxh3; ``verify_shm="once"`` (default) hashes a RAM-tier object in shared
+    memory the first time and trusts it while its tmpfs file is unchanged, ``"always"`` hashes
+    it on every load.
     """
 
     def __init__(self, root: str | os.PathLike, model: str, layout: KVLayout, cache_salt: str | None = None, *,
                  lora_name: str | None = None, hash_algo: str = "sha256_cbor", save_timeout: float | None = 1.0,
                  max_pending_saves: int = 64, store_token_ids: bool = True, fast_path: bool = True,
-                 verify: bool = True, readers: int = 4, staging: int = 8):
+                 verify: bool = True, verify_shm: str = "once", readers: int = 4, staging: int = 8):
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a kvfs.KVLayout, got {type(layout).__name__}")
+        if verify_shm not in ("once", "always"):
+            raise ValueError(f"verify_shm must be 'once' or 'always', got {verify_shm!r}")
         self.root = os.fspath(root)
         self.model = model
         self.layout = layout
@@ -81,8 +86,8 @@ class KVCache:
         self._writer = BlockWriter(self.ns_dir, self.namespace, layout, self.hasher.algo,
                                    max_pending=max_pending_saves, store_token_ids=store_token_ids)
         leases = LeaseClient.open(self._lookup.mount_root, self.ns_dir) if fast_path else None
-        self._loader = Loader(layout, fast_path=fast_path, verify=verify, readers=readers, staging=staging,
-                              leases=leases)
+        self._loader = Loader(layout, fast_path=fast_path, verify=verify, verify_shm=verify_shm, readers=readers,
+                              staging=staging, leases=leases)
         self._load_lock = threading.Lock()
         self.last_load: LoadStats | None = None
         self._closed = False

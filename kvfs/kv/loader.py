@@ -33,8 +33,8 @@ from kvfs import gpu
 import xxhash
 
 from kvfs.kv.block import BlockInfo, ChecksumMismatch, check_header, verify_layers
-from kvfs.kv.blockio import (PAGE, AlignedBuffer, Backing, LeaseClient, OpenBlock, align_up, preadv_full,
-                             read_backing, read_backing_into, read_block_file)
+from kvfs.kv.blockio import (PAGE, AlignedBuffer, Backing, LeaseClient, OpenBlock, VerifiedObjects, align_up,
+                             preadv_full, read_backing, read_backing_into, read_block_file)
 from kvfs.kv.format import HEADER_READ, BlockFormatError
 from kvfs.kv.layout import KVLayout
 
@@ -92,9 +92,15 @@ class Loader:
     """Reads blocks of one layout into tensors. Not for concurrent use by several threads."""
 
     def __init__(self, layout: KVLayout, *, fast_path: bool = True, verify: bool = True,
-                 readers: int = 4, staging: int = 8, leases: LeaseClient | None = None, shm_readers: int | None = None):
+                 verify_shm: str = "once", readers: int = 4, staging: int = 8, leases: LeaseClient | None = None,
+                 shm_readers: int | None = None):
         if readers < 1 or staging < 2:
             raise ValueError("need readers >= 1 and staging >= 2")
+        if verify_shm not in ("once", "always"):
+            raise ValueError(f"verify_shm must be 'once' or 'always', got {verify_shm!r}")
+        # shared-memory (RAM tier) objects: hashed the first time, then trusted while their
+        # tmpfs file is unchanged ("once"), or hashed on every read ("always")
+        self.verified = VerifiedObjects() if verify_shm == "once" else None
         self.layout = layout
         self.fast_path = fast_path
         self.leases = leases if fast_path else None
@@ -103,7 +109,7 @@ class Loader:
         # blocks in shared memory: a kernel copy and a hash each, memory bound; one reader per CPU
         self.shm_readers = shm_readers or max(1, min(readers, os.cpu_count() or 1))
         self._bases: dict[int, list[int]] = {}
-        self._cuts = self._cut_sizes = None
+        self._cut_list = None
         self.verify = verify
         self.readers = readers
         self.n_staging = staging
@@ -159,6 +165,11 @@ class Loader:
         except OSError as e:
             log.warning("lease release failed (%s); it expires on its own", e)
 
+    def _verified(self, b: Backing) -> VerifiedObjects | None:
+        """The verified-object set that applies to ``b``: shared memory only (never a file
+        read from a device)."""
+        return self.verified if b.tier == "ram" and not b.direct else None
+
     # -- whole blocks ---------------------------------------------------------------------
     def _not_found(self, plan: BlockPlan) -> BlockNotFound:
         return BlockNotFound(f"block {plan.hash} (tokens ..{plan.tokens}) is not cached: {plan.path}")
@@ -168,7 +179,7 @@ class Loader:
         n = source = None
         if backing is not None:
             try:
-                n, source = read_backing(backing, st.buf.mv), backing.tier
+                n, source = read_backing(backing, st.buf.mv, verified=self._verified(backing)), backing.tier
             except ChecksumMismatch:
                 raise
             except OSError as e:
@@ -224,19 +235,23 @@ class Loader:
         seg = lay.block_tokens * lay.num_kv_heads * lay.head_dim * lay.element_size
         bases = self._bases.get(T)
         if bases is None:
+            if len(self._bases) >= 64:          # one entry per destination length seen
+                self._bases.clear()
             stride = T * seg // lay.block_tokens
             bases = self._bases[T] = [j * stride for j in range(2 * lay.num_layers)]
         first = i * seg
         return [out_mv[b + first:b + first + seg] for b in bases]
 
-    def _pieces(self, segs: list) -> tuple[list, list[int]]:
-        """``segs`` cut into runs of about PIECE bytes (read, then hashed while cached)."""
-        if self._cuts is None:
-            seg = len(segs[0])
+    def _cuts(self) -> list[tuple[int, int, int]]:
+        """The block's ``2 * num_layers`` segments cut into pieces of about PIECE bytes (read,
+        then hashed while cached): ``(first, end, nbytes)``."""
+        if self._cut_list is None:
+            lay = self.layout
+            seg = lay.block_tokens * lay.num_kv_heads * lay.head_dim * lay.element_size
+            n = 2 * lay.num_layers
             per = max(1, PIECE // seg)
-            self._cuts = [(a, min(a + per, len(segs))) for a in range(0, len(segs), per)]
-            self._cut_sizes = [(b - a) * seg for a, b in self._cuts]
-        return [segs[a:b] for a, b in self._cuts], self._cut_sizes
+            self._cut_list = [(a, min(a + per, n), (min(a + per, n) - a) * seg) for a in range(0, n, per)]
+        return self._cut_list
 
     def _read_in_place(self, plan: BlockPlan, backing: Backing | None, out_mv: memoryview, T: int, i: int) -> str:
         """Read block ``i`` straight into its slices of the (contiguous, CPU) destination."""
@@ -247,7 +262,7 @@ class Loader:
             if 8 <= off <= 2 * HEADER_READ and off % PAGE == 0:
                 head = self._head(off)
                 try:
-                    read_backing_into(backing, head, *self._pieces(segs))
+                    read_backing_into(backing, head, segs, self._cuts(), verified=self._verified(backing))
                 except ChecksumMismatch:
                     raise
                 except OSError as e:

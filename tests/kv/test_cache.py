@@ -258,3 +258,45 @@ def test_bad_arguments(cache):
     cache.close()
     with pytest.raises(RuntimeError, match="closed"):
         cache.lookup(toks)
+
+
+def test_shared_memory_object_verified_once_until_its_file_changes(tmp_path):
+    """``verify_shm="once"``: a RAM-tier object is hashed the first time it is read and trusted
+    afterwards only while its tmpfs file is the same (inode, size, mtime, ctime)."""
+    from kvfs.kv.blockio import AlignedBuffer, Backing, VerifiedObjects, read_backing, read_backing_into
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    path = os.path.join(shm, f"kvfs-test-verified-{os.getpid()}")
+    data = bytes(range(256)) * 64                     # 4 KiB header + 12 KiB payload
+    with open(path, "wb") as f:
+        f.write(data)
+    try:
+        good = Backing("ram", path, 0, len(data), f"{xxhash.xxh3_64_intdigest(data):016x}", False)
+        head, body = AlignedBuffer(4096), AlignedBuffer(3 * 4096)
+        segs = [body.mv[i * 4096:(i + 1) * 4096] for i in range(3)]
+        cuts = [(0, 2, 8192), (2, 3, 4096)]
+        seen = VerifiedObjects()
+        assert read_backing_into(good, head.mv, segs, cuts, verified=seen) == len(data)
+        assert bytes(head.mv) + bytes(body.mv) == data and len(seen) == 1
+        # trusted while unchanged: one read, no hash (a wrong checksum recorded as verified
+        # is not noticed -- which is what "trusted" means)
+        wrong = Backing("ram", path, 0, len(data), "0123456789abcdef", False)
+        with open(path, "rb") as f:
+            seen.add(VerifiedObjects.key(wrong, os.fstat(f.fileno())))
+        assert read_backing_into(wrong, head.mv, segs, cuts, verified=seen) == len(data)
+        # any write through the file API changes its times: hashed again, the damage caught
+        with open(path, "r+b") as f:
+            f.seek(5000)
+            f.write(b"\xff")
+        with pytest.raises(ChecksumMismatch, match="ram tier"):
+            read_backing_into(good, head.mv, segs, cuts, verified=seen)
+        with pytest.raises(ChecksumMismatch):
+            read_backing(good, AlignedBuffer(len(data)).mv, verified=seen)
+        # without the set every read is hashed
+        with pytest.raises(ChecksumMismatch):
+            read_backing_into(wrong, head.mv, segs, cuts)
+    finally:
+        os.unlink(path)
+    with pytest.raises(ValueError, match="verify_shm"):
+        kvfs.KVCache(tmp_path, model="m", layout=LAYOUT, verify_shm="sometimes")
+    with kvfs.KVCache(tmp_path, model="m", layout=LAYOUT, verify_shm="always") as c:
+        assert c._loader.verified is None

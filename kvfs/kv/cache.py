@@ -96,9 +96,10 @@ class KVCache:
 
     # -- naming ---------------------------------------------------------------------------
     def _chain(self, token_ids, mm_inputs) -> list:
-        """``[hex hashes, relative names or None]`` of a prompt, memoised per prompt: a prompt is
-        typically looked up, saved and loaded, and hashing it (even from the per-block memo)
-        costs more than the daemon's answer. Keyed by xxh3-128 of the validated token ids."""
+        """``[hex hashes, relative names, load plans]`` of a prompt (the last two built when first
+        needed), memoised per prompt: a prompt is typically looked up, saved and loaded, and
+        hashing it (even from the per-block memo) costs more than the daemon's answer. Keyed by
+        xxh3-128 of the validated token ids."""
         arr = token_array(token_ids)
         key = (xxhash.xxh3_128_digest(arr), tuple(mm_inputs))
         with self._chain_lock:
@@ -106,7 +107,7 @@ class KVCache:
             if entry is not None:
                 self._chains.move_to_end(key)
                 return entry
-        entry = [self.hasher.hex_hashes(arr, mm_inputs=mm_inputs), None]
+        entry = [self.hasher.hex_hashes(arr, mm_inputs=mm_inputs), None, None]
         with self._chain_lock:
             self._chains[key] = entry
             while len(self._chains) > _CHAIN_MEMO:
@@ -207,13 +208,14 @@ class KVCache:
 
     # -- load -----------------------------------------------------------------------------
     def _plans(self, token_ids, mm_inputs) -> list[BlockPlan]:
-        tokens = as_token_list(token_ids)
-        B = self.layout.block_tokens
-        if len(tokens) % B:
-            raise ValueError(f"load needs whole blocks: {len(tokens)} tokens is not a multiple of {B} "
+        entry = self._chain(token_ids, mm_inputs)         # validates the token ids
+        n, B = len(token_ids), self.layout.block_tokens
+        if n % B:
+            raise ValueError(f"load needs whole blocks: {n} tokens is not a multiple of {B} "
                              "(use the count lookup() returns)")
-        hashes = self.block_hashes(tokens, mm_inputs=mm_inputs)
-        return [BlockPlan(block_path(self.ns_dir, h), h, (i + 1) * B) for i, h in enumerate(hashes)]
+        if entry[2] is None:
+            entry[2] = [BlockPlan(block_path(self.ns_dir, h), h, (i + 1) * B) for i, h in enumerate(entry[0])]
+        return entry[2]
 
     def load(self, token_ids, device="cpu", *, mm_inputs: tuple[MMInput, ...] = ()) -> torch.Tensor:
         """The KV of ``token_ids`` (whole blocks, all cached) as ``[L, 2, tokens, H, D]``.

@@ -62,6 +62,10 @@ def attrs(ino: int) -> pyfuse3.EntryAttributes:
     return a
 
 
+def _json(doc) -> bytes:
+    return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+
+
 class ControlHandle:
     """Per-open state of a control file: a snapshot (stats) or a request/answer."""
 
@@ -137,11 +141,11 @@ class Control:
             raw, h.request = bytes(h.request), bytearray()
             groups, opts = parse_request(raw)
             if h.ino == LOOKUP:
-                answer = self._lookup_answer(groups)
+                h.answer = _json(self._lookup_answer(groups))
             else:
                 await self.release(h)
                 if b"release" in opts:
-                    answer = {"released": True}
+                    h.answer = _json({"released": True})
                 else:
                     try:
                         ttl = float(opts.get(b"ttl") or LEASE_TTL)
@@ -150,9 +154,7 @@ class Control:
                     if len(groups) > 1:
                         raise pyfuse3.FUSEError(errno.EINVAL)     # one base per lease
                     base, paths = groups[0] if groups else (b"", [])
-                    answer = self.cache.grant_lease(paths, base, ttl)
-                    h.lease = answer["lease"]
-            h.answer = (json.dumps(answer, separators=(",", ":")) + "\n").encode()
+                    h.lease, h.answer = self.cache.grant_lease(paths, base, ttl)
         return (h.answer or b"")[off:off + size]
 
     async def write(self, h: ControlHandle, off: int, buf: bytes) -> int:

@@ -35,6 +35,7 @@ XATTR_MAX = 64 * 1024
 _HEADER_PEEK = 1 << 20      # the largest block header we parse
 LEASE_TTL = 30.0            # seconds a fast-path lease lives unless released first
 LEASE_TTL_MAX = 600.0
+_LEASE_ENTRY_MEMO = 1 << 17  # lease entries remembered (JSON text per object and placement)
 
 
 @dataclasses.dataclass(eq=False)
@@ -95,6 +96,7 @@ class Cache:
         self.on_content_changed: Callable[[int], None] = lambda ino: None
         self.leases: dict[int, Lease] = {}
         self._next_lease = 1
+        self._lease_entries: dict[int, tuple[str, bytes, str]] = {}    # see lease_entry
 
     # ---- startup ------------------------------------------------------------
     async def start(self) -> dict[str, int]:
@@ -490,25 +492,45 @@ class Cache:
         return {"prefix": len(objs), "tiers": [top(o) for o in objs]}
 
     # ---- leases: the fast path's batched backing locations -------------------------
-    def grant_lease(self, paths: list[bytes], base: bytes = b"", ttl: float = LEASE_TTL) -> dict:
+    def grant_lease(self, paths: list[bytes], base: bytes = b"", ttl: float = LEASE_TTL) -> tuple[int, bytes]:
         """Backing locations of the leading sealed ``paths``, held for the loader until
         ``release_lease`` (or ``ttl`` seconds): while leased, an object is neither demoted,
-        evicted nor freed (it counts as open). Each block counts a hit, like an open."""
+        evicted nor freed (it counts as open). Each block counts a hit, like an open.
+        Returns the lease id and the answer (JSON, see kvfs/fs/control.py)."""
         objs = self.prefix_objects(paths, base)
         ttl = min(max(float(ttl), 0.001), LEASE_TTL_MAX)
         lease = Lease(self._next_lease, objs, time.monotonic() + ttl)
         self._next_lease += 1
-        blocks = []
+        entries = []
         for obj in objs:
             obj.refs += 1
             self.store.note_open(obj)
-            b = self.backing_of(obj)
-            blocks.append(None if b is None else
-                          [b["tier"], b["path"], b["offset"], b["size"], b["checksum"], bool(b.get("direct"))])
+            entries.append(self.lease_entry(obj))
         self.leases[lease.id] = lease
         answer = self.prefix_answer(objs)
-        answer.update(lease=lease.id, ttl=ttl, blocks=blocks)
-        return answer
+        answer.update(lease=lease.id, ttl=ttl)
+        head = json.dumps(answer, separators=(",", ":"))
+        return lease.id, (head[:-1] + ',"blocks":[' + ",".join(entries) + "]}\n").encode()
+
+    def lease_entry(self, obj: Obj) -> str:
+        """``obj``'s lease entry as JSON text: ``[tier, path, offset, size, checksum, direct]``
+        (its highest available copy) or ``null`` (no fast path). Memoised per object and
+        placement: a hot prefix is leased again and again."""
+        for t in self.store.tiers:
+            if t.name in obj.place and t.available:
+                loc = obj.place[t.name]
+                memo = self._lease_entries.get(obj.oid)
+                if memo is not None and memo[0] == t.name and memo[1] == loc:
+                    return memo[2]
+                b = t.backing(obj.oid, loc)
+                text = "null" if b is None else json.dumps(
+                    [t.name, b["path"], b["offset"], obj.size, checksum.hexdigest(obj.checksum), bool(b.get("direct"))],
+                    separators=(",", ":"))
+                if len(self._lease_entries) >= _LEASE_ENTRY_MEMO:
+                    self._lease_entries.clear()
+                self._lease_entries[obj.oid] = (t.name, loc, text)
+                return text
+        return "null"
 
     async def release_lease(self, lease_id: int) -> bool:
         lease = self.leases.pop(lease_id, None)

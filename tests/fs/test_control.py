@@ -207,3 +207,22 @@ async def test_lease_without_fast_path_gives_null(ops):
     stats_fh = await open_ctl(ops, b"lookup")
     await ops.release(stats_fh)
     assert control.is_control(control.LEASE)
+
+
+async def test_lease_answer_follows_placement(ops):
+    """Lease entries are memoised per object: a block that moved is answered where it is now."""
+    cache = ops.cache
+    rels, inos = await make_chain(ops, 3, size=1 << 20)
+    fh = await open_ctl(ops, b"lease")
+    first = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels))
+    assert [b[0] for b in first["blocks"]] == ["ram", "ram", "ram"]
+    assert await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels)) == dict(first, lease=first["lease"] + 1)
+    await ask(ops, fh, b"\0release\n")
+    obj1 = cache.store.objs[cache.getattr(inos[rels[1]])["oid"]]
+    await cache.store.demote(obj1, 0)                            # block 1 leaves RAM for NVMe
+    again = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels))
+    assert [b[0] for b in again["blocks"]] == ["ram", "nvme", "ram"]
+    assert again["blocks"][0] == first["blocks"][0] and again["blocks"][1] != first["blocks"][1]
+    for i, block in enumerate(again["blocks"]):
+        _check_backing(block, bytes([i]) * (1 << 20))
+    await ops.release(fh)

@@ -441,6 +441,13 @@ class ObjectStore:
                 self.lru[dst.name][obj.oid] = None
             if obj.dead:
                 return
+            if obj.refs:
+                # opened or leased while the copy was made: a loader may be about to read this
+                # copy's backing file, so it stays (both copies now; a later pass drops it)
+                log.debug("demotion of %x: kept its %s copy (in use)", obj.oid, src.name)
+                with self.index.write() as txn:
+                    txn.put_object(obj.oid, obj.record())
+                return
             loc = obj.place.pop(src.name)
             self.lru[src.name].pop(obj.oid, None)
             with self.index.write() as txn:

@@ -226,3 +226,34 @@ async def test_lease_answer_follows_placement(ops):
     for i, block in enumerate(again["blocks"]):
         _check_backing(block, bytes([i]) * (1 << 20))
     await ops.release(fh)
+
+
+async def test_lease_during_a_demotion_keeps_the_leased_copy(ops):
+    """A block leased while a demotion is copying it keeps the copy the lease handed out: the
+    demotion ends with both copies (durably recorded) and drops the upper one only later."""
+    cache = ops.cache
+    rels, inos = await make_chain(ops, 1, size=1 << 20)
+    obj = cache.store.objs[cache.getattr(inos[rels[0]])["oid"]]
+    nvme = cache.store.tiers[1]
+    real_put, entered, go = nvme.put, trio.Event(), trio.Event()
+
+    async def put_when_told(info, data):          # the real NVMe put, held at its start
+        entered.set()
+        await go.wait()
+        return await real_put(info, data)
+    nvme.put = put_when_told
+    fh = await open_ctl(ops, b"lease")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cache.store.demote, obj, 0)
+        await entered.wait()
+        ans = await ask(ops, fh, b"\0base ns\n" + rels[0] + b"\n")    # leased mid-copy
+        assert ans["blocks"][0][0] == "ram"
+        go.set()
+    nvme.put = real_put
+    assert set(obj.place) == {"ram", "nvme"}
+    _check_backing(ans["blocks"][0], bytes([0]) * (1 << 20))        # still there, still right
+    assert "nvme" in cache.index.get_object(obj.oid)["place"]         # the NVMe copy is recorded
+    await ask(ops, fh, b"\0release\n")
+    await cache.store.demote(obj, 0)              # not in use any more: the RAM copy goes
+    assert set(obj.place) == {"nvme"} and not os.path.exists(ans["blocks"][0][1])
+    await ops.release(fh)

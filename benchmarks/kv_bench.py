@@ -1,6 +1,7 @@
 """KV-layer benchmarks on a real kvfs mount, each against a baseline measured in the same run.
 
     python benchmarks/kv_bench.py [--blocks 64] [--runs 5] [--json out.json] [--skip-hf] [--only lookup,ram,...]
+                                  [--shm-dir DIR]
 
 1. ``lookup`` latency for chains of 10, 100 and 1000 blocks: one call through the daemon's
    ``.kvfs/lookup`` versus one ``stat`` per block on the same mount and on tmpfs.
@@ -434,6 +435,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--write-docs", type=Path, default=None, help="put the report into this Markdown file (its KV section)")
     ap.add_argument("--workdir", type=Path, default=None, help="where mounts and the NVMe dirs go (default /tmp)")
+    ap.add_argument("--shm-dir", default=None, help="the RAM tier's tmpfs directory (default /dev/shm; e.g. a "
+                                                    "tmpfs mounted with huge=within_size)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     root = Path(tempfile.mkdtemp(prefix="kvfs-kvbench-", dir=args.workdir))
@@ -452,7 +455,8 @@ def main(argv=None) -> int:
         print(f"[kv_bench] {name}: {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     try:
         if parts & {"lookup", "ram", "mount", "hf"}:
-            with Mounted(root, "ram", ram=big, nvme_size="4GiB", volatile_ram=True) as m:
+            shm = {"shm_dir": args.shm_dir} if args.shm_dir else {}
+            with Mounted(root, "ram", ram=big, nvme_size="4GiB", volatile_ram=True, **shm) as m:
                 if "lookup" in parts:
                     phase("lookup", bench_lookup, m.path, tmpfs, args.runs)
                 if "ram" in parts:

@@ -130,3 +130,19 @@ class Config:
             raise ConfigError("promote_hits must be at least 1")
         if self.chunk_size < 4096 or self.chunk_size % 4096:
             raise ConfigError("chunk_size must be a positive multiple of 4096")
+        self.check_shm_dir()
+
+    def check_shm_dir(self) -> dict[str, str]:
+        """The RAM tier's directory must be an existing directory on tmpfs (memory, and what
+        the loader's fast path maps). Returns the tmpfs mount's options."""
+        from kvfs.store.ram import filesystem_of
+        if not os.path.isdir(self.shm_dir):
+            raise ConfigError(f"shm_dir {self.shm_dir} is not an existing directory")
+        try:
+            mnt, fstype, opts = filesystem_of(self.shm_dir)
+        except OSError as e:
+            raise ConfigError(f"cannot tell which filesystem holds shm_dir {self.shm_dir}: {e}") from None
+        if fstype != "tmpfs":
+            raise ConfigError(f"shm_dir {self.shm_dir} is on {fstype or 'an unknown filesystem'} ({mnt}), "
+                              "not tmpfs: the RAM tier must live in memory")
+        return opts

@@ -149,6 +149,8 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 nursery.start_soon(_on_signals)
                 log.info("mounted %s in %.2fs (%s)", mountpoint, time.monotonic() - started,
                          ", ".join(f"{t.name} {t.capacity}" for t in tiers))
+                huge = cfg.check_shm_dir().get("huge", "never")
+                log.info("ram tier in %s (tmpfs, huge pages: %s)", tiers[0].dir, huge)
                 ready.send(f"READY {os.getpid()}")
                 await pyfuse3.main()
                 unmounted = True

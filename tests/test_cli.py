@@ -217,3 +217,14 @@ def test_help_lists_every_command():
                 "--foreground", "--remote", "--remote-size", "--format-remote",
                 "--volatile-ram", "--debug"):
         assert opt in res.stdout, opt
+
+
+def test_config_shm_dir_must_be_tmpfs(tmp_path, mp):
+    from kvfs.store.ram import filesystem_of
+    disk = tmp_path if filesystem_of(tmp_path)[1] != "tmpfs" else REPO     # a directory not in memory
+    cfg = tmp_path / "disk.toml"
+    cfg.write_text(f'[kvfs]\nshm_dir = "{disk}"\n')
+    assert_one_line_error(run_kvfs(*mount_args(tmp_path, mp, "--config", cfg)), "not tmpfs", str(disk))
+    cfg.write_text(f'[kvfs]\nshm_dir = "{tmp_path / "nope"}"\n')
+    assert_one_line_error(run_kvfs(*mount_args(tmp_path, mp, "--config", cfg)), "not an existing directory")
+    assert not (tmp_path / "nope").exists()

@@ -24,6 +24,25 @@ log = logging.getLogger(__name__)
 MAPPED_MIN = 1 << 20      # objects at least this big stay tmpfs files (mapped; fast path)
 
 
+def filesystem_of(path: str | Path) -> tuple[str, str, dict[str, str]]:
+    """``(mount point, filesystem type, super options)`` of the mount holding ``path`` (an
+    existing path), from /proc/self/mountinfo: the longest mount point above it."""
+    real = os.path.realpath(path)
+    best = ("", "", {})
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, tail = left.split(), right.split()
+            if len(fields) < 5 or len(tail) < 3:
+                continue
+            mnt = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) >= len(best[0]):
+                opts = dict(o.partition("=")[::2] for o in tail[2].split(","))
+                best = (mnt, tail[0], opts)
+    return best
+
+
 class RamTier(Tier):
     name = "ram"
     volatile = True

@@ -269,3 +269,31 @@ def test_lease_protocol_through_the_kernel(kvfs_mount):
     os.unlink(cache.block_paths(toks)[1234])
     assert cache.lookup(toks) == 1234 * 16
     cache.close()
+
+
+def test_ram_tier_on_a_huge_page_tmpfs(kvfs_mount, tmp_path):
+    """``shm_dir`` on a tmpfs mounted with huge pages (faster copies out of the RAM tier, see
+    docs/operations.md): the fast path serves blocks from there, verified."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=within_size,size=256m", "kvfs-test-shm", str(shm)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        cfg = tmp_path / "huge.toml"
+        cfg.write_text(f'[kvfs]\nshm_dir = "{shm}"\n')
+        m = kvfs_mount("--config", cfg, ram="128MiB")
+        cache = kvfs.KVCache(m.path, model="m", layout=LLAMA)
+        toks = _tokens(16 * 4, 31)
+        kv = _kv(LLAMA, len(toks), 32)
+        cache.save(toks, kv, wait=True)
+        assert torch.equal(cache.load(toks), kv) and cache.last_load.sources == {"ram": 4}
+        lc = cache._loader.leases
+        blocks = lc.acquire([lc.rel(p) for p in cache.block_paths(toks)])
+        assert all(b.path.startswith(str(shm) + "/kvfs-") for b in blocks)
+        lc.release()
+        assert "huge pages: within_size" in (m.state / "kvfs.log").read_text()
+        cache.close()
+    finally:
+        subprocess.run(["umount", "-l", str(shm)], capture_output=True)

@@ -25,7 +25,7 @@ import xxhash
 from kvfs.kv.hashing import MMInput, PrefixHasher, as_token_list, token_array
 from kvfs.kv.layout import KVLayout, block_path, block_relpath, ensure_namespace
 from kvfs.kv.blockio import LeaseClient
-from kvfs.kv.loader import BlockPlan, Loader, LoadStats
+from kvfs.kv.loader import BlockPlan, Loader, LoadStats, check_verify_shm
 from kvfs.kv.lookup import PrefixLookup
 from kvfs.kv.writer import BlockWriter, SaveJob, WriterStats
 
@@ -73,8 +73,7 @@ class KVCache:
                  verify: bool = True, verify_shm: str = "once", readers: int = 4, staging: int = 8):
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a kvfs.KVLayout, got {type(layout).__name__}")
-        if verify_shm not in ("once", "always"):
-            raise ValueError(f"verify_shm must be 'once' or 'always', got {verify_shm!r}")
+        check_verify_shm(verify_shm)                      # before anything is opened or started
         self.root = os.fspath(root)
         self.model = model
         self.layout = layout
@@ -208,8 +207,9 @@ class KVCache:
 
     # -- load -----------------------------------------------------------------------------
     def _plans(self, token_ids, mm_inputs) -> list[BlockPlan]:
-        entry = self._chain(token_ids, mm_inputs)         # validates the token ids
-        n, B = len(token_ids), self.layout.block_tokens
+        arr = token_array(token_ids)                      # validated (any iterable of ints)
+        entry = self._chain(arr, mm_inputs)
+        n, B = len(arr), self.layout.block_tokens
         if n % B:
             raise ValueError(f"load needs whole blocks: {n} tokens is not a multiple of {B} "
                              "(use the count lookup() returns)")

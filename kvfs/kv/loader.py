@@ -45,6 +45,11 @@ _CHECKED_MAX = 1 << 16
 PIECE = 512 << 10          # in-place reads land and are hashed in pieces of about this size
 
 
+def check_verify_shm(value) -> None:
+    if value not in ("once", "always"):
+        raise ValueError(f"verify_shm must be 'once' or 'always', got {value!r}")
+
+
 class BlockNotFound(KeyError):
     """A block of the requested prefix is not in the cache (never saved, or evicted)."""
 
@@ -96,8 +101,7 @@ class Loader:
                  shm_readers: int | None = None):
         if readers < 1 or staging < 2:
             raise ValueError("need readers >= 1 and staging >= 2")
-        if verify_shm not in ("once", "always"):
-            raise ValueError(f"verify_shm must be 'once' or 'always', got {verify_shm!r}")
+        check_verify_shm(verify_shm)
         # shared-memory (RAM tier) objects: hashed the first time, then trusted while their
         # tmpfs file is unchanged ("once"), or hashed on every read ("always")
         self.verified = VerifiedObjects() if verify_shm == "once" else None

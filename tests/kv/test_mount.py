@@ -297,3 +297,37 @@ def test_ram_tier_on_a_huge_page_tmpfs(kvfs_mount, tmp_path):
         cache.close()
     finally:
         subprocess.run(["umount", "-l", str(shm)], capture_output=True)
+
+
+def test_nvme_fast_path_catches_a_damaged_object(kvfs_mount, tmp_path):
+    """O_DIRECT blocks are copied out of staging and hashed run by run: a flipped byte in the
+    NVMe tier's object file is a ChecksumMismatch, never bytes in the result."""
+    cfg = tmp_path / "nopromote.toml"
+    cfg.write_text("[kvfs]\npromote_hits = 1000000\n")          # blocks stay on NVMe when read
+    m = kvfs_mount("--config", cfg, ram="4MiB", nvme_size="256MiB")
+    cache = kvfs.KVCache(m.path, model="m", layout=LLAMA)
+    toks = _tokens(16 * 6, 41)
+    kv = _kv(LLAMA, len(toks), 42)
+    cache.save(toks, kv, wait=True)
+    paths = cache.block_paths(toks)
+    deadline = time.monotonic() + 60                           # RAM holds one 2 MiB block at most
+    while [os.getxattr(p, "user.kvfs.tier").decode() for p in paths].count("nvme") < 5:
+        assert time.monotonic() < deadline, "blocks never moved to NVMe"
+        time.sleep(0.2)
+    out = kvfs.gpu.host_empty(LLAMA.block_shape(len(toks)), LLAMA.torch_dtype)
+    cache.load_into(toks, out)
+    assert torch.equal(out, kv) and cache.last_load.sources.get("nvme", 0) >= 5
+    lc = cache._loader.leases
+    b = next(b for b in lc.acquire([lc.rel(p) for p in paths]) if b is not None and b.tier == "nvme")
+    lc.release()
+    assert b.direct
+    with open(b.path, "r+b") as f:
+        f.seek(b.offset + b.size - 5000)
+        byte = f.read(1)
+        f.seek(b.offset + b.size - 5000)
+        f.write(bytes([byte[0] ^ 0x01]))
+        f.flush()
+        os.fsync(f.fileno())
+    with pytest.raises(kvfs.kv.block.ChecksumMismatch, match="nvme tier"):
+        cache.load_into(toks, out)
+    cache.close()

@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 import kvfs  # noqa: E402
 from kvfs.kv.blockio import AlignedBuffer, backing_info, open_for_read, read_full  # noqa: E402
 from kvfs.kv.lookup import PrefixLookup  # noqa: E402
+from kvfs.cli.bench_report import finish_bars  # noqa: E402
 from kvfs.gpu import host_empty  # noqa: E402
 
 log = logging.getLogger("kv_bench")
@@ -459,19 +460,10 @@ def plot(res: dict, png: Path) -> bool:
     bars = ax.bar([x - w for x in xs], [r[1] for r in rows], w, label="loader fast path")
     ax.bar(list(xs), [r[2] or 0 for r in rows], w, label="first load (every block hashed)", color="#7fb3d5")
     ax.bar([x + w for x in xs], [r[3] for r in rows], w, label="raw read of the backing files", color="#aaaaaa")
-    for bar, r in zip(bars, rows):
-        ax.annotate(f"{r[1] / r[3]:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
-    ax.axhline(0, color="black", linewidth=0.5)
-    ax.set_xticks(list(xs), [r[0] for r in rows])
-    ax.set_ylabel("GB/s (median)")
     m = res.get("meta", {})
-    ax.set_title(f"KV loader vs raw read of the same tier, same run ({m.get('cpus')} CPUs, {m.get('date')})",
-                 fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
+    finish_bars(fig, ax, bars, [r[1] / r[3] for r in rows], [r[0] for r in rows],
+                f"KV loader vs raw read of the same tier, same run ({m.get('cpus')} CPUs, {m.get('date')})",
+                png, legend_size=7)
     return True
 
 

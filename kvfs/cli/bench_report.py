@@ -30,20 +30,26 @@ def plot(results: dict, png: Path) -> bool:
     kb = ax.bar([x - w / 2 for x in xs], [r["kvfs_gbps"] for r in rows], w, label="kvfs")
     ax.bar([x + w / 2 for x in xs], [r["baseline_gbps"] for r in rows], w,
            label="baseline (tmpfs / O_DIRECT)", color="#aaaaaa")
-    for bar, r in zip(kb, rows):
-        ax.annotate(f"{r['ratio']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), labels)
-    ax.set_ylabel("GB/s (median)")
     m = results.get("machine", {})
-    ax.set_title(f"kvfs vs physical baseline, same run ({m.get('cpus')} CPUs, {m.get('date')})",
-                 fontsize=9)
-    ax.legend(fontsize=8)
+    finish_bars(fig, ax, kb, [r["ratio"] for r in rows], labels,
+                f"kvfs vs physical baseline, same run ({m.get('cpus')} CPUs, {m.get('date')})", png)
+    return True
+
+
+def finish_bars(fig, ax, bars, ratios, labels, title: str, png: Path, legend_size: int = 8) -> None:
+    """Label ``bars`` with their ratios, title and save a grouped bar chart (closes ``fig``)."""
+    import matplotlib.pyplot as plt
+    for bar, ratio in zip(bars, ratios):
+        ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("GB/s (median)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=legend_size)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png)
     plt.close(fig)
-    return True
 
 
 def _mib(n: int) -> str:

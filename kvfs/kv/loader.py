@@ -14,6 +14,11 @@ and verifies a block, the calling thread copies it into the destination (on a CU
 stream, overlapped with the next reads). Reads and hashing release the GIL, so they overlap
 on separate cores.
 
+Verification: a block from the NVMe tier (O_DIRECT) or through the mount is hashed on every
+load; a block in shared memory (the RAM tier's immutable tmpfs file) is hashed the first time
+and then trusted while its file identity is unchanged (``verify_shm="once"``, see
+``blockio.VerifiedObjects``), or every time (``"always"``).
+
 ``iter_layers`` loads layer by layer instead (all blocks' slice of layer 0, then layer 1,
 ...), yielding each layer as soon as it is in place so compute can start early.
 """

@@ -363,6 +363,7 @@ class OpenBlock:
         self._bfd = -1
         self.direct = False
         self.base = 0
+        self.trusted = False           # set by the loader: bytes already verified, unchanged
         if self.backing is not None:
             try:
                 self._bfd, self.direct = open_for_read(self.backing.path, self.backing.direct)
@@ -377,6 +378,10 @@ class OpenBlock:
     @property
     def source(self) -> str:
         return self.backing.tier if self.backing else "mount"
+
+    def backing_stat(self) -> os.stat_result | None:
+        """``fstat`` of the open backing file (None when reading through the mount)."""
+        return os.fstat(self._bfd) if self._bfd >= 0 else None
 
     def pread_into(self, mv: memoryview, offset: int, length: int) -> None:
         """Read exactly ``length`` bytes at ``offset`` of the block file into ``mv``."""

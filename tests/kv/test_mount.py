@@ -239,6 +239,8 @@ def test_lease_fast_path_from_shared_memory(kvfs_mount):
     assert m.stats()["leases"] == 0
     with pytest.raises(kvfs.kv.block.ChecksumMismatch):
         cache.load(toks)
+    with pytest.raises(kvfs.kv.block.ChecksumMismatch):         # layer by layer too
+        list(cache.load_layers(toks, out))
     cache.close()
 
 

@@ -127,7 +127,8 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         recovered = await cache.start()
         mountpoint = os.path.abspath(cfg.mountpoint)
         describe = lambda: {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
-                            "nvme_dir": str(cfg.nvme_dir), "instance": index.instance_id,
+                            "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir),
+                            "instance": index.instance_id,
                             "recovered": recovered, "started": started}
         ops = KvfsOperations(cache, describe)
         options = set(pyfuse3.default_options)

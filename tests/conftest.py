@@ -14,8 +14,10 @@ Tests that mount are marked ``@pytest.mark.mount``; they are skipped only when
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,6 +107,7 @@ class Mount:
         ]
         self.pid: int | None = None
         self._pids: set[int] = set()
+        self._ram_dirs: set[str] = set()      # the daemons' RAM tiers, in shared memory
 
     # -- lifecycle ---------------------------------------------------------
     def mount(self) -> "Mount":
@@ -112,8 +115,10 @@ class Mount:
         assert res.returncode == 0, (
             f"kvfs mount failed (rc={res.returncode}): {res.stderr.strip()}\n{self.log_tail()}")
         assert os.path.ismount(self.path), "kvfs mount returned 0 but nothing is mounted"
-        self.pid = int(self.stats()["pid"])
+        st = self.stats()
+        self.pid = int(st["pid"])
         self._pids.add(self.pid)
+        self._ram_dirs.add(st["ram_dir"])
         return self
 
     def umount(self) -> subprocess.CompletedProcess:
@@ -153,17 +158,21 @@ class Mount:
     def cleanup(self) -> None:
         if os.path.ismount(self.path):
             lazy_unmount(self.path)
-        for pid in self._pids:
-            if pid_alive(pid):
-                try:
+        for pid in self._pids:              # detached: a daemon shuts down (and frees its RAM tier)
+            try:
+                wait_for(lambda: not pid_alive(pid), 15, f"daemon {pid} to exit")
+            except AssertionError:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         for pid in self._pids:
             try:
                 wait_for(lambda: not pid_alive(pid), 30, f"daemon {pid} to die")
             except AssertionError:
                 pass
+        # a killed daemon leaves its RAM tier in /dev/shm (a restart on the same state would
+        # clear it; a test's state is thrown away): do not leak it into the machine's memory
+        for d in self._ram_dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
     def __repr__(self) -> str:
         return f"<Mount {self.path} pid={self.pid}>"

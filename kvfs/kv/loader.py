@@ -198,13 +198,11 @@ class Loader:
                 n, source = read_block_file(plan.path, st.buf.mv, fast_path=xattr)
             except FileNotFoundError:
                 raise self._not_found(plan) from None
-        key = (backing.checksum, plan.hash, plan.tokens) if backing is not None and source == backing.tier else None
-        info = self._checked.get(key) if key else None
-        if info is None:
-            info = check_header(st.buf.mv, path=plan.path, expect_hash=plan.hash, layout=self.layout,
-                                expect_tokens=plan.tokens)
-            if key:
-                self._remember(key, info)
+        if backing is not None and source == backing.tier:      # bytes verified: remember the header
+            info = self._header(plan, st.buf.mv, backing.checksum)
+            self._remember((backing.checksum, plan.hash, plan.tokens), info)
+        else:
+            info = self._header(plan, st.buf.mv)
         end = info.data_offset + self.layout.block_bytes
         if n != end:
             raise BlockFormatError(f"{plan.path}: {n} bytes, expected {end}")
@@ -212,8 +210,19 @@ class Loader:
             verify_layers(info, st.buf.mv[info.data_offset:end], self.layout, plan.path)
         return info, source
 
+    def _header(self, plan: BlockPlan, head, checksum: str | None = None) -> BlockInfo:
+        """The block's header, checked; one already checked under the same object checksum
+        (the bytes it covers verified) is that header (see ``_remember``)."""
+        info = self._checked.get((checksum, plan.hash, plan.tokens)) if checksum else None
+        if info is None:
+            info = check_header(head, path=plan.path, expect_hash=plan.hash, layout=self.layout,
+                                expect_tokens=plan.tokens)
+        return info
+
     def _remember(self, key, info: BlockInfo) -> None:
         """Remember a checked header under the (verified) object checksum it came with."""
+        if key in self._checked:
+            return
         self._checked[key] = info
         if len(self._checked) > _CHECKED_MAX:
             try:
@@ -249,10 +258,7 @@ class Loader:
         lay = self.layout
         n = read_backing(b, st.buf.mv, check=False)
         mv = st.buf.mv
-        key = (b.checksum, plan.hash, plan.tokens)
-        info = self._checked.get(key)
-        if info is None:
-            info = check_header(mv, path=plan.path, expect_hash=plan.hash, layout=lay, expect_tokens=plan.tokens)
+        info = self._header(plan, mv, b.checksum)
         start, end = info.data_offset, info.data_offset + lay.block_bytes
         if n != end:
             raise BlockFormatError(f"{plan.path}: {n} bytes, expected {end}")
@@ -266,8 +272,7 @@ class Loader:
         got = h.hexdigest()
         if got != b.checksum:
             raise mismatch(b, got)
-        if key not in self._checked:
-            self._remember(key, info)
+        self._remember((b.checksum, plan.hash, plan.tokens), info)
         return b.tier
 
     def _head(self, size: int) -> memoryview:
@@ -279,7 +284,7 @@ class Loader:
     def _segments(self, out_mv: memoryview, T: int, i: int) -> list[memoryview]:
         """The byte ranges of block ``i`` in a contiguous ``[L, 2, T, H, D]`` destination."""
         lay = self.layout
-        seg = lay.block_tokens * lay.num_kv_heads * lay.head_dim * lay.element_size
+        seg = lay.layer_bytes // 2               # one layer's K (or V) of one block
         bases = self._bases.get(T)
         if bases is None:
             if len(self._bases) >= 64:          # one entry per destination length seen
@@ -294,7 +299,7 @@ class Loader:
         then hashed while cached): ``(first, end, nbytes)``."""
         if self._cut_list is None:
             lay = self.layout
-            seg = lay.block_tokens * lay.num_kv_heads * lay.head_dim * lay.element_size
+            seg = lay.layer_bytes // 2
             n = 2 * lay.num_layers
             per = max(1, PIECE // seg)
             self._cut_list = [(a, min(a + per, n), (min(a + per, n) - a) * seg) for a in range(0, n, per)]
@@ -315,15 +320,11 @@ class Loader:
                 except OSError as e:
                     log.warning("%s: fast path failed (%s); reading through the mount", plan.path, e)
                 else:
-                    # the header bytes are covered by the object checksum just verified: a header
-                    # already checked under the same checksum is this one
-                    key = (backing.checksum, plan.hash, plan.tokens)
-                    if key not in self._checked:
-                        info = check_header(head, path=plan.path, expect_hash=plan.hash, layout=lay,
-                                            expect_tokens=plan.tokens)
-                        if info.data_offset != off:
-                            raise BlockFormatError(f"{plan.path}: payload at {info.data_offset}, object size says {off}")
-                        self._remember(key, info)
+                    # the header bytes are covered by the object checksum just verified
+                    info = self._header(plan, head, backing.checksum)
+                    if info.data_offset != off:
+                        raise BlockFormatError(f"{plan.path}: payload at {info.data_offset}, object size says {off}")
+                    self._remember((backing.checksum, plan.hash, plan.tokens), info)
                     return backing.tier
         try:
             fd = os.open(plan.path, os.O_RDONLY)
@@ -335,8 +336,7 @@ class Loader:
             if not 8 <= off <= 2 * HEADER_READ:      # say what is wrong with it
                 head = self._head(HEADER_READ)
                 n = preadv_full(fd, [head], 0)
-                info = check_header(head[:n], path=plan.path, expect_hash=plan.hash, layout=lay,
-                                    expect_tokens=plan.tokens)
+                info = self._header(plan, head[:n])
                 raise BlockFormatError(f"{plan.path}: {size} bytes, expected {info.data_offset + lay.block_bytes}")
             head = self._head(off)
             n = preadv_full(fd, [head, *segs], 0)
@@ -344,7 +344,7 @@ class Loader:
             os.close(fd)
         if n != size:
             raise BlockFormatError(f"{plan.path}: short read ({n} of {size} bytes)")
-        info = check_header(head, path=plan.path, expect_hash=plan.hash, layout=lay, expect_tokens=plan.tokens)
+        info = self._header(plan, head)
         if info.data_offset != off:
             raise BlockFormatError(f"{plan.path}: payload at {info.data_offset}, file size says {off}")
         if self.verify:
@@ -526,8 +526,7 @@ class Loader:
             head = AlignedBuffer(HEADER_READ)
             try:
                 blk.pread_into(head.mv, 0, HEADER_READ)
-                info = check_header(head.mv, path=plan.path, expect_hash=plan.hash, layout=self.layout,
-                                    expect_tokens=plan.tokens)
+                info = self._header(plan, head.mv)
             finally:
                 head.close()
             if blk.size != info.data_offset + self.layout.block_bytes:

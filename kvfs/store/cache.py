@@ -432,16 +432,21 @@ class Cache:
         b = self.backing_of(obj)
         return None if b is None else json.dumps(b)
 
+    def _fast_copy(self, obj: Obj) -> tuple[Tier, bytes] | None:
+        """The copy the fast path reads: ``obj``'s highest copy on an available tier."""
+        for t in self.store.tiers:
+            if t.name in obj.place and t.available:
+                return t, obj.place[t.name]
+        return None
+
     def backing_of(self, obj: Obj) -> dict | None:
         """Where the fast path reads ``obj``: its highest available copy, if that tier has
         a location a loader can read (tmpfs or NVMe file); None otherwise."""
-        for t in self.store.tiers:
-            if t.name in obj.place and t.available:
-                b = t.backing(obj.oid, obj.place[t.name])
-                if b is None:
-                    return None
-                return dict(b, tier=t.name, size=obj.size, checksum=checksum.hexdigest(obj.checksum))
-        return None
+        copy = self._fast_copy(obj)
+        b = copy and copy[0].backing(obj.oid, copy[1])
+        if not b:
+            return None
+        return dict(b, tier=copy[0].name, size=obj.size, checksum=checksum.hexdigest(obj.checksum))
 
     def list_xattrs(self, ino: int) -> list[bytes]:
         rec = self.ns.inode(ino)
@@ -516,21 +521,20 @@ class Cache:
         """``obj``'s lease entry as JSON text: ``[tier, path, offset, size, checksum, direct]``
         (its highest available copy) or ``null`` (no fast path). Memoised per object and
         placement: a hot prefix is leased again and again."""
-        for t in self.store.tiers:
-            if t.name in obj.place and t.available:
-                loc = obj.place[t.name]
-                memo = self._lease_entries.get(obj.oid)
-                if memo is not None and memo[0] == t.name and memo[1] == loc:
-                    return memo[2]
-                b = t.backing(obj.oid, loc)
-                text = "null" if b is None else json.dumps(
-                    [t.name, b["path"], b["offset"], obj.size, checksum.hexdigest(obj.checksum), bool(b.get("direct"))],
-                    separators=(",", ":"))
-                if len(self._lease_entries) >= _LEASE_ENTRY_MEMO:
-                    self._lease_entries.clear()
-                self._lease_entries[obj.oid] = (t.name, loc, text)
-                return text
-        return "null"
+        copy = self._fast_copy(obj)
+        if copy is None:
+            return "null"
+        memo = self._lease_entries.get(obj.oid)
+        if memo is not None and memo[:2] == (copy[0].name, copy[1]):
+            return memo[2]
+        b = self.backing_of(obj)
+        text = "null" if b is None else json.dumps(
+            [b["tier"], b["path"], b["offset"], b["size"], b["checksum"], bool(b.get("direct"))],
+            separators=(",", ":"))
+        if len(self._lease_entries) >= _LEASE_ENTRY_MEMO:
+            self._lease_entries.clear()
+        self._lease_entries[obj.oid] = (copy[0].name, copy[1], text)
+        return text
 
     async def release_lease(self, lease_id: int) -> bool:
         lease = self.leases.pop(lease_id, None)

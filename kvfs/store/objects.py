@@ -441,19 +441,19 @@ class ObjectStore:
                 self.lru[dst.name][obj.oid] = None
             if obj.dead:
                 return
-            if obj.refs:
-                # opened or leased while the copy was made: a loader may be about to read this
-                # copy's backing file, so it stays (both copies now; a later pass drops it)
+            # opened or leased while the copy was made: a loader may be about to read this
+            # copy's backing file, so it stays (both copies recorded; a later pass drops it)
+            keep = obj.refs > 0
+            if keep:
                 log.debug("demotion of %x: kept its %s copy (in use)", obj.oid, src.name)
-                with self.index.write() as txn:
-                    txn.put_object(obj.oid, obj.record())
-                return
-            loc = obj.place.pop(src.name)
-            self.lru[src.name].pop(obj.oid, None)
+            else:
+                loc = obj.place.pop(src.name)
+                self.lru[src.name].pop(obj.oid, None)
             with self.index.write() as txn:
                 txn.put_object(obj.oid, obj.record())
-            self.counters[src.name].demotions += 1
-            await src.delete(obj.oid, loc)
+            if not keep:
+                self.counters[src.name].demotions += 1
+                await src.delete(obj.oid, loc)
         finally:
             obj.busy = False
 

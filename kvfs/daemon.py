@@ -25,6 +25,7 @@ from kvfs.store.cache import Cache
 from kvfs.store.index import Index
 from kvfs.store.nvme import NvmeTier
 from kvfs.store.objects import ObjectStore
+from kvfs.store import safedir
 from kvfs.store.ram import RamTier
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,11 @@ class _Ready:
 
 
 def _setup_logging(cfg: Config) -> None:
-    cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    handlers: list[logging.Handler] = [logging.FileHandler(cfg.state_dir / "kvfs.log")]
+    os.close(safedir.open_private_dir(cfg.state_dir, "state directory"))
+    logfile = cfg.state_dir / "kvfs.log"
+    os.close(os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600))
+    os.chmod(logfile, 0o600)
+    handlers: list[logging.Handler] = [logging.FileHandler(logfile)]
     if cfg.foreground:
         handlers.append(logging.StreamHandler(sys.stderr))
     logging.basicConfig(level=logging.DEBUG if cfg.debug else logging.INFO, handlers=handlers, force=True,
@@ -97,10 +101,10 @@ async def _tune_read_ahead(mountpoint: str) -> None:
             return
 
 
-def build_tiers(cfg: Config, index: Index) -> list:
+def build_tiers(cfg: Config, index: Index, holder: str | None = None) -> list:
     """RAM, local NVMe and (when configured) the remote tier, top to bottom."""
     tiers = [RamTier(cfg.ram_bytes(), cfg.shm_dir, index.instance_id),
-             NvmeTier(cfg.nvme_bytes(), cfg.nvme_dir)]
+             NvmeTier(cfg.nvme_bytes(), cfg.nvme_dir, holder=holder)]
     if cfg.remote:
         from kvfs.remote import make_remote_tier
         tiers.append(make_remote_tier(cfg, index.instance_id))
@@ -115,17 +119,19 @@ def build_store(cfg: Config, index: Index, tiers: list) -> ObjectStore:
 
 async def serve(cfg: Config, ready: _Ready) -> None:
     started = time.monotonic()
-    index = Index(cfg.state_dir)
-    tiers = build_tiers(cfg, index)
+    mountpoint = os.path.abspath(cfg.mountpoint)
+    holder = safedir.holder_text(mountpoint)
+    index = Index(cfg.state_dir, holder=holder)
+    tiers = build_tiers(cfg, index, holder)
     opened = []
     try:
         for t in tiers:
             await t.open()
             opened.append(t)
+        tiers[1].bind(index.instance_id, cfg.state_dir)
         store = build_store(cfg, index, tiers)
         cache = Cache(index, store, tiers[1].staging_dir)
         recovered = await cache.start()
-        mountpoint = os.path.abspath(cfg.mountpoint)
         describe = lambda: {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
                             "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir),
                             "instance": index.instance_id,
@@ -190,6 +196,7 @@ def _raise_fd_limit() -> None:
 
 def main(cfg: Config, ready_fd: int | None = None) -> int:
     ready = _Ready(ready_fd)
+    os.umask(0o077)         # everything the daemon creates is private to its user
     try:
         _raise_fd_limit()
         cfg.validate()

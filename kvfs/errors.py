@@ -31,3 +31,12 @@ class NamespaceError(StoreError):
     def __init__(self, errno_: int, message: str = ""):
         super().__init__(message or f"errno {errno_}")
         self.errno = errno_
+
+
+class IndexDamaged(ConfigError):
+    """The LMDB index is missing, truncated, of an unknown format or holds a record that does
+    not parse: the daemon and fsck refuse it with one line that names ``kvfs fsck --repair``."""
+
+
+class InUse(ConfigError):
+    """A state or NVMe directory is held by another kvfs daemon (or fsck)."""

@@ -51,6 +51,7 @@ async def _fsck(cfg: Config, repair: bool, rebuild_remote: bool, progress: Progr
         for t in tiers:
             await t.open()
             opened.append(t)
+        tiers[0].bind(index.instance_id, cfg.state_dir)
         by_name = {t.name: t for t in tiers}
         if rebuild_remote:
             if "remote" not in by_name:

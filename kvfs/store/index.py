@@ -2,29 +2,38 @@
 
 One environment per process. Every public mutator is one write transaction that
 never spans an await, so each namespace operation is atomic on disk. Records are
-pickled dicts of plain types (int, str, bytes, dict, tuple).
+typed CBOR maps (kvfs.store.records), never pickle.
 
 Databases:
-  meta     name -> value (instance id, id counters)
+  meta     name -> value (format header, instance id, id counters)
   inodes   ino(u64) -> inode record
   dirents  parent(u64) + name -> child(u64) + eid(u64)
   dirorder parent(u64) + eid(u64) -> name       (stable readdir offsets)
   objects  oid(u64) -> object record
+
+Damage is refused at open, never served: the state directory holds a header file
+(``index.hdr``: format version, instance id, checksum) written when the index is
+created; an index that is missing or empty while the header exists, whose LMDB
+meta pages point past the end of ``data.mdb`` (a truncated file would SIGBUS on
+first touch), whose format is unknown or whose header disagrees is refused with one
+line naming ``kvfs fsck --repair``, which rebuilds it from the tiers.
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
-import pickle
 import struct
 import uuid
 from pathlib import Path
 from typing import Iterator
 
 import lmdb
+import xxhash
 
-from kvfs.errors import ConfigError
+from kvfs.errors import IndexDamaged
+from kvfs.store import records
+from kvfs.store.records import FORMAT_VERSION, FSCK_HINT
+from kvfs.store.safedir import DirLock, holder_text, open_private_dir, read_file, write_file_atomic
 
 log = logging.getLogger(__name__)
 
@@ -32,37 +41,133 @@ ROOT_INO = 1
 _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
 _ID_BATCH = 1024
+HEADER_NAME = "index.hdr"
+ENV_NAME = "index.lmdb"
 
 
 def k64(n: int) -> bytes:
     return _U64.pack(n)
 
 
-def _dumps(rec: dict) -> bytes:
-    return pickle.dumps(rec, protocol=5)
+_dumps = records.encode
+_load_inode = records.decode_inode
+_load_object = records.decode_object
 
 
-_loads = pickle.loads
+def _header_sum(version: int, instance: str) -> str:
+    return xxhash.xxh3_64_hexdigest(f"kvfs-index {version} {instance}".encode())
+
+
+def make_header(instance: str) -> dict:
+    return {"magic": "kvfs-index", "version": FORMAT_VERSION, "instance": instance,
+            "sum": _header_sum(FORMAT_VERSION, instance)}
+
+
+def check_header(doc: dict, where: str) -> str:
+    """The instance id of a valid header ``doc``; IndexDamaged otherwise."""
+    if doc.get("magic") != "kvfs-index":
+        raise IndexDamaged(f"{where}: not a kvfs index header; {FSCK_HINT}")
+    version, instance = doc.get("version"), doc.get("instance")
+    if version != FORMAT_VERSION:
+        raise IndexDamaged(f"{where}: index format {version!r} is not the supported format "
+                           f"{FORMAT_VERSION}; {FSCK_HINT}")
+    if not isinstance(instance, str) or doc.get("sum") != _header_sum(version, instance):
+        raise IndexDamaged(f"{where}: header checksum mismatch; {FSCK_HINT}")
+    return instance
+
+
+def read_header(state_fd: int, state_dir) -> dict | None:
+    raw = read_file(state_fd, HEADER_NAME)
+    if raw is None:
+        return None
+    try:
+        return records.decode_meta(raw)
+    except IndexDamaged:
+        raise IndexDamaged(f"{state_dir}/{HEADER_NAME} does not parse; {FSCK_HINT}") from None
+
+
+def check_lmdb_file(path: Path) -> None:
+    """Refuse a ``data.mdb`` shorter than its newest meta page says (LMDB maps the file:
+    touching a page past its end is a SIGBUS, not an error)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    with open(path, "rb") as f:
+        head = f.read(16 + 200)
+        if len(head) < 152:
+            raise IndexDamaged(f"{path} is truncated ({size} bytes); {FSCK_HINT}")
+        psize = struct.unpack_from("<I", head, 40)[0]       # mm_dbs[FREE].md_pad = page size
+        if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+            raise IndexDamaged(f"{path} has no valid LMDB meta page; {FSCK_HINT}")
+        f.seek(psize)
+        second = f.read(152)
+    best = None
+    for page in (head, second):
+        if len(page) < 152 or struct.unpack_from("<I", page, 16)[0] != 0xBEEFC0DE:
+            continue
+        last_pg, txnid = struct.unpack_from("<QQ", page, 136)
+        if best is None or txnid > best[1]:
+            best = (last_pg, txnid)
+    if best is None:
+        raise IndexDamaged(f"{path} has no valid LMDB meta page; {FSCK_HINT}")
+    need = (best[0] + 1) * psize
+    if size < need:
+        raise IndexDamaged(f"{path} is truncated ({size} of at least {need} bytes); {FSCK_HINT}")
 
 
 class Index:
-    """Typed access to the LMDB environment in ``state_dir``."""
+    """Typed access to the LMDB environment in ``state_dir``.
 
-    def __init__(self, state_dir: Path, *, map_size: int = 1 << 40, lock: bool = True):
+    ``holder`` names the lock's owner for the error a second daemon gets. ``instance``
+    creates a missing index with that instance id (fsck's rebuild); otherwise a missing
+    index is created only when the state directory never held one (no header file).
+    """
+
+    def __init__(self, state_dir: Path, *, map_size: int = 1 << 40, lock: bool = True,
+                 holder: str | None = None, instance: str | None = None):
         self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._lockf = None
-        if lock:
-            self._lockf = open(self.state_dir / "lock", "a+")
+        self.dir_fd = open_private_dir(self.state_dir, "state directory")
+        self._lock: DirLock | None = None
+        self.env = None
+        try:
+            if lock:
+                self._lock = DirLock(self.dir_fd, self.state_dir, "state directory",
+                                     holder or holder_text(None))
+            self._open(map_size, instance)
+        except BaseException:
+            self._release()
+            raise
+
+    def _open(self, map_size: int, instance: str | None) -> None:
+        header = read_header(self.dir_fd, self.state_dir)
+        env_dir = self.state_dir / ENV_NAME
+        data = env_dir / "data.mdb"
+        exists = data.exists() and data.stat().st_size > 0
+        if header is not None and not exists and instance is None:
+            raise IndexDamaged(f"the index in {self.state_dir} is missing or empty but its header "
+                               f"says it existed; {FSCK_HINT}")
+        if exists:
+            check_lmdb_file(data)
+        if header is not None:
+            check_header(header, f"{self.state_dir}/{HEADER_NAME}")
+        try:
+            os.mkdir(env_dir, 0o700)
+        except FileExistsError:
+            pass
+        try:
+            # sync=False: commits survive kill -9 (the page cache keeps them); sync() is
+            # called periodically and at unmount for power-loss durability.
+            self.env = lmdb.open(str(env_dir), map_size=map_size, max_dbs=8, subdir=True, sync=False,
+                                 metasync=False, readahead=False, lock=True, mode=0o600)
+        except lmdb.Error as e:
+            raise IndexDamaged(f"LMDB cannot open the index in {self.state_dir}: {e}; {FSCK_HINT}") from None
+        for name in ("data.mdb", "lock.mdb"):
             try:
-                fcntl.flock(self._lockf, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                self._lockf.close()
-                raise ConfigError(f"state directory {self.state_dir} is in use by another kvfs mount") from None
-        # sync=False: commits survive kill -9 (the page cache keeps them); sync()
-        # is called periodically and at unmount for power-loss durability.
-        self.env = lmdb.open(str(self.state_dir / "index.lmdb"), map_size=map_size, max_dbs=8,
-                             subdir=True, sync=False, metasync=False, readahead=False, lock=True)
+                os.chmod(env_dir / name, 0o600)
+            except OSError:
+                pass
+        os.chmod(env_dir, 0o700)
         self.meta = self.env.open_db(b"meta")
         self.inodes = self.env.open_db(b"inodes")
         self.dirents = self.env.open_db(b"dirents")
@@ -70,22 +175,63 @@ class Index:
         self.objects = self.env.open_db(b"objects")
         self._next: dict[bytes, list[int]] = {}
         with self.env.begin(write=True) as txn:
-            if txn.get(b"instance", db=self.meta) is None:
-                txn.put(b"instance", uuid.uuid4().hex.encode(), db=self.meta)
+            raw = txn.get(b"format", db=self.meta)
+            if raw is None:
+                if txn.get(b"instance", db=self.meta) is not None or txn.stat(self.inodes)["entries"]:
+                    raise IndexDamaged(f"the index in {self.state_dir} has no format header (an index "
+                                       f"written before format {FORMAT_VERSION}?); {FSCK_HINT}")
+                inst = instance or (header and header.get("instance")) or uuid.uuid4().hex
+                if header is not None and header.get("instance") != inst:
+                    raise IndexDamaged(f"{self.state_dir}: header instance differs; {FSCK_HINT}")
+                txn.put(b"format", _dumps(make_header(inst)), db=self.meta)
+                txn.put(b"instance", inst.encode(), db=self.meta)
                 now = _now_ns()
                 root = dict(mode=0o40755, uid=os.getuid(), gid=os.getgid(), size=0, nlink=1,
                             atime=now, mtime=now, ctime=now, parent=ROOT_INO, name=b"", xattrs={})
                 txn.put(k64(ROOT_INO), _dumps(root), db=self.inodes)
                 txn.put(b"next_ino", k64(ROOT_INO + 1), db=self.meta)
+            else:
+                inner = check_header(records.decode_meta(raw), f"the index in {self.state_dir}")
+                raw_inst = txn.get(b"instance", db=self.meta)
+                if raw_inst is None or raw_inst.decode("ascii", "replace") != inner:
+                    raise IndexDamaged(f"the index in {self.state_dir} disagrees with itself "
+                                       f"(instance); {FSCK_HINT}")
+                if header is not None and header.get("instance") != inner:
+                    raise IndexDamaged(f"the index in {self.state_dir} belongs to instance {inner}, "
+                                       f"its header to {header.get('instance')}; {FSCK_HINT}")
+                if txn.get(k64(ROOT_INO), db=self.inodes) is None:
+                    raise IndexDamaged(f"the index in {self.state_dir} has no root directory; {FSCK_HINT}")
             self.instance_id = txn.get(b"instance", db=self.meta).decode()
+        if header is None:
+            self.env.sync(True)
+            write_file_atomic(self.dir_fd, HEADER_NAME, records.encode(make_header(self.instance_id)))
+
+    def get_meta(self, name: bytes) -> bytes | None:
+        with self.env.begin() as txn:
+            raw = txn.get(name, db=self.meta)
+        return bytes(raw) if raw is not None else None
+
+    def put_meta(self, name: bytes, value: bytes) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.put(name, value, db=self.meta)
+
+    def _release(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
 
     def close(self) -> None:
         try:
-            self.env.sync(True)
+            if self.env is not None:
+                self.env.sync(True)
         finally:
-            self.env.close()
-            if self._lockf:
-                self._lockf.close()
+            self._release()
 
     def sync(self) -> None:
         self.env.sync(True)
@@ -114,7 +260,7 @@ class Index:
     def get_inode(self, ino: int) -> dict | None:
         with self.env.begin() as txn:
             raw = txn.get(k64(ino), db=self.inodes)
-        return _loads(raw) if raw is not None else None
+        return _load_inode(raw) if raw is not None else None
 
     def lookup(self, parent: int, name: bytes) -> int | None:
         with self.env.begin() as txn:
@@ -199,17 +345,17 @@ class Index:
     def get_object(self, oid: int) -> dict | None:
         with self.env.begin() as txn:
             raw = txn.get(k64(oid), db=self.objects)
-        return _loads(raw) if raw is not None else None
+        return _load_object(raw) if raw is not None else None
 
     def iter_objects(self) -> Iterator[tuple[int, dict]]:
         with self.env.begin() as txn:
             for k, v in txn.cursor(db=self.objects):
-                yield _U64.unpack(k)[0], _loads(v)
+                yield _U64.unpack(k)[0], _load_object(v)
 
     def iter_inodes(self) -> Iterator[tuple[int, dict]]:
         with self.env.begin() as txn:
             for k, v in txn.cursor(db=self.inodes):
-                yield _U64.unpack(k)[0], _loads(v)
+                yield _U64.unpack(k)[0], _load_inode(v)
 
     def iter_dirents(self) -> Iterator[tuple[int, bytes, int]]:
         with self.env.begin() as txn:
@@ -248,7 +394,7 @@ class Txn:
 
     def get_inode(self, ino: int) -> dict | None:
         raw = self.txn.get(k64(ino), db=self.ix.inodes)
-        return _loads(raw) if raw is not None else None
+        return _load_inode(raw) if raw is not None else None
 
     def put_inode(self, ino: int, rec: dict) -> None:
         self.txn.put(k64(ino), _dumps(rec), db=self.ix.inodes)
@@ -285,7 +431,7 @@ class Txn:
 
     def get_object(self, oid: int) -> dict | None:
         raw = self.txn.get(k64(oid), db=self.ix.objects)
-        return _loads(raw) if raw is not None else None
+        return _load_object(raw) if raw is not None else None
 
     def del_object(self, oid: int) -> None:
         self.txn.delete(k64(oid), db=self.ix.objects)

@@ -4,6 +4,13 @@ Objects are written with O_DIRECT through a page-aligned bounce buffer where the
 filesystem allows it (otherwise buffered), fsynced, and renamed into place before
 the store records them in the index. Reads use O_DIRECT into aligned buffers, so
 they cost a real disk read and never pollute the page cache.
+
+Each object file carries its own record in the ``user.kvfs.object`` xattr (CBOR: id,
+size, checksums, path, generation), so ``kvfs fsck --repair`` can rebuild a lost index
+from the files alone. The directory is private (0700, checked, held by descriptor, see
+kvfs.store.safedir), locked by one daemon at a time, and bound to one index: its
+``instance`` file names the index instance whose objects it holds, and a daemon with
+another index is refused (its orphan sweep would delete the other's objects).
 """
 from __future__ import annotations
 
@@ -15,15 +22,20 @@ import threading
 from pathlib import Path
 from typing import AsyncIterator
 
+import cbor2
 import trio
 
-from kvfs.errors import NoSuchObject, TierFull
+from kvfs.errors import ConfigError, NoSuchObject, TierFull
+from kvfs.store import checksum, safedir
+from kvfs.store.safedir import Dir, DirLock
 from kvfs.store.tier import ObjectInfo, Tier
 
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
 _BOUNCE = 4 << 20
+RECORD_XATTR = "user.kvfs.object"
+INSTANCE_FILE = "instance"
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:
@@ -45,14 +57,23 @@ class NvmeTier(Tier):
     name = "nvme"
     volatile = False
 
-    def __init__(self, capacity: int, root: str | Path, *, threads: int = 4):
+    def __init__(self, capacity: int, root: str | Path, *, threads: int = 4, holder: str | None = None):
         super().__init__(capacity)
         self.root = Path(root)
         self.objdir = self.root / "objects"
-        self.staging_dir = self.root / "staging"
         self.direct = False
+        self.holder = holder or safedir.holder_text(None)
+        self.home: Dir | None = None
+        self.staging: Dir | None = None     # write buffers spilled out of RAM
+        self._shards: list[int] = []         # descriptors of objects/00 .. objects/ff
+        self._lock: DirLock | None = None
         self._limiter = trio.CapacityLimiter(threads)
         self._bufs = _Buffers()
+        self._xattrs = True
+
+    @property
+    def staging_dir(self) -> Dir | None:
+        return self.staging
 
     def footprint(self, size: int) -> int:
         return _round_up(size)
@@ -61,17 +82,28 @@ class NvmeTier(Tier):
         h = f"{oid:016x}"
         return self.objdir / h[-2:] / h
 
+    def _shard(self, oid: int) -> tuple[int, str]:
+        h = f"{oid:016x}"
+        return self._shards[int(h[-2:], 16)], h
+
     async def open(self) -> None:
         def prepare() -> bool:
-            self.objdir.mkdir(parents=True, exist_ok=True)
-            for i in range(256):
-                (self.objdir / f"{i:02x}").mkdir(exist_ok=True)
-            self.staging_dir.mkdir(exist_ok=True)
-            for p in self.staging_dir.iterdir():     # leftovers of a crashed writer
-                p.unlink()
-            probe = self.root / ".direct-probe"
+            home = safedir.open_private_dir(self.root, "NVMe directory")
+            self.home = Dir(self.root, home)
+            self._lock = DirLock(home, self.root, "NVMe directory", self.holder)
+            objs = safedir.open_subdir(home, "objects", "NVMe objects directory")
             try:
-                fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+                self._shards = [safedir.open_subdir(objs, f"{i:02x}", "NVMe objects directory")
+                                for i in range(256)]
+            finally:
+                os.close(objs)
+            self.staging = Dir(self.root / "staging", safedir.open_subdir(home, "staging", "NVMe staging"))
+            safedir.clear_dir(self.staging.fd)          # leftovers of a crashed writer
+            try:
+                fd = os.open(".direct-probe", safedir.CREATE_FLAGS | os.O_DIRECT, 0o600, dir_fd=home)
+            except FileExistsError:
+                os.unlink(".direct-probe", dir_fd=home)
+                return False
             except OSError:
                 return False
             try:
@@ -82,15 +114,58 @@ class NvmeTier(Tier):
                 return False
             finally:
                 os.close(fd)
-                probe.unlink()
-        self.direct = await trio.to_thread.run_sync(prepare)
+                os.unlink(".direct-probe", dir_fd=home)
+        try:
+            self.direct = await trio.to_thread.run_sync(prepare)
+        except BaseException:
+            self._close_fds()
+            raise
         log.info("nvme tier at %s: %s I/O", self.root, "O_DIRECT" if self.direct else "buffered")
 
+    def _close_fds(self) -> None:
+        for fd in self._shards:
+            os.close(fd)
+        self._shards = []
+        for d in (self.staging, self.home):
+            if d is not None:
+                d.close()
+        self.staging = self.home = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    async def close(self) -> None:
+        self._close_fds()
+
+    def recorded_instance(self) -> str | None:
+        raw = safedir.read_file(self.home.fd, INSTANCE_FILE)
+        return raw.decode("ascii", "replace").strip() if raw is not None else None
+
+    def bind(self, instance: str, state_dir) -> None:
+        """Tie this directory to the index ``instance``: the first index to use it records
+        itself; any other is refused (its orphan sweep would delete the first one's objects)."""
+        have = self.recorded_instance()
+        if have is None:
+            safedir.write_file_atomic(self.home.fd, INSTANCE_FILE, instance.encode() + b"\n")
+        elif have != instance:
+            raise ConfigError(
+                f"NVMe directory {self.root} holds the objects of kvfs instance {have}, not of the index "
+                f"in {state_dir} (instance {instance}): use that instance's state directory, or give "
+                f"this one its own --nvme directory")
+
+    def _record(self, info: ObjectInfo) -> bytes:
+        return cbor2.dumps({"oid": info.oid, "size": info.size, "checksum": info.checksum,
+                            "chunk_size": info.chunk_size, "sums": checksum.pack_sums(info.chunk_sums),
+                            "key": info.key, "gen": info.generation})
+
     def _write_file(self, info: ObjectInfo, data: memoryview) -> None:
-        final = self.path(info.oid)
-        tmp = final.with_suffix(".tmp")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        fd = os.open(tmp, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        shard, name = self._shard(info.oid)
+        tmp = name + ".tmp"
+        try:
+            os.unlink(tmp, dir_fd=shard)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, safedir.CREATE_FLAGS | (os.O_DIRECT if self.direct else 0), 0o600, dir_fd=shard)
         try:
             if self.direct:
                 bounce = self._bufs.get(_BOUNCE)
@@ -108,18 +183,26 @@ class NvmeTier(Tier):
                 off = 0
                 while off < info.size:
                     off += os.pwrite(fd, data[off:off + _BOUNCE], off)
+            if self._xattrs:
+                try:
+                    os.setxattr(fd, RECORD_XATTR, self._record(info))
+                except OSError as e:
+                    if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                        raise
+                    self._xattrs = False
+                    log.warning("nvme tier at %s: no user xattrs (%s); objects are not self-describing "
+                                "and fsck cannot rebuild the index from them", self.root, e)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            tmp.unlink(missing_ok=True)
+            try:
+                os.unlink(tmp, dir_fd=shard)
+            except FileNotFoundError:
+                pass
             raise
         os.close(fd)
-        os.rename(tmp, final)
-        dfd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        os.rename(tmp, name, src_dir_fd=shard, dst_dir_fd=shard)
+        os.fsync(shard)
 
     async def put(self, info: ObjectInfo, data: memoryview) -> bytes:
         need = self.footprint(info.size)
@@ -140,8 +223,9 @@ class NvmeTier(Tier):
         return b""
 
     def _read_file(self, oid: int, offset: int, length: int) -> bytes:
+        shard, name = self._shard(oid)
         try:
-            fd = os.open(self.path(oid), os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECT if self.direct else 0), dir_fd=shard)
         except FileNotFoundError:
             raise NoSuchObject(f"nvme tier has no object {oid:x}") from None
         try:
@@ -161,11 +245,11 @@ class NvmeTier(Tier):
         return memoryview(data)
 
     async def delete(self, oid: int, loc: bytes) -> None:
-        p = self.path(oid)
+        shard, name = self._shard(oid)
         def rm() -> int:
             try:
-                size = p.stat().st_size
-                p.unlink()
+                size = os.stat(name, dir_fd=shard, follow_symlinks=False).st_size
+                os.unlink(name, dir_fd=shard)
                 return size
             except FileNotFoundError:
                 return -1
@@ -174,23 +258,57 @@ class NvmeTier(Tier):
             self.used -= self.footprint(size)
             self.objects -= 1
 
+    def _listing(self) -> list[tuple[int, int, str]]:
+        out = []
+        for shard in self._shards:
+            with os.scandir(shard) as it:
+                for e in it:
+                    if e.name.endswith(".tmp") or not e.is_file(follow_symlinks=False):
+                        continue
+                    try:
+                        out.append((int(e.name, 16), e.stat(follow_symlinks=False).st_size, e.name))
+                    except ValueError:
+                        continue
+        return out
+
     async def scan(self) -> AsyncIterator[tuple[int, bytes, int]]:
-        def listing() -> list[tuple[int, bytes, int]]:
-            out = []
-            for shard in sorted(self.objdir.iterdir()):
-                if not shard.is_dir():
-                    continue
-                with os.scandir(shard) as it:
-                    for e in it:
-                        if e.name.endswith(".tmp"):
-                            continue
-                        try:
-                            out.append((int(e.name, 16), b"", e.stat().st_size))
-                        except ValueError:
-                            continue
-            return out
-        for row in await trio.to_thread.run_sync(listing):
-            yield row
+        for oid, size, _ in await trio.to_thread.run_sync(self._listing):
+            yield oid, b"", size
+
+    def _read_record(self, oid: int) -> ObjectInfo | None:
+        shard, name = self._shard(oid)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=shard)
+        except OSError:
+            return None
+        try:
+            raw = os.getxattr(fd, RECORD_XATTR)
+            size = os.fstat(fd).st_size
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        try:
+            r = cbor2.loads(raw, tag_hook=lambda d, t: None)
+            info = ObjectInfo(int(r["oid"]), int(r["size"]), int(r["checksum"]), int(r["chunk_size"]),
+                              checksum.unpack_sums(bytes(r["sums"])), str(r["key"]), int(r["gen"]))
+        except Exception as e:       # noqa: BLE001 - a damaged record is skipped, not trusted
+            log.warning("nvme object %x: unreadable record (%s); skipped", oid, e)
+            return None
+        if info.oid != oid or info.size != size:
+            log.warning("nvme object %x: record disagrees with the file; skipped", oid)
+            return None
+        return info
+
+    async def scan_records(self, progress=None) -> AsyncIterator[tuple[ObjectInfo, bytes]]:
+        """Every object file whose own record reads back (for the index rebuild)."""
+        rows = await trio.to_thread.run_sync(self._listing)
+        for n, (oid, _, _) in enumerate(rows):
+            if progress:
+                progress(n, len(rows))
+            info = await trio.to_thread.run_sync(self._read_record, oid, limiter=self._limiter)
+            if info is not None:
+                yield info, b""
 
     def backing(self, oid: int, loc: bytes) -> dict | None:
         return {"path": str(self.path(oid)), "offset": 0, "direct": self.direct}

@@ -3,20 +3,30 @@
 Living in /dev/shm lets the GPU loader map a sealed object directly (the fast
 path beside FUSE). Write staging buffers live here too and count against the
 same byte budget, so sealing into RAM is a rename, not a copy.
+
+/dev/shm is writable by every user, so the tier's directory is created fresh at each
+mount with an unpredictable name (``kvfs-<instance>-<random>``, mode 0700, see
+kvfs.store.safedir), held by descriptor and locked for the mount's life; every file
+under it is created relative to that descriptor with ``O_EXCL|O_NOFOLLOW``. A
+previous mount's directory is removed only if it is a real directory of ours that no
+live daemon holds. If the directory is removed under a running mount, the next write
+re-creates it (objects already mapped keep working; their fast-path paths are gone).
 """
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import mmap
 import os
-import shutil
 from pathlib import Path
 from typing import AsyncIterator
 
 import trio
 
 from kvfs.errors import NoSuchObject, TierFull
+from kvfs.store import safedir
+from kvfs.store.safedir import Dir
 from kvfs.store.tier import ObjectInfo, Tier
 
 log = logging.getLogger(__name__)
@@ -49,30 +59,74 @@ class RamTier(Tier):
 
     def __init__(self, capacity: int, shm_dir: str | Path, instance_id: str):
         super().__init__(capacity)
-        self.dir = Path(shm_dir) / f"kvfs-{instance_id}"
-        self.staging_dir = self.dir / "staging"
+        self.shm_dir = Path(shm_dir)
+        self.prefix = f"kvfs-{instance_id}-"
+        self.home: Dir | None = None        # the tier's directory (objects)
+        self.staging: Dir | None = None     # its staging/ subdirectory (write buffers)
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}
+        self._stale: set[int] = set()       # objects whose file went with a removed directory
         self.staged = 0                      # bytes held by write buffers (part of used)
         self._seq = itertools.count()
 
+    @property
+    def dir(self) -> Path:
+        return self.home.path if self.home else self.shm_dir / self.prefix
+
     def _path(self, oid: int) -> str:
-        return f"{self.dir}/{oid:016x}"
+        return f"{self.home.path}/{oid:016x}"
+
+    def _make_dir(self) -> None:
+        path, fd = safedir.make_unique_dir(self.shm_dir, self.prefix)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)     # ours while we live (stale-dir sweep)
+        self.home = Dir(path, fd)
+        self.staging = Dir(path / "staging", safedir.open_subdir(fd, "staging", "RAM staging directory"))
+
+    def _ensure_dir(self) -> None:
+        """Re-create the directory if someone removed it under the running mount."""
+        if self.home is not None and not self.home.gone():
+            return
+        log.error("RAM tier directory %s was removed under the mount: re-creating it", self.dir)
+        self._stale.update(self._maps)
+        self._close_dirs()
+        self._make_dir()
+
+    def _close_dirs(self) -> None:
+        for d in (self.staging, self.home):
+            if d is not None:
+                d.close()
+        self.home = self.staging = None
 
     async def open(self) -> None:
-        # whatever a crashed daemon left here is volatile and gone by definition
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self.staging_dir.mkdir(parents=True)
+        # whatever a crashed daemon of this instance left is volatile and gone by definition
+        safedir.check_shared_parent(self.shm_dir, "shm_dir")
+        safedir.remove_stale_dirs(self.shm_dir, self.prefix)
+        self._make_dir()
 
     async def close(self) -> None:
         self._maps.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.home is None:
+            return
+        try:
+            safedir.clear_dir(self.home.fd)
+            parent = os.open(self.shm_dir, safedir.DIR_FLAGS)
+            try:
+                os.rmdir(self.home.path.name, dir_fd=parent)
+            finally:
+                os.close(parent)
+        except OSError as e:
+            log.warning("could not remove the RAM tier directory %s: %s", self.dir, e)
+        finally:
+            self._close_dirs()
 
     def _install(self, oid: int, fd: int, size: int) -> None:
         if size < MAPPED_MIN:
             # small objects live in the daemon's memory: Python's mmap keeps a descriptor
             # per mapping, and 100k small files would exhaust the descriptor limit
             buf = os.pread(fd, size, 0)
-            os.unlink(self._path(oid))
+            try:
+                os.unlink(f"{oid:016x}", dir_fd=self.home.fd)
+            except FileNotFoundError:
+                pass
             self._maps[oid] = (buf, size)
         else:
             self._maps[oid] = (mmap.mmap(fd, size, prot=mmap.PROT_READ), size)
@@ -83,10 +137,11 @@ class RamTier(Tier):
             raise TierFull(f"ram tier: {info.size} bytes do not fit")
         self.used += info.size
         try:
-            path = self._path(info.oid)
+            self._ensure_dir()
+            home = self.home.fd
 
             def write() -> int:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                fd = safedir.create_file(home, f"{info.oid:016x}")
                 os.ftruncate(fd, info.size)
                 with mmap.mmap(fd, info.size) as mm:
                     mm[:] = data
@@ -104,7 +159,13 @@ class RamTier(Tier):
     def adopt(self, info: ObjectInfo, staging: "Staging") -> bytes:
         """Turn a RAM staging buffer into the object itself (no copy)."""
         assert not staging.spilled and staging.size == info.size
-        os.rename(staging.path, self._path(info.oid))
+        try:
+            os.rename(staging.name, f"{info.oid:016x}", src_dir_fd=staging.dir.fd, dst_dir_fd=self.home.fd)
+        except OSError as e:
+            # the buffer's directory was removed under the mount: keep the bytes by
+            # descriptor (no fast-path file for this object)
+            log.warning("object %x kept without a file in shared memory: %s", info.oid, e)
+            self._stale.add(info.oid)
         self._install(info.oid, staging.fd, info.size)
         # the staged bytes become object bytes: used stays, staged drops
         self.staged -= staging.size
@@ -128,10 +189,12 @@ class RamTier(Tier):
             return
         self.used -= entry[1]
         self.objects -= 1
-        try:
-            os.unlink(self._path(oid))
-        except FileNotFoundError:
-            pass
+        self._stale.discard(oid)
+        if self.home is not None:
+            try:
+                os.unlink(f"{oid:016x}", dir_fd=self.home.fd)
+            except FileNotFoundError:
+                pass
         # the mapping is released when the last memoryview over it goes away
 
     async def scan(self) -> AsyncIterator[tuple[int, bytes, int]]:
@@ -140,23 +203,29 @@ class RamTier(Tier):
 
     def backing(self, oid: int, loc: bytes) -> dict | None:
         entry = self._maps.get(oid)
-        if entry is None or not isinstance(entry[0], mmap.mmap):
+        if entry is None or not isinstance(entry[0], mmap.mmap) or oid in self._stale:
             return None
         return {"path": self._path(oid), "offset": 0, "direct": False}
 
     def new_staging(self) -> "Staging":
-        return Staging(self, self.staging_dir / f"w{next(self._seq):x}")
+        self._ensure_dir()
+        return Staging(self, self.staging, f"w{next(self._seq):x}")
 
 
 class Staging:
     """A growable write buffer: a tmpfs file, or a file on NVMe once spilled."""
 
-    def __init__(self, ram: RamTier, path: Path):
+    def __init__(self, ram: RamTier, where: Dir, name: str):
         self.ram = ram
-        self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.dir = where                # the directory holding the buffer (by descriptor)
+        self.name = name
+        self.fd = safedir.create_file(where.fd, name)
         self.size = 0
         self.spilled = False
+
+    @property
+    def path(self) -> Path:
+        return self.dir.path / self.name
 
     def _account(self, new_size: int) -> None:
         if not self.spilled:
@@ -194,13 +263,12 @@ class Staging:
         if len(data):
             await trio.to_thread.run_sync(os.pwrite, self.fd, data, 0)
 
-    async def spill(self, to_dir: Path) -> None:
+    async def spill(self, to_dir: Dir) -> None:
         """Move the bytes to a file under ``to_dir`` (RAM is full), in a thread."""
         if self.spilled:
             return
-        dst = to_dir / self.path.name
         def copy() -> int:
-            fd = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = safedir.create_file(to_dir.fd, self.name)
             off = 0
             while off < self.size:
                 buf = os.pread(self.fd, min(4 << 20, self.size - off), off)
@@ -208,14 +276,17 @@ class Staging:
                 off += len(buf)
             return fd
         fd = await trio.to_thread.run_sync(copy)
-        old_fd, old_path = self.fd, self.path
-        self.fd, self.path = fd, dst
+        old_fd, old_dir = self.fd, self.dir
+        self.fd, self.dir = fd, to_dir
         self.ram.used -= self.size
         self.ram.staged -= self.size
         self.spilled = True
         os.close(old_fd)
-        os.unlink(old_path)
-        log.debug("spilled write buffer %s (%d bytes) to %s", old_path.name, self.size, to_dir)
+        try:
+            os.unlink(self.name, dir_fd=old_dir.fd)
+        except FileNotFoundError:
+            pass
+        log.debug("spilled write buffer %s (%d bytes) to %s", self.name, self.size, to_dir)
 
     def map(self) -> mmap.mmap | None:
         return mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ) if self.size else None
@@ -235,6 +306,6 @@ class Staging:
         os.close(self.fd)
         self.fd = -1
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
+            os.unlink(self.name, dir_fd=self.dir.fd)
+        except OSError:
             pass

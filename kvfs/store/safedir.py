@@ -1,0 +1,251 @@
+"""Root-owned state on a shared node: private directories, descriptor-relative opens, locks.
+
+The daemon runs as root beside other users. Everything it creates lives in a directory
+it owns with mode 0700, opened once (``O_NOFOLLOW``) and held by descriptor for the
+mount's life; files under it are opened relative to that descriptor with ``O_NOFOLLOW``
+and, where they are created, ``O_EXCL``, so no name another user planted (a symlink, a
+directory swapped in a race) can steer a write. One lock file (``flock``) per directory
+names its holder, so a second daemon gets a one-line error instead of sharing it.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from kvfs.errors import ConfigError, InUse
+
+log = logging.getLogger(__name__)
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+CREATE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _check_owned(st: os.stat_result, path, what: str) -> None:
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{what} {path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(f"{what} {path} is owned by uid {st.st_uid}, not by the daemon's user "
+                          f"(uid {os.geteuid()}): refusing to keep state in it")
+
+
+def open_private_dir(path: str | Path, what: str, *, create: bool = True) -> int:
+    """Create ``path`` (mode 0700) if needed and return a descriptor of it after checking
+    it is a real directory (not a symlink) owned by us; a looser mode is tightened to 0700."""
+    path = Path(path)
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(path, DIR_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ConfigError(f"{what} {path} is a symlink: refusing to follow it") from None
+        if e.errno == errno.ENOTDIR:
+            raise ConfigError(f"{what} {path} is not a directory") from None
+        raise ConfigError(f"cannot open {what} {path}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        _check_owned(st, path, what)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o700)
+            log.info("%s %s: mode %o tightened to 0700", what, path, stat.S_IMODE(st.st_mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_subdir(dir_fd: int, name: str, what: str) -> int:
+    """``name`` inside the directory ``dir_fd`` (created 0700 if missing), checked like
+    ``open_private_dir``."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        raise ConfigError(f"cannot open {what} {name}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        _check_owned(st, name, what)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def create_file(dir_fd: int, name: str, mode: int = 0o600) -> int:
+    """Create ``name`` under ``dir_fd`` exclusively (a leftover of ours is replaced; a
+    symlink or anything else planted there is never followed)."""
+    try:
+        return os.open(name, CREATE_FLAGS, mode, dir_fd=dir_fd)
+    except FileExistsError:
+        os.unlink(name, dir_fd=dir_fd)
+        return os.open(name, CREATE_FLAGS, mode, dir_fd=dir_fd)
+
+
+def clear_dir(dir_fd: int) -> int:
+    """Remove every entry of the directory ``dir_fd`` without following links."""
+    n = 0
+    for name in os.listdir(dir_fd):
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode):
+            sub = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+            try:
+                n += clear_dir(sub)
+            finally:
+                os.close(sub)
+            os.rmdir(name, dir_fd=dir_fd)
+        else:
+            os.unlink(name, dir_fd=dir_fd)
+        n += 1
+    return n
+
+
+def check_shared_parent(path: str | Path, what: str) -> None:
+    """A directory other users can write (``/dev/shm``) must be sticky, or another user
+    could rename our directory away and put theirs in its place."""
+    st = os.stat(path)
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX and st.st_uid != os.geteuid():
+        raise ConfigError(f"{what} {path} is writable by other users and not sticky")
+
+
+def make_unique_dir(parent: str | Path, prefix: str) -> tuple[Path, int]:
+    """A new directory ``parent/prefix<random>`` (mode 0700, unpredictable, created by us:
+    nothing planted in advance can be it) and a descriptor of it."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    return path, open_private_dir(path, "directory", create=False)
+
+
+def remove_stale_dirs(parent: str | Path, prefix: str) -> int:
+    """Remove ``parent/prefix*`` directories a dead daemon of ours left: only real
+    directories owned by us whose lock no live daemon holds; never through a symlink."""
+    n = 0
+    try:
+        names = [e for e in os.listdir(parent) if e.startswith(prefix)]
+    except OSError:
+        return 0
+    pfd = os.open(parent, DIR_FLAGS)
+    try:
+        for name in names:
+            try:
+                fd = os.open(name, DIR_FLAGS, dir_fd=pfd)
+            except OSError:
+                continue                       # a symlink (ELOOP) or gone: not ours
+            try:
+                st = os.fstat(fd)
+                if st.st_uid != os.geteuid():
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue                   # a live daemon's directory
+                clear_dir(fd)
+                os.rmdir(name, dir_fd=pfd)
+                n += 1
+            except OSError as e:
+                log.warning("could not remove stale %s/%s: %s", parent, name, e)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(pfd)
+    if n:
+        log.info("removed %d stale RAM-tier directories in %s", n, parent)
+    return n
+
+
+class Dir:
+    """A directory held open by descriptor for a component's life, with the path it had
+    when opened (for messages and for paths handed to fast-path readers)."""
+
+    __slots__ = ("path", "fd")
+
+    def __init__(self, path: str | Path, fd: int):
+        self.path = Path(path)
+        self.fd = fd
+
+    def gone(self) -> bool:
+        """True when the directory was removed under us (creating in it now fails)."""
+        return os.fstat(self.fd).st_nlink == 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+class DirLock:
+    """An exclusive ``flock`` on ``<dir>/lock`` held for the owner's life; the file names
+    the holder (``pid`` and what it serves) for the error a second owner gets."""
+
+    def __init__(self, dir_fd: int, path: str | Path, what: str, holder: str):
+        self.fd = -1
+        try:
+            fd = os.open("lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        except OSError as e:
+            raise ConfigError(f"cannot open the lock file of {what} {path}: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                who = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+            finally:
+                os.close(fd)
+            raise InUse(f"{what} {path} is in use by {who}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{holder}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def holder_text(mountpoint: str | None) -> str:
+    """How a lock names its holder: ``kvfs pid N mounted at M`` (or ``kvfs fsck pid N``)."""
+    if mountpoint:
+        return f"kvfs pid {os.getpid()} mounted at {mountpoint}"
+    return f"kvfs pid {os.getpid()} (fsck or another tool)"
+
+
+def write_file_atomic(dir_fd: int, name: str, data: bytes) -> None:
+    tmp = f".{name}.tmp"
+    fd = create_file(dir_fd, tmp)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.fsync(dir_fd)
+
+
+def read_file(dir_fd: int, name: str, limit: int = 1 << 16) -> bytes | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["Dir", "open_private_dir", "open_subdir", "create_file", "clear_dir", "make_unique_dir",
+           "remove_stale_dirs", "DirLock", "holder_text", "write_file_atomic", "read_file",
+           "check_shared_parent"]

@@ -128,7 +128,8 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         for t in tiers:
             await t.open()
             opened.append(t)
-        tiers[1].bind(index.instance_id, cfg.state_dir)
+        tiers[1].bind(index.instance_id, cfg.state_dir, bound=index.get_meta(b"nvme_bound") is not None)
+        index.put_meta(b"nvme_bound", b"1")
         store = build_store(cfg, index, tiers)
         cache = Cache(index, store, tiers[1].staging_dir)
         recovered = await cache.start()

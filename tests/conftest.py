@@ -218,3 +218,64 @@ def kvfs_cli():
 sys.path.insert(0, str(REPO / "tests" / "target"))
 sys.path.insert(0, str(REPO / "tests" / "store"))
 from nvmet_fixtures import fresh_target, nvmet_target, remote_tier, remote_url  # noqa: E402,F401
+
+
+# ---- a real second, unprivileged user (security tests) --------------------------------
+INTRUDER = "kvfs-intruder"
+
+
+class Intruder:
+    """A real unprivileged local user: runs Python snippets as itself (``run``)."""
+
+    def __init__(self, uid: int, gid: int, home: Path, python: str):
+        self.uid, self.gid, self.home, self.python = uid, gid, home, python
+
+    def run(self, code: str, *args, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+        res = subprocess.run([self.python, "-c", code, *map(str, args)], user=self.uid, group=self.gid,
+                             extra_groups=[], capture_output=True, text=True, timeout=timeout, cwd="/",
+                             env={"PATH": "/usr/bin:/bin", "HOME": str(self.home)})
+        if check:
+            assert res.returncode == 0, f"as {INTRUDER}: rc={res.returncode}\n{res.stdout}{res.stderr}"
+        return res
+
+
+@pytest.fixture
+def intruder():
+    """A real second user (``useradd``); skipped only where the machine cannot add users."""
+    import pwd
+    import tempfile
+    if os.geteuid() != 0:
+        pytest.skip("adding a user needs root")
+    python = "/usr/bin/python3"
+    if not os.access(python, os.X_OK):
+        pytest.skip("no system python3 another user can run")
+    try:
+        pw = pwd.getpwnam(INTRUDER)
+    except KeyError:
+        res = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                              INTRUDER], capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot add a user here: {res.stderr.strip()}")
+        pw = pwd.getpwnam(INTRUDER)
+    home = Path(tempfile.mkdtemp(prefix="kvfs-intruder-"))
+    os.chown(home, pw.pw_uid, pw.pw_gid)
+    yield Intruder(pw.pw_uid, pw.pw_gid, home, python)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def reachable(path: Path):
+    """Let other users traverse to ``path`` (o+x on each ancestor) for the block; restored after."""
+    changed = []
+    p = Path(path)
+    for d in [p, *p.parents]:
+        mode = d.stat().st_mode & 0o7777
+        if not mode & 0o001:
+            os.chmod(d, mode | 0o001)
+            changed.append((d, mode))
+    try:
+        yield
+    finally:
+        for d, mode in reversed(changed):
+            with contextlib.suppress(OSError):
+                os.chmod(d, mode)

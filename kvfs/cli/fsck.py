@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 @click.option("--remote", metavar="URL", default=None, help="Remote tier to check as well.")
 @click.option("--repair", is_flag=True, help="Fix what can be fixed (drop bad entries, orphans).")
 @click.option("--rebuild-remote", is_flag=True,
-              help="Rebuild the remote volume's allocation from the index.")
+              help="Add index entries for objects found on the remote volume that the index lacks.")
 def fsck_cmd(config_file, nvme, state, remote, repair, rebuild_remote):
     """Check the index against the backing objects, checksums and orphans (unmounted only)."""
     cfg = build_config(config_file, None, nvme=nvme, state=state, remote=remote)
@@ -49,6 +49,8 @@ def fsck_cmd(config_file, nvme, state, remote, repair, rebuild_remote):
     repaired = int(getattr(result, "repaired", 0))
     for p in problems:
         stdout.print(f"problem: {p}", markup=False)
+    if result.rebuilt:
+        click.echo(f"rebuilt {result.rebuilt} index entries from the tiers' object records")
     if not problems:
         click.echo(f"clean: {cfg.state_dir}")
         return

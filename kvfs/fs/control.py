@@ -9,7 +9,13 @@ several writes at increasing offsets) and answer it on the next read:
 
 Directives: ``\\0base DIR`` (later paths are relative to DIR, itself relative to the mount
 root; default the root), ``\\0ttl SECONDS`` (lease only, default 30, at most 600) and
-``\\0release`` (lease only: release this descriptor's lease, grant nothing).
+``\\0release`` (lease only: release this descriptor's lease, grant nothing). A ttl that is
+not a finite number in (0, 600] is refused with EINVAL.
+
+Both answer as the caller: the uid, gid and groups of the process that opened the control
+file. A path the caller could not open for reading through the mount (search permission
+on every directory, read permission on the file) ends the prefix like a missing one, so
+neither file answers anything about it; non-root leases are bounded (see Cache.grant_lease).
 
 ``lookup`` answers ``{"prefix": k, "tiers": [...]}``: the first ``k`` paths are sealed
 regular files (the first that is not ends the prefix), with the highest tier of each.
@@ -23,12 +29,13 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import stat
 import time
 
 import pyfuse3
 
-from kvfs.store.cache import LEASE_TTL
+from kvfs.store.cache import LEASE_TTL, LEASE_TTL_MAX, ROOT, Cred
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +76,43 @@ def _json(doc) -> bytes:
 class ControlHandle:
     """Per-open state of a control file: a snapshot (stats) or a request/answer."""
 
-    def __init__(self, ino: int):
+    def __init__(self, ino: int, cred: Cred = ROOT):
         self.ino = ino
+        self.cred = cred                   # who opened it: answers are for this caller
         self.request = bytearray()
         self.answer: bytes | None = None
         self.lease: int | None = None      # the lease this descriptor holds (lease file)
+
+
+def caller(ctx) -> Cred:
+    """The credentials of a FUSE request: uid and gid from the request, supplementary groups
+    from /proc (the kernel does not send them; a process that is gone has none)."""
+    if ctx is None:
+        return ROOT
+    groups: frozenset = frozenset()
+    if ctx.uid != 0:
+        try:
+            with open(f"/proc/{ctx.pid}/status") as f:
+                for line in f:
+                    if line.startswith("Groups:"):
+                        groups = frozenset(int(g) for g in line.split()[1:])
+                        break
+        except (OSError, ValueError):
+            pass
+    return Cred(ctx.uid, ctx.gid, groups)
+
+
+def parse_ttl(arg: bytes | None) -> float:
+    """A lease ttl: a finite number of seconds in (0, LEASE_TTL_MAX]; EINVAL otherwise."""
+    if not arg:
+        return LEASE_TTL
+    try:
+        ttl = float(arg)
+    except ValueError:
+        raise pyfuse3.FUSEError(errno.EINVAL) from None
+    if not math.isfinite(ttl) or not 0 < ttl <= LEASE_TTL_MAX:
+        raise pyfuse3.FUSEError(errno.EINVAL)
+    return ttl
 
 
 def parse_request(raw: bytes) -> tuple[list[tuple[bytes, list[bytes]]], dict[bytes, bytes]]:
@@ -117,20 +156,20 @@ class Control:
         doc.update(self.cache.statistics())
         return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
-    def open(self, ino: int, flags: int) -> ControlHandle:
+    def open(self, ino: int, flags: int, cred: Cred = ROOT) -> ControlHandle:
         if ino == CTRL_DIR:
             raise pyfuse3.FUSEError(errno.EISDIR)
-        h = ControlHandle(ino)
+        h = ControlHandle(ino, cred)
         if ino == STATS:
             if flags & 3:
                 raise pyfuse3.FUSEError(errno.EACCES)
             h.answer = self.stats_json()
         return h
 
-    def _lookup_answer(self, groups) -> dict:
+    def _lookup_answer(self, groups, cred: Cred) -> dict:
         objs = []
         for base, paths in groups:
-            got = self.cache.prefix_objects(paths, base)
+            got = self.cache.prefix_objects(paths, base, cred)
             objs += got
             if len(got) < len(paths):
                 break
@@ -141,20 +180,17 @@ class Control:
             raw, h.request = bytes(h.request), bytearray()
             groups, opts = parse_request(raw)
             if h.ino == LOOKUP:
-                h.answer = _json(self._lookup_answer(groups))
+                h.answer = _json(self._lookup_answer(groups, h.cred))
             else:
                 await self.release(h)
                 if b"release" in opts:
                     h.answer = _json({"released": True})
                 else:
-                    try:
-                        ttl = float(opts.get(b"ttl") or LEASE_TTL)
-                    except ValueError:
-                        raise pyfuse3.FUSEError(errno.EINVAL) from None
+                    ttl = parse_ttl(opts.get(b"ttl"))
                     if len(groups) > 1:
                         raise pyfuse3.FUSEError(errno.EINVAL)     # one base per lease
                     base, paths = groups[0] if groups else (b"", [])
-                    h.lease, h.answer = self.cache.grant_lease(paths, base, ttl)
+                    h.lease, h.answer = self.cache.grant_lease(paths, base, ttl, h.cred)
         return (h.answer or b"")[off:off + size]
 
     async def write(self, h: ControlHandle, off: int, buf: bytes) -> int:

@@ -192,7 +192,7 @@ class KvfsOperations(pyfuse3.Operations):
         if control.is_control(inode):
             fh = self._next_ctl
             self._next_ctl += 1
-            self._ctl[fh] = self.control.open(inode, flags)
+            self._ctl[fh] = self.control.open(inode, flags, control.caller(ctx))
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
         fh = await self.cache.open(inode, flags)
         return self._file_info(fh, inode)

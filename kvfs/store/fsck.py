@@ -6,11 +6,18 @@ dropping what cannot be trusted (a cache may lose entries, never serve wrong byt
 ``rebuild_remote`` re-creates index entries for objects found on the remote
 volume (self-describing records) that the index does not know, under their
 recorded paths.
+
+A damaged index (missing while its header exists, truncated, of an unknown format,
+or holding a record that does not parse) is reported as one problem; with ``repair``
+it is moved aside (``index.lmdb.damaged-<time>``) and rebuilt from the objects'
+own records on the NVMe tier (and the remote tier when configured), under the
+paths they had when they were written down.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import stat
 import time
 from typing import Callable
@@ -18,9 +25,9 @@ from typing import Callable
 import trio
 
 from kvfs.config import Config
-from kvfs.errors import NamespaceError, StoreError
-from kvfs.store import checksum
-from kvfs.store.index import ROOT_INO, Index
+from kvfs.errors import IndexDamaged, NamespaceError, StoreError
+from kvfs.store import checksum, records
+from kvfs.store.index import ENV_NAME, HEADER_NAME, ROOT_INO, Index
 from kvfs.store.objects import Obj
 
 log = logging.getLogger(__name__)
@@ -43,8 +50,18 @@ def run_fsck(cfg: Config, *, repair: bool = False, rebuild_remote: bool = False,
 
 async def _fsck(cfg: Config, repair: bool, rebuild_remote: bool, progress: Progress) -> FsckReport:
     from kvfs.daemon import build_tiers
-    index = Index(cfg.state_dir)
     report = FsckReport()
+    index = None
+    try:
+        index = Index(cfg.state_dir)
+        index.verify_records()
+    except IndexDamaged as e:
+        if index is not None:
+            index.close()
+        _problem(report, f"index damaged: {e}")
+        if not repair:
+            return report
+        index = await _rebuild_index(cfg, report, progress)
     tiers = build_tiers(cfg, index)[1:]            # RAM is volatile: nothing to check offline
     opened = []
     try:
@@ -181,10 +198,51 @@ async def _check_orphans(index: Index, tiers: list, report: FsckReport, repair: 
         progress(1, 1, f"orphans on {tier.name}")
 
 
+async def _rebuild_index(cfg: Config, report: FsckReport, progress: Progress) -> Index:
+    """Move the damaged index aside and rebuild it from the tiers' own object records."""
+    from kvfs.daemon import build_tiers
+    from kvfs.store.nvme import NvmeTier
+    nvme = NvmeTier(0, cfg.nvme_dir)
+    await nvme.open()
+    try:
+        instance = nvme.recorded_instance()
+    finally:
+        await nvme.close()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for name in (ENV_NAME, HEADER_NAME):
+        src = cfg.state_dir / name
+        if src.exists() or src.is_symlink():
+            os.rename(src, cfg.state_dir / f"{name}.damaged-{stamp}")
+    if instance is None:
+        header = cfg.state_dir / f"{HEADER_NAME}.damaged-{stamp}"
+        try:
+            instance = records.decode_meta(header.read_bytes()).get("instance")
+        except (OSError, IndexDamaged):
+            instance = None
+    index = Index(cfg.state_dir, instance=instance if isinstance(instance, str) else None)
+    log.warning("fsck: damaged index moved aside (*.damaged-%s); rebuilding instance %s",
+                stamp, index.instance_id)
+    tiers = build_tiers(cfg, index)[1:]
+    opened = []
+    try:
+        for t in tiers:
+            await t.open()
+            opened.append(t)
+        for t in tiers:
+            if t.available and hasattr(t, "scan_records"):
+                await _rebuild(index, t, report, progress)
+    finally:
+        for t in opened:
+            await t.close()
+    report.repaired += 1
+    return index
+
+
 async def _rebuild(index: Index, remote, report: FsckReport, progress: Progress) -> None:
-    """Re-create index entries for remote records the index lacks, at their recorded paths."""
+    """Re-create index entries for a tier's object records the index lacks, at their
+    recorded paths (the remote volume's records, or the NVMe files' own records)."""
     known = {oid for oid, _ in index.iter_objects()}
-    async for info, loc in remote.scan_records(lambda d, t: progress(d, t, "scanning remote")):
+    async for info, loc in remote.scan_records(lambda d, t: progress(d, t, f"scanning {remote.name}")):
         if info.oid in known or not info.key:
             continue
         comps = [c.encode("utf-8", "surrogateescape") for c in info.key.strip("/").split("/") if c]
@@ -208,11 +266,12 @@ async def _rebuild(index: Index, remote, report: FsckReport, progress: Progress)
                 continue                      # a newer file holds the name
             ino = txn.new_id(b"ino")
             obj = Obj(info.oid, info.size, info.checksum, info.chunk_size, tuple(info.chunk_sums),
-                      {"remote": loc}, ino, info.key, info.generation)
+                      {remote.name: loc}, ino, info.key, info.generation)
             txn.put_object(info.oid, obj.record())
             txn.put_inode(ino, dict(mode=stat.S_IFREG | 0o644, uid=0, gid=0, size=info.size, nlink=1,
                                     atime=now, mtime=now, ctime=now, parent=parent, name=comps[-1],
                                     xattrs={}, oid=info.oid, gen=info.generation))
             txn.link(parent, comps[-1], ino)
+        known.add(info.oid)
         report.rebuilt += 1
-    log.info("rebuilt %d index entries from the remote volume", report.rebuilt)
+    log.info("rebuilt %d index entries from the %s tier", report.rebuilt, remote.name)

@@ -141,10 +141,16 @@ class NvmeTier(Tier):
         raw = safedir.read_file(self.home.fd, INSTANCE_FILE)
         return raw.decode("ascii", "replace").strip() if raw is not None else None
 
-    def bind(self, instance: str, state_dir) -> None:
+    def bind(self, instance: str, state_dir, *, bound: bool = False) -> None:
         """Tie this directory to the index ``instance``: the first index to use it records
-        itself; any other is refused (its orphan sweep would delete the first one's objects)."""
+        itself; any other is refused (its orphan sweep would delete the first one's objects).
+        ``bound``: the index was already tied to an NVMe directory, so one without a record
+        is not its own (a copied state directory pointed at a new directory)."""
         have = self.recorded_instance()
+        if have is None and bound:
+            raise ConfigError(
+                f"the index in {state_dir} (instance {instance}) belongs to another NVMe directory, "
+                f"not {self.root}: a copied state directory? give the copy its own fresh --state")
         if have is None:
             safedir.write_file_atomic(self.home.fd, INSTANCE_FILE, instance.encode() + b"\n")
         elif have != instance:

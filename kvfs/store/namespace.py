@@ -36,7 +36,8 @@ class Namespace:
         # sealed file?" without reading and unpickling inode records (batched prefix lookups)
         self.sealed: dict[int, Obj] = {}
         self.orphans: dict[int, dict] = {}      # unlinked inodes still open
-        self.on_name_removed = lambda parent, name, ino: None   # kernel cache invalidation
+        # kernel cache invalidation of names the store removed on its own (eviction, corruption)
+        self.on_name_removed = lambda parent, name, ino: None
         store.on_lost = self._lost
         store.may_evict = self._may_evict
         store.key_of = lambda obj: self.path_of(obj.ino)
@@ -163,7 +164,8 @@ class Namespace:
             txn.put_inode(ino, rec)
 
     def _remove(self, txn: Txn, parent: int, name: bytes, ino: int, rec: dict, keep_open: bool) -> Obj | None:
-        """Remove one name and, with it, the inode and its object."""
+        """Remove one name and, with it, the inode and its object (unlink, rename over a
+        name: the kernel made this change itself, so it is not told about it)."""
         txn.unlink(parent, name)
         txn.del_inode(ino)
         self._kv_remove(rec)
@@ -174,7 +176,6 @@ class Namespace:
         obj = self.store.objs.get(rec.get("oid"))
         if obj is not None:
             self.store.drop(txn, obj)
-        self.on_name_removed(parent, name, ino)
         return obj
 
     def unlink(self, parent: int, name: bytes, is_open) -> Obj | None:

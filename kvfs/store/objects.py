@@ -166,6 +166,23 @@ class ObjectStore:
         await self.make_room(lower[-1], self.tiers[lower[-1]].footprint(size))
         return self.tiers[lower[-1]]
 
+    async def _put(self, i: int, obj: Obj, data) -> bytes:
+        """``tiers[i].put`` of ``obj``; when the tier's filesystem is fuller than its budget
+        says (ENOSPC with room on the books), make room there as if it were full and retry."""
+        tier = self.tiers[i]
+        while True:
+            try:
+                return await tier.put(obj.info(), data)
+            except TierFull as e:
+                if i == 0 or tier.free() < tier.footprint(obj.size):
+                    raise                       # full on the books: the caller makes room
+                victim = self._victim(tier, i >= self._lowest())
+                if victim is None:
+                    raise
+                log.warning("%s tier: %s; making room as if full (%s %x)", tier.name, e,
+                            "demoting" if i < self._lowest() else "evicting", victim.oid)
+                await self._make_way(victim, i, True)
+
     def drop(self, txn: Txn, obj: Obj) -> None:
         """Remove the object's record in ``txn``; call ``release_space`` after commit."""
         txn.del_object(obj.oid)
@@ -357,8 +374,13 @@ class ObjectStore:
         # nothing, they read again when the tier comes back.
         degraded = evict and i < len(self.tiers) - 1
         fallback = None
-        for oid in self.lru[tier.name]:
-            obj = self.objs[oid]
+        lru = self.lru[tier.name]
+        for oid in list(lru):
+            obj = self.objs.get(oid)
+            if obj is None or obj.dead or tier.name not in obj.place:
+                log.error("dropping a stale %s LRU entry %x", tier.name, oid)   # a bug elsewhere
+                lru.pop(oid, None)
+                continue
             if obj.refs or obj.busy:
                 continue
             if degraded and not obj.pinned and self._copy_below(obj, i):
@@ -408,6 +430,10 @@ class ObjectStore:
                 except (TierFull, TierUnavailable) as e:
                     log.warning("cannot relieve %s tier: %s", tier.name, e)
                     break
+                except (CorruptObject, NoSuchObject) as e:    # the victim's bytes are gone
+                    log.warning("relieving %s tier: %x: %s", tier.name, victim.oid, e)
+                    if not victim.dead:
+                        break
 
     async def evict(self, obj: Obj) -> None:
         log.debug("evicting %x (%s)", obj.oid, obj.key)
@@ -429,9 +455,13 @@ class ObjectStore:
                 j = self.tiers.index(below[0])
                 dst = self.tiers[j]
                 await self.make_room(j, dst.footprint(obj.size), evict_ok=evict_ok)
+                if obj.dead:                   # dropped while room was made
+                    return
                 obj.key = self.key_of(obj)
                 data = await self.read_all(obj)
-                loc = await dst.put(obj.info(), data)
+                if obj.dead:
+                    return
+                loc = await self._put(j, obj, data)
                 del data
                 self.counters[dst.name].bytes_written += obj.size
                 if obj.dead:
@@ -439,7 +469,7 @@ class ObjectStore:
                     return
                 obj.place[dst.name] = loc
                 self.lru[dst.name][obj.oid] = None
-            if obj.dead:
+            if obj.dead or src.name not in obj.place:
                 return
             # opened or leased while the copy was made: a loader may be about to read this
             # copy's backing file, so it stays (both copies recorded; a later pass drops it)
@@ -463,18 +493,24 @@ class ObjectStore:
         obj.busy = True
         try:
             data = await self.read_all(obj)
+            if obj.dead:
+                return
             if self.ram.free() < obj.size:
                 # a promotion only speeds reads up: while a tier is unreachable it must not
                 # push an object out of the hierarchy (its lower copy may be the only one left)
                 await self.make_room(0, obj.size, evict_ok=all(t.available for t in self.tiers))
             if obj.dead:
                 return
-            obj.place[self.ram.name] = await self.ram.put(obj.info(), data)
+            loc = await self.ram.put(obj.info(), data)
+            if obj.dead:                       # dropped (renamed over, unlinked) meanwhile
+                await self.ram.delete(obj.oid, loc)
+                return
+            obj.place[self.ram.name] = loc
             self.lru[self.ram.name][obj.oid] = None
             src = self.top_tier_below_ram(obj)
             self.counters[src].promotions += 1
             # RAM copies are volatile: the index keeps only durable placements
-        except (TierFull, TierUnavailable, CorruptObject) as e:
+        except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
             log.debug("promotion of %x skipped: %s", obj.oid, e)
         finally:
             obj.busy = False

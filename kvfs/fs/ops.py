@@ -248,7 +248,9 @@ class KvfsOperations(pyfuse3.Operations):
             rec = self.cache.index.get_inode(ino)
             if rec is None:
                 continue
-            if not pyfuse3.readdir_reply(token, name, _entry(ino, rec), eid):
+            # the attributes getattr gives (a file being written: its buffer's size), or the
+            # kernel would take the sealed size for the inode's
+            if not pyfuse3.readdir_reply(token, name, _entry(ino, self.cache.live_attrs(ino, rec)), eid):
                 return
 
     async def releasedir(self, fh):
@@ -295,7 +297,7 @@ class KvfsOperations(pyfuse3.Operations):
     @translate
     async def create(self, parent_inode, name, mode, flags, ctx):
         self._parent_ok(parent_inode)
-        fh, ino, rec = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid)
+        fh, ino, rec = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
         return self._file_info(fh, ino), _entry(ino, rec)
 
     @translate

@@ -157,6 +157,7 @@ class Staging:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self.size = 0
         self.spilled = False
+        self._spilling: trio.Event | None = None    # set while spill copies: changes wait
 
     def _account(self, new_size: int) -> None:
         if not self.spilled:
@@ -166,6 +167,8 @@ class Staging:
         self.size = new_size
 
     async def write(self, offset: int, data) -> int:
+        while self._spilling is not None:          # the copy would miss this write
+            await self._spilling.wait()
         end = offset + len(data)
         if self.spilled:
             n = await trio.to_thread.run_sync(os.pwrite, self.fd, data, offset)
@@ -182,6 +185,8 @@ class Staging:
         return os.pread(self.fd, length, offset)
 
     async def truncate(self, size: int) -> None:
+        while self._spilling is not None:
+            await self._spilling.wait()
         if self.spilled:
             await trio.to_thread.run_sync(os.ftruncate, self.fd, size)
         else:
@@ -195,19 +200,38 @@ class Staging:
             await trio.to_thread.run_sync(os.pwrite, self.fd, data, 0)
 
     async def spill(self, to_dir: Path) -> None:
-        """Move the bytes to a file under ``to_dir`` (RAM is full), in a thread."""
-        if self.spilled:
+        """Move the bytes to a file under ``to_dir`` (RAM is full), in a thread. Concurrent
+        writes (one handle's O_DIRECT writes arrive as parallel requests) wait for it; a
+        second spill of the same buffer waits for the first."""
+        while self._spilling is not None:
+            await self._spilling.wait()
+        if self.spilled or self.fd < 0:
             return
         dst = to_dir / self.path.name
+        size = self.size
         def copy() -> int:
             fd = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            off = 0
-            while off < self.size:
-                buf = os.pread(self.fd, min(4 << 20, self.size - off), off)
-                os.pwrite(fd, buf, off)
-                off += len(buf)
+            try:
+                off = 0
+                while off < size:
+                    buf = os.pread(self.fd, min(4 << 20, size - off), off)
+                    os.pwrite(fd, buf, off)
+                    off += len(buf)
+            except BaseException:
+                os.close(fd)
+                dst.unlink(missing_ok=True)
+                raise
             return fd
-        fd = await trio.to_thread.run_sync(copy)
+        done = self._spilling = trio.Event()
+        try:
+            fd = await trio.to_thread.run_sync(copy)
+        finally:
+            self._spilling = None
+            done.set()
+        if self.fd < 0:                            # discarded meanwhile
+            os.close(fd)
+            dst.unlink(missing_ok=True)
+            return
         old_fd, old_path = self.fd, self.path
         self.fd, self.path = fd, dst
         self.ram.used -= self.size

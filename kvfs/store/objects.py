@@ -141,7 +141,7 @@ class ObjectStore:
                       atime=time.time())
             if size and staging.spilled:
                 tier = await self._room_below(0, size)
-                obj.place[tier.name] = await tier.put(obj.info(), view)
+                obj.place[tier.name] = await self._put(self.tiers.index(tier), obj, view)
                 self.counters[tier.name].bytes_written += size
         finally:
             view.release()
@@ -179,7 +179,7 @@ class ObjectStore:
                 victim = self._victim(tier, i >= self._lowest())
                 if victim is None:
                     raise
-                log.warning("%s tier: %s; making room as if full (%s %x)", tier.name, e,
+                log.warning("%s; making room as if full (%s %x)", e,
                             "demoting" if i < self._lowest() else "evicting", victim.oid)
                 await self._make_way(victim, i, True)
 
@@ -519,22 +519,55 @@ class ObjectStore:
         return next((t.name for t in self.tiers[1:] if t.name in obj.place), self.ram.name)
 
     async def write_down_volatile(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Copy objects whose only copy is in RAM to a durable tier (clean unmount)."""
-        todo = [o for o in self.objs.values() if o.size and set(o.place) == {self.ram.name}]
+        """Copy objects whose only copy is in RAM to a durable tier (clean unmount).
+
+        Their closes succeeded: they are kept if any durable tier can take them, making
+        room there the way pressure does (least recently used first; on a filesystem
+        fuller than its budget says, too). Least recently used RAM objects go first, so
+        the newest survive when not all fit. What cannot be kept is logged, with a count.
+        """
+        todo = sorted((o for o in self.objs.values() if o.size and set(o.place) == {self.ram.name}),
+                      key=lambda o: o.atime)
+        lost = 0
         for n, obj in enumerate(todo):
-            try:
-                tier = await self._room_below(0, obj.size)
-                obj.key = self.key_of(obj)
-                data = await self.read_all(obj)
-                obj.place[tier.name] = await tier.put(obj.info(), data)
-                self.lru[tier.name][obj.oid] = None
-                with self.index.write() as txn:
-                    txn.put_object(obj.oid, obj.record())
-            except (TierFull, TierUnavailable) as e:
-                log.error("could not keep %s across the restart: %s", obj.key or hex(obj.oid), e)
+            if not obj.dead and set(obj.place) == {self.ram.name}:
+                try:
+                    await self._write_down(obj)
+                except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
+                    lost += 1
+                    log.error("could not keep %s across the restart: %s", obj.key or hex(obj.oid), e)
             if progress:
                 progress(n + 1, len(todo))
+        if lost:
+            log.error("%d of %d RAM-only files could not be written to a durable tier and are lost",
+                      lost, len(todo))
         return len(todo)
+
+    async def _write_down(self, obj: Obj) -> None:
+        """Put ``obj`` on the first durable tier that takes it (trying each in turn)."""
+        obj.key = self.key_of(obj)
+        data = await self.read_all(obj)
+        errors = []
+        for i in range(1, len(self.tiers)):
+            tier = self.tiers[i]
+            if not tier.available:
+                continue
+            try:
+                if tier.footprint(obj.size) > tier.free():
+                    if i < self._lowest():
+                        raise TierFull(f"{tier.name} tier is full")
+                    await self.make_room(i, tier.footprint(obj.size))
+                loc = await self._put(i, obj, data)
+            except TierFull as e:
+                errors.append(str(e))
+                continue
+            obj.place[tier.name] = loc
+            self.lru[tier.name][obj.oid] = None
+            self.counters[tier.name].bytes_written += obj.size
+            with self.index.write() as txn:
+                txn.put_object(obj.oid, obj.record())
+            return
+        raise TierFull("; ".join(errors) or "no durable tier is available")
 
     # ---- background ---------------------------------------------------------
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:

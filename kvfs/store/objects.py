@@ -279,6 +279,8 @@ class ObjectStore:
             trio.lowlevel.spawn_system_task(self._prefetch, obj, tier, idx)
 
     async def _prefetch(self, obj: Obj, tier: Tier, idx: int) -> None:
+        if obj.dead or tier.name not in obj.place:     # gone before its turn came
+            return
         try:
             await self._chunk(obj, tier, idx)
         except Exception:     # the reader that needs it will see the error
@@ -312,13 +314,21 @@ class ObjectStore:
         cs = obj.chunk_size
         want = min(cs, obj.size - idx * cs)
         c = self.counters[tier.name]
+        loc = obj.place.get(tier.name)
+        if loc is None:
+            raise NoSuchObject(f"object {obj.oid:x} has no copy on {tier.name}")
         try:
-            data = bytes(await tier.read(obj.oid, obj.place[tier.name], idx * cs, want))
+            data = bytes(await tier.read(obj.oid, loc, idx * cs, want))
         except TierUnavailable:
             c.errors += 1
             raise
         except NoSuchObject:
             data = b""
+        if (len(data) != want or checksum.digest(data) != obj.sums[idx]) and (
+                obj.dead or tier.name not in obj.place):
+            # dropped or moved off this tier while it was read (a read-ahead of a file just
+            # deleted): nothing is corrupt, the copy is simply gone
+            raise NoSuchObject(f"object {obj.oid:x} left tier {tier.name} while it was read")
         if len(data) != want or checksum.digest(data) != obj.sums[idx]:
             c.checksum_failures += 1
             log.error("checksum mismatch: object %x chunk %d on %s (%s)", obj.oid, idx, tier.name, obj.key)

@@ -111,6 +111,7 @@ def _kill9_cycles(kvfs_mount, cycles: int) -> None:
             for w in writers:
                 w.kill()
                 w.wait()
+            lazy_unmount(m.path)
             raise
         lazy_unmount(m.path)
         wait_for(lambda: not os.path.ismount(m.path), 30, "the dead mount to detach")

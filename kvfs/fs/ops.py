@@ -276,6 +276,7 @@ class KvfsOperations(pyfuse3.Operations):
         keys[key] = keys.get(key, 0) + 1
         self._fh_key[fh] = (ino, key)
         if others:
+            self.cache.handles[fh].direct = True
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         keep = self._page_key.get(ino) == key
         self._page_key[ino] = key

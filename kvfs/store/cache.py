@@ -66,6 +66,7 @@ class Handle:
     ino: int
     write: bool = False
     append: bool = False
+    direct: bool = False            # opened direct_io (another version of the inode was open)
     ws: WriteState | None = None    # writers and readers of a file being written
     obj: Obj | None = None          # readers of a sealed version
 
@@ -295,8 +296,12 @@ class Cache:
             raise NamespaceError(errno.EBADF)
         ws = h.ws
         staging = await self._staging(ws)
-        # O_APPEND: the kernel already put ``offset`` at its end of file (write(2)); a
-        # writeback of a shared mapping through this handle carries its page's own offset
+        # O_APPEND: the kernel already put ``offset`` at its end of file for write(2), and a
+        # writeback of a shared mapping through the handle carries its page's own offset.
+        # A direct_io handle cannot be mapped, and its inode has another version open whose
+        # size the kernel may hold: its appends go to the end of this buffer.
+        if h.append and h.direct:
+            offset = staging.size
         n = await staging.write(offset, data)
         ws.dirty = True
         ws.mtime = time.time_ns()

@@ -402,3 +402,30 @@ def test_writer_opening_while_previous_version_seals_loses_nothing(d):
         assert len(got) == size, (it, len(got))
         assert got[:4] == b"B%03d" % it, (it, got[:4])
         assert got[4:] == data[4:], (it, "the first writer's bytes were lost")
+
+
+# ---- 6: an fd on an old version while the file is rewritten in place ------------------------
+def test_old_version_reader_during_in_place_resize_reads_only_old_bytes(d):
+    """The kernel keeps one size per inode: an old-version reader's reads end at the size of
+    the version being written (docs/design.md), but every byte it gets is the old version's."""
+    v1 = content("old", 100000)
+    put(d / "f", v1)
+    r = os.open(d / "f", os.O_RDONLY)
+    try:
+        assert os.pread(r, 200000, 0) == v1
+        w2 = os.open(d / "f", os.O_RDWR | os.O_APPEND)
+        try:
+            os.ftruncate(w2, 1000)
+            got = os.pread(r, 200000, 0)
+            assert len(got) >= 1000 and v1.startswith(got), len(got)
+            os.write(w2, b"N" * 5000)                 # appends at the new version's end
+            assert os.fstat(w2).st_size == 6000
+            got = os.pread(r, 200000, 0)
+            assert v1.startswith(got), len(got)
+        finally:
+            os.close(w2)
+        got = os.pread(r, 200000, 0)
+        assert v1.startswith(got), len(got)
+    finally:
+        os.close(r)
+    assert read(d / "f") == v1[:1000] + b"N" * 5000

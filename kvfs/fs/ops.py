@@ -4,10 +4,11 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
 import stat
+import threading
 
 import pyfuse3
-import trio
 
 from kvfs.fs import control
 from kvfs.fs.errmap import translate
@@ -40,6 +41,67 @@ def _entry(ino: int, rec: dict) -> pyfuse3.EntryAttributes:
     return a
 
 
+class Notifier:
+    """Kernel cache invalidations, sent one at a time by a thread of ours.
+
+    A notification can block in the kernel on a directory or page lock that a request in
+    flight holds, so none is ever sent by (or waited for by) a handler: they queue here
+    (bounded; a full queue drops the notification and the kernel's timeouts take over).
+    Only changes the kernel did not make itself are notified (eviction, checksum loss, a
+    new sealed version). ``stop`` runs before the session is destroyed.
+    """
+
+    def __init__(self, maxsize: int = 4096):
+        self._q: queue.Queue = queue.Queue(maxsize)
+        self._thread: threading.Thread | None = None
+        self.dropped = 0
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvfs-notify", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        t, self._thread = self._thread, None
+        if t is None:
+            return
+        while True:                       # make room for the sentinel
+            try:
+                self._q.put_nowait(None)
+                break
+            except queue.Full:
+                try:
+                    self._q.get_nowait()
+                except queue.Empty:
+                    pass
+        t.join(timeout)
+        if t.is_alive():
+            log.warning("kernel notification thread did not stop within %.0fs", timeout)
+
+    def send(self, fn, *args) -> None:
+        if self._thread is None:
+            return
+        try:
+            self._q.put_nowait((fn, args))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("kernel notification queue full: %d notifications dropped", self.dropped)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except OSError as e:          # ENOENT: the kernel did not cache it
+                log.debug("%s%s: %s", fn.__name__, args, e)
+            except Exception:             # noqa: BLE001 - a notification never kills the thread
+                log.exception("%s%s failed", fn.__name__, args)
+
+
 class KvfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
 
@@ -49,7 +111,8 @@ class KvfsOperations(pyfuse3.Operations):
         self.control = control.Control(cache, describe)
         self._ctl: dict[int, control.ControlHandle] = {}
         self._next_ctl = 1 << 62
-        self.mounted = False          # kernel notifications only while a session exists
+        self.notifier = Notifier()
+        self._mounted = False         # kernel notifications only while a session exists
         # The kernel keeps one page cache per inode, but an inode can have several versions
         # open at once (an old reader, a writer). Track what the cached pages hold and which
         # versions are open, so no handle is served another version's pages.
@@ -59,26 +122,31 @@ class KvfsOperations(pyfuse3.Operations):
         cache.ns.on_name_removed = self._name_removed
         cache.on_content_changed = self._content_changed
 
-    # kernel cache coherence: names the store removed on its own (eviction, corruption)
+    @property
+    def mounted(self) -> bool:
+        return self._mounted
+
+    @mounted.setter
+    def mounted(self, value: bool) -> None:
+        """Set after ``pyfuse3.init`` (starts the notifier), cleared before ``pyfuse3.close``
+        (stops it: no notification may reach a destroyed session)."""
+        self._mounted = value
+        if value:
+            self.notifier.start()
+        else:
+            self.notifier.stop()
+
+    # kernel cache coherence: names the store removed on its own (eviction, corruption).
+    # Names the kernel removed (unlink, rename over a name) are never notified: the kernel
+    # already knows, and a notification would wait on the directory lock that request holds.
     def _name_removed(self, parent: int, name: bytes, ino: int) -> None:
-        if not self.mounted:
-            return
-        try:
-            pyfuse3.invalidate_entry_async(parent, name, deleted=ino, ignore_enoent=True)
-        except Exception as e:     # not mounted (handler tests) or an old kernel
-            log.debug("invalidate_entry_async failed: %s", e)
+        if self._mounted:
+            self.notifier.send(pyfuse3.invalidate_entry, parent, name, ino)
 
     def _content_changed(self, ino: int) -> None:
         self._page_key.pop(ino, None)
-        if not self.mounted:
-            return
-        trio.lowlevel.spawn_system_task(self._invalidate, ino)
-
-    async def _invalidate(self, ino: int) -> None:
-        try:
-            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, ino, False, abandon_on_cancel=True)
-        except Exception as e:
-            log.debug("invalidate_inode(%d) failed: %s", ino, e)
+        if self._mounted:
+            self.notifier.send(pyfuse3.invalidate_inode, ino, False)
 
     # ---- names and attributes ----------------------------------------------
     @translate
@@ -180,7 +248,9 @@ class KvfsOperations(pyfuse3.Operations):
             rec = self.cache.index.get_inode(ino)
             if rec is None:
                 continue
-            if not pyfuse3.readdir_reply(token, name, _entry(ino, rec), eid):
+            # the attributes getattr gives (a file being written: its buffer's size), or the
+            # kernel would take the sealed size for the inode's
+            if not pyfuse3.readdir_reply(token, name, _entry(ino, self.cache.live_attrs(ino, rec)), eid):
                 return
 
     async def releasedir(self, fh):
@@ -206,6 +276,7 @@ class KvfsOperations(pyfuse3.Operations):
         keys[key] = keys.get(key, 0) + 1
         self._fh_key[fh] = (ino, key)
         if others:
+            self.cache.handles[fh].direct = True
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         keep = self._page_key.get(ino) == key
         self._page_key[ino] = key
@@ -227,7 +298,7 @@ class KvfsOperations(pyfuse3.Operations):
     @translate
     async def create(self, parent_inode, name, mode, flags, ctx):
         self._parent_ok(parent_inode)
-        fh, ino, rec = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid)
+        fh, ino, rec = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
         return self._file_info(fh, ino), _entry(ino, rec)
 
     @translate

@@ -85,6 +85,8 @@ class WriteState:
     writers: int = 0
     handles: int = 0
     dirty: bool = False
+    mtime: int | None = None        # of the last write, or set explicitly after it (utimens)
+    sealing: trio.Event | None = None   # set while the buffer is being sealed: writes wait
     ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     serial: int = dataclasses.field(default_factory=itertools.count(1).__next__)
 
@@ -94,6 +96,7 @@ class Handle:
     ino: int
     write: bool = False
     append: bool = False
+    direct: bool = False            # opened direct_io (another version of the inode was open)
     ws: WriteState | None = None    # writers and readers of a file being written
     obj: Obj | None = None          # readers of a sealed version
 
@@ -156,10 +159,22 @@ class Cache:
 
     # ---- attributes -----------------------------------------------------------
     def getattr(self, ino: int) -> dict:
-        rec = self.ns.inode(ino)
+        return self.live_attrs(ino, self.ns.inode(ino))
+
+    def live_attrs(self, ino: int, rec: dict) -> dict:
+        """``rec`` (the inode's record) with what a write in progress changed: the size of its
+        buffer and the mtime of its last write (the record has them once it is sealed).
+        Every path that reports attributes to the kernel goes through here (getattr, lookup,
+        readdirplus): the kernel keeps one size per inode and trusts the latest answer."""
         ws = self.writers.get(ino)
-        if ws is not None and ws.staging is not None:
-            rec = dict(rec, size=ws.staging.size)
+        if ws is not None:
+            over = {}
+            if ws.staging is not None:
+                over["size"] = ws.staging.size
+            if ws.mtime is not None:
+                over["mtime"] = ws.mtime
+            if over:
+                rec = dict(rec, **over)
         return rec
 
     def is_open(self, ino: int) -> bool:
@@ -181,6 +196,9 @@ class Cache:
             fields["mtime"] = mtime
         if fields:
             rec = self.ns.update(ino, **fields)
+            ws = self.writers.get(ino)
+            if mtime is not None and ws is not None:
+                ws.mtime = mtime            # set after the last write: the seal keeps it
         if size is not None:
             if not stat.S_ISREG(rec["mode"]):
                 raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec["mode"]) else errno.EINVAL)
@@ -188,12 +206,14 @@ class Cache:
             if ws is not None:
                 await (await self._staging(ws)).truncate(size)
                 ws.dirty = True
+                ws.mtime = mtime if mtime is not None else time.time_ns()
             else:
                 ws = await self._begin_write(ino, truncate=size == 0)
                 ws.handles += 1
                 try:
                     await (await self._staging(ws)).truncate(size)
                     ws.dirty = True
+                    ws.mtime = mtime if mtime is not None else time.time_ns()
                     await self._seal(ws)
                 finally:
                     await self._end(ws)
@@ -207,13 +227,25 @@ class Cache:
         self.open_count[h.ino] = self.open_count.get(h.ino, 0) + 1
         return fh
 
-    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> tuple[int, int, dict]:
+    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                     flags: int = os.O_RDWR) -> tuple[int, int, dict]:
         ino, rec = self.ns.make(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid, oid=None)
         ws = WriteState(ino, staging=self.store.ram.new_staging(), dirty=True)
         ws.ready.set()
         self.writers[ino] = ws
-        ws.writers = ws.handles = 1
-        return self._new_fh(Handle(ino, write=True, ws=ws)), ino, rec
+        ws.handles = 1
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            # O_RDONLY|O_CREAT: an empty file, sealed now; the descriptor only reads
+            try:
+                await self._seal(ws)
+            except BaseException:
+                self._abandon(ws)
+                raise
+            finally:
+                await self._end(ws)
+            return await self.open(ino, flags), ino, self.getattr(ino)
+        ws.writers = 1
+        return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws)), ino, rec
 
     async def open(self, ino: int, flags: int) -> int:
         rec = self.ns.inode(ino)
@@ -259,7 +291,10 @@ class Cache:
         return ws
 
     async def _staging(self, ws: WriteState) -> Staging:
-        """The write buffer, materialised from the sealed base on first need."""
+        """The write buffer, materialised from the sealed base on first need. Waits while
+        the buffer is being sealed (a change now would be lost, or start from the old base)."""
+        while ws.sealing is not None:
+            await ws.sealing.wait()
         if ws.staging is None:
             staging = self.store.ram.new_staging()
             try:
@@ -292,10 +327,15 @@ class Cache:
             raise NamespaceError(errno.EBADF)
         ws = h.ws
         staging = await self._staging(ws)
-        if h.append:
+        # O_APPEND: the kernel already put ``offset`` at its end of file for write(2), and a
+        # writeback of a shared mapping through the handle carries its page's own offset.
+        # A direct_io handle cannot be mapped, and its inode has another version open whose
+        # size the kernel may hold: its appends go to the end of this buffer.
+        if h.append and h.direct:
             offset = staging.size
         n = await staging.write(offset, data)
         ws.dirty = True
+        ws.mtime = time.time_ns()
         ram = self.store.ram
         if ram.used > ram.capacity and not staging.spilled:
             self.store.kick()
@@ -372,38 +412,49 @@ class Cache:
         return _kv_header(await staging.read(0, n))
 
     async def _seal(self, ws: WriteState) -> None:
-        staging = ws.staging
-        if staging is None:
-            staging = await self._staging(ws)
+        while ws.sealing is not None:        # one seal of a buffer at a time
+            await ws.sealing.wait()
+        if not ws.dirty:
+            return
+        staging = await self._staging(ws)
         rec = self.index.get_inode(ws.ino)
         if rec is None:                      # unlinked while open: nothing to keep
+            orphan = self.ns.orphans.get(ws.ino)
+            if orphan is not None:           # its readers still see its size (POSIX)
+                orphan["size"] = staging.size
+                orphan["mtime"] = ws.mtime or orphan["mtime"]
             ws.dirty = False
             return
-        kv = await self._peek_block_header(staging)
-        key = self.ns.path_of(ws.ino)
-        ws.staging = None
+        # until the new object is installed, writes and truncates of this file wait (they
+        # would change a buffer being hashed, or start over from the old version); reads
+        # keep reading the buffer
+        done = ws.sealing = trio.Event()
         try:
+            kv = await self._peek_block_header(staging)
+            key = self.ns.path_of(ws.ino)
             obj = await self.store.create(ws.ino, staging, key, rec.get("gen", 0) + 1)
-        except BaseException:
-            ws.staging = staging
-            raise
-        if staging.fd >= 0:
-            staging.discard()
-        kvrec = None
-        if kv:
-            kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")}
-        old, installed = self.ns.install(ws.ino, obj, kvrec)
-        ws.dirty = False
-        if old is not None:
-            await self.store.release_space(old)
-        if not installed:
-            await self.store.release_space(obj)
-            return
-        obj.refs += 1
-        if ws.base is not None:
-            ws.base.refs -= 1
-            await self.store.release_space(ws.base)
-        ws.base = obj
+            ws.staging = None
+            if staging.fd >= 0:
+                staging.discard()
+            kvrec = None
+            if kv:
+                kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")}
+            old, installed = self.ns.install(ws.ino, obj, kvrec, mtime=ws.mtime)
+            ws.dirty = False
+            ws.mtime = None                  # the record has it now
+            if old is not None:
+                await self.store.release_space(old)
+            if not installed:
+                await self.store.release_space(obj)
+                return
+            obj.refs += 1
+            if ws.base is not None:
+                ws.base.refs -= 1
+                await self.store.release_space(ws.base)
+            ws.base = obj
+        finally:
+            ws.sealing = None
+            done.set()
         self.on_content_changed(ws.ino)
 
     # ---- namespace pass-throughs that free bytes ---------------------------

@@ -36,7 +36,8 @@ class Namespace:
         # sealed file?" without reading and unpickling inode records (batched prefix lookups)
         self.sealed: dict[int, Obj] = {}
         self.orphans: dict[int, dict] = {}      # unlinked inodes still open
-        self.on_name_removed = lambda parent, name, ino: None   # kernel cache invalidation
+        # kernel cache invalidation of names the store removed on its own (eviction, corruption)
+        self.on_name_removed = lambda parent, name, ino: None
         store.on_lost = self._lost
         store.may_evict = self._may_evict
         store.key_of = lambda obj: self.path_of(obj.ino)
@@ -163,7 +164,8 @@ class Namespace:
             txn.put_inode(ino, rec)
 
     def _remove(self, txn: Txn, parent: int, name: bytes, ino: int, rec: dict, keep_open: bool) -> Obj | None:
-        """Remove one name and, with it, the inode and its object."""
+        """Remove one name and, with it, the inode and its object (unlink, rename over a
+        name: the kernel made this change itself, so it is not told about it)."""
         txn.unlink(parent, name)
         txn.del_inode(ino)
         self._kv_remove(rec)
@@ -174,7 +176,6 @@ class Namespace:
         obj = self.store.objs.get(rec.get("oid"))
         if obj is not None:
             self.store.drop(txn, obj)
-        self.on_name_removed(parent, name, ino)
         return obj
 
     def unlink(self, parent: int, name: bytes, is_open) -> Obj | None:
@@ -271,8 +272,9 @@ class Namespace:
             txn.put_inode(ino, rec)
         return rec
 
-    def install(self, ino: int, obj: Obj, kv: dict | None) -> tuple[Obj | None, bool]:
-        """Point a file at a newly sealed object. Returns (old object, installed?)."""
+    def install(self, ino: int, obj: Obj, kv: dict | None, mtime: int | None = None) -> tuple[Obj | None, bool]:
+        """Point a file at a newly sealed object (``mtime``: of its last write, or set after
+        it; default now). Returns (old object, installed?)."""
         with self.index.write() as txn:
             rec = txn.get_inode(ino)
             if rec is None:                 # unlinked while it was being written
@@ -283,7 +285,8 @@ class Namespace:
                 self.store.drop(txn, old)
             self._kv_remove(rec)
             now = time.time_ns()
-            rec.update(oid=obj.oid, size=obj.size, mtime=now, ctime=now, gen=rec.get("gen", 0) + 1)
+            rec.update(oid=obj.oid, size=obj.size, mtime=now if mtime is None else mtime, ctime=now,
+                       gen=rec.get("gen", 0) + 1)
             if kv:
                 rec["kv"] = kv
             else:

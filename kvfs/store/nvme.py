@@ -182,13 +182,20 @@ class NvmeTier(Tier):
                     wlen = _round_up(n)
                     if wlen > n:
                         bounce[n:wlen] = bytes(wlen - n)
-                    os.pwrite(fd, memoryview(bounce)[:wlen], off)
+                    done = os.pwrite(fd, memoryview(bounce)[:wlen], off)
+                    if done < n:
+                        # a short O_DIRECT write (the filesystem filled up): never keep a
+                        # file with a hole where bytes should be
+                        raise OSError(errno.ENOSPC, f"short write ({done} of {wlen} bytes)")
                     off += n
                 os.ftruncate(fd, info.size)
             else:
                 off = 0
                 while off < info.size:
-                    off += os.pwrite(fd, data[off:off + _BOUNCE], off)
+                    done = os.pwrite(fd, data[off:off + _BOUNCE], off)
+                    if done <= 0:
+                        raise OSError(errno.ENOSPC, "no progress writing an object")
+                    off += done
             if self._xattrs:
                 try:
                     os.setxattr(fd, RECORD_XATTR, self._record(info))

@@ -141,7 +141,7 @@ class ObjectStore:
                       atime=time.time())
             if size and staging.spilled:
                 tier = await self._room_below(0, size)
-                obj.place[tier.name] = await tier.put(obj.info(), view)
+                obj.place[tier.name] = await self._put(self.tiers.index(tier), obj, view)
                 self.counters[tier.name].bytes_written += size
         finally:
             view.release()
@@ -165,6 +165,23 @@ class ObjectStore:
                 return t
         await self.make_room(lower[-1], self.tiers[lower[-1]].footprint(size))
         return self.tiers[lower[-1]]
+
+    async def _put(self, i: int, obj: Obj, data) -> bytes:
+        """``tiers[i].put`` of ``obj``; when the tier's filesystem is fuller than its budget
+        says (ENOSPC with room on the books), make room there as if it were full and retry."""
+        tier = self.tiers[i]
+        while True:
+            try:
+                return await tier.put(obj.info(), data)
+            except TierFull as e:
+                if i == 0 or tier.free() < tier.footprint(obj.size):
+                    raise                       # full on the books: the caller makes room
+                victim = self._victim(tier, i >= self._lowest())
+                if victim is None:
+                    raise
+                log.warning("%s; making room as if full (%s %x)", e,
+                            "demoting" if i < self._lowest() else "evicting", victim.oid)
+                await self._make_way(victim, i, True)
 
     def drop(self, txn: Txn, obj: Obj) -> None:
         """Remove the object's record in ``txn``; call ``release_space`` after commit."""
@@ -262,6 +279,8 @@ class ObjectStore:
             trio.lowlevel.spawn_system_task(self._prefetch, obj, tier, idx)
 
     async def _prefetch(self, obj: Obj, tier: Tier, idx: int) -> None:
+        if obj.dead or tier.name not in obj.place:     # gone before its turn came
+            return
         try:
             await self._chunk(obj, tier, idx)
         except Exception:     # the reader that needs it will see the error
@@ -295,13 +314,21 @@ class ObjectStore:
         cs = obj.chunk_size
         want = min(cs, obj.size - idx * cs)
         c = self.counters[tier.name]
+        loc = obj.place.get(tier.name)
+        if loc is None:
+            raise NoSuchObject(f"object {obj.oid:x} has no copy on {tier.name}")
         try:
-            data = bytes(await tier.read(obj.oid, obj.place[tier.name], idx * cs, want))
+            data = bytes(await tier.read(obj.oid, loc, idx * cs, want))
         except TierUnavailable:
             c.errors += 1
             raise
         except NoSuchObject:
             data = b""
+        if (len(data) != want or checksum.digest(data) != obj.sums[idx]) and (
+                obj.dead or tier.name not in obj.place):
+            # dropped or moved off this tier while it was read (a read-ahead of a file just
+            # deleted): nothing is corrupt, the copy is simply gone
+            raise NoSuchObject(f"object {obj.oid:x} left tier {tier.name} while it was read")
         if len(data) != want or checksum.digest(data) != obj.sums[idx]:
             c.checksum_failures += 1
             log.error("checksum mismatch: object %x chunk %d on %s (%s)", obj.oid, idx, tier.name, obj.key)
@@ -357,8 +384,13 @@ class ObjectStore:
         # nothing, they read again when the tier comes back.
         degraded = evict and i < len(self.tiers) - 1
         fallback = None
-        for oid in self.lru[tier.name]:
-            obj = self.objs[oid]
+        lru = self.lru[tier.name]
+        for oid in list(lru):
+            obj = self.objs.get(oid)
+            if obj is None or obj.dead or tier.name not in obj.place:
+                log.error("dropping a stale %s LRU entry %x", tier.name, oid)   # a bug elsewhere
+                lru.pop(oid, None)
+                continue
             if obj.refs or obj.busy:
                 continue
             if degraded and not obj.pinned and self._copy_below(obj, i):
@@ -408,6 +440,10 @@ class ObjectStore:
                 except (TierFull, TierUnavailable) as e:
                     log.warning("cannot relieve %s tier: %s", tier.name, e)
                     break
+                except (CorruptObject, NoSuchObject) as e:    # the victim's bytes are gone
+                    log.warning("relieving %s tier: %x: %s", tier.name, victim.oid, e)
+                    if not victim.dead:
+                        break
 
     async def evict(self, obj: Obj) -> None:
         log.debug("evicting %x (%s)", obj.oid, obj.key)
@@ -429,9 +465,13 @@ class ObjectStore:
                 j = self.tiers.index(below[0])
                 dst = self.tiers[j]
                 await self.make_room(j, dst.footprint(obj.size), evict_ok=evict_ok)
+                if obj.dead:                   # dropped while room was made
+                    return
                 obj.key = self.key_of(obj)
                 data = await self.read_all(obj)
-                loc = await dst.put(obj.info(), data)
+                if obj.dead:
+                    return
+                loc = await self._put(j, obj, data)
                 del data
                 self.counters[dst.name].bytes_written += obj.size
                 if obj.dead:
@@ -439,7 +479,7 @@ class ObjectStore:
                     return
                 obj.place[dst.name] = loc
                 self.lru[dst.name][obj.oid] = None
-            if obj.dead:
+            if obj.dead or src.name not in obj.place:
                 return
             # opened or leased while the copy was made: a loader may be about to read this
             # copy's backing file, so it stays (both copies recorded; a later pass drops it)
@@ -463,18 +503,24 @@ class ObjectStore:
         obj.busy = True
         try:
             data = await self.read_all(obj)
+            if obj.dead:
+                return
             if self.ram.free() < obj.size:
                 # a promotion only speeds reads up: while a tier is unreachable it must not
                 # push an object out of the hierarchy (its lower copy may be the only one left)
                 await self.make_room(0, obj.size, evict_ok=all(t.available for t in self.tiers))
             if obj.dead:
                 return
-            obj.place[self.ram.name] = await self.ram.put(obj.info(), data)
+            loc = await self.ram.put(obj.info(), data)
+            if obj.dead:                       # dropped (renamed over, unlinked) meanwhile
+                await self.ram.delete(obj.oid, loc)
+                return
+            obj.place[self.ram.name] = loc
             self.lru[self.ram.name][obj.oid] = None
             src = self.top_tier_below_ram(obj)
             self.counters[src].promotions += 1
             # RAM copies are volatile: the index keeps only durable placements
-        except (TierFull, TierUnavailable, CorruptObject) as e:
+        except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
             log.debug("promotion of %x skipped: %s", obj.oid, e)
         finally:
             obj.busy = False
@@ -483,22 +529,55 @@ class ObjectStore:
         return next((t.name for t in self.tiers[1:] if t.name in obj.place), self.ram.name)
 
     async def write_down_volatile(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Copy objects whose only copy is in RAM to a durable tier (clean unmount)."""
-        todo = [o for o in self.objs.values() if o.size and set(o.place) == {self.ram.name}]
+        """Copy objects whose only copy is in RAM to a durable tier (clean unmount).
+
+        Their closes succeeded: they are kept if any durable tier can take them, making
+        room there the way pressure does (least recently used first; on a filesystem
+        fuller than its budget says, too). Least recently used RAM objects go first, so
+        the newest survive when not all fit. What cannot be kept is logged, with a count.
+        """
+        todo = sorted((o for o in self.objs.values() if o.size and set(o.place) == {self.ram.name}),
+                      key=lambda o: o.atime)
+        lost = 0
         for n, obj in enumerate(todo):
-            try:
-                tier = await self._room_below(0, obj.size)
-                obj.key = self.key_of(obj)
-                data = await self.read_all(obj)
-                obj.place[tier.name] = await tier.put(obj.info(), data)
-                self.lru[tier.name][obj.oid] = None
-                with self.index.write() as txn:
-                    txn.put_object(obj.oid, obj.record())
-            except (TierFull, TierUnavailable) as e:
-                log.error("could not keep %s across the restart: %s", obj.key or hex(obj.oid), e)
+            if not obj.dead and set(obj.place) == {self.ram.name}:
+                try:
+                    await self._write_down(obj)
+                except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
+                    lost += 1
+                    log.error("could not keep %s across the restart: %s", obj.key or hex(obj.oid), e)
             if progress:
                 progress(n + 1, len(todo))
+        if lost:
+            log.error("%d of %d RAM-only files could not be written to a durable tier and are lost",
+                      lost, len(todo))
         return len(todo)
+
+    async def _write_down(self, obj: Obj) -> None:
+        """Put ``obj`` on the first durable tier that takes it (trying each in turn)."""
+        obj.key = self.key_of(obj)
+        data = await self.read_all(obj)
+        errors = []
+        for i in range(1, len(self.tiers)):
+            tier = self.tiers[i]
+            if not tier.available:
+                continue
+            try:
+                if tier.footprint(obj.size) > tier.free():
+                    if i < self._lowest():
+                        raise TierFull(f"{tier.name} tier is full")
+                    await self.make_room(i, tier.footprint(obj.size))
+                loc = await self._put(i, obj, data)
+            except TierFull as e:
+                errors.append(str(e))
+                continue
+            obj.place[tier.name] = loc
+            self.lru[tier.name][obj.oid] = None
+            self.counters[tier.name].bytes_written += obj.size
+            with self.index.write() as txn:
+                txn.put_object(obj.oid, obj.record())
+            return
+        raise TierFull("; ".join(errors) or "no durable tier is available")
 
     # ---- background ---------------------------------------------------------
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -212,6 +212,13 @@ class RamTier(Tier):
         return Staging(self, self.staging, f"w{next(self._seq):x}")
 
 
+def _unlink(where: Dir, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=where.fd)
+    except OSError:
+        pass
+
+
 class Staging:
     """A growable write buffer: a tmpfs file, or a file on NVMe once spilled."""
 
@@ -222,6 +229,7 @@ class Staging:
         self.fd = safedir.create_file(where.fd, name)
         self.size = 0
         self.spilled = False
+        self._spilling: trio.Event | None = None    # set while spill copies: changes wait
 
     @property
     def path(self) -> Path:
@@ -235,6 +243,8 @@ class Staging:
         self.size = new_size
 
     async def write(self, offset: int, data) -> int:
+        while self._spilling is not None:          # the copy would miss this write
+            await self._spilling.wait()
         end = offset + len(data)
         if self.spilled:
             n = await trio.to_thread.run_sync(os.pwrite, self.fd, data, offset)
@@ -251,6 +261,8 @@ class Staging:
         return os.pread(self.fd, length, offset)
 
     async def truncate(self, size: int) -> None:
+        while self._spilling is not None:
+            await self._spilling.wait()
         if self.spilled:
             await trio.to_thread.run_sync(os.ftruncate, self.fd, size)
         else:
@@ -264,28 +276,44 @@ class Staging:
             await trio.to_thread.run_sync(os.pwrite, self.fd, data, 0)
 
     async def spill(self, to_dir: Dir) -> None:
-        """Move the bytes to a file under ``to_dir`` (RAM is full), in a thread."""
-        if self.spilled:
+        """Move the bytes to a file under ``to_dir`` (RAM is full), in a thread. Concurrent
+        writes (one handle's O_DIRECT writes arrive as parallel requests) wait for it; a
+        second spill of the same buffer waits for the first."""
+        while self._spilling is not None:
+            await self._spilling.wait()
+        if self.spilled or self.fd < 0:
             return
+        size = self.size
         def copy() -> int:
             fd = safedir.create_file(to_dir.fd, self.name)
-            off = 0
-            while off < self.size:
-                buf = os.pread(self.fd, min(4 << 20, self.size - off), off)
-                os.pwrite(fd, buf, off)
-                off += len(buf)
+            try:
+                off = 0
+                while off < size:
+                    buf = os.pread(self.fd, min(4 << 20, size - off), off)
+                    os.pwrite(fd, buf, off)
+                    off += len(buf)
+            except BaseException:
+                os.close(fd)
+                _unlink(to_dir, self.name)
+                raise
             return fd
-        fd = await trio.to_thread.run_sync(copy)
+        done = self._spilling = trio.Event()
+        try:
+            fd = await trio.to_thread.run_sync(copy)
+        finally:
+            self._spilling = None
+            done.set()
+        if self.fd < 0:                            # discarded meanwhile
+            os.close(fd)
+            _unlink(to_dir, self.name)
+            return
         old_fd, old_dir = self.fd, self.dir
         self.fd, self.dir = fd, to_dir
         self.ram.used -= self.size
         self.ram.staged -= self.size
         self.spilled = True
         os.close(old_fd)
-        try:
-            os.unlink(self.name, dir_fd=old_dir.fd)
-        except FileNotFoundError:
-            pass
+        _unlink(old_dir, self.name)
         log.debug("spilled write buffer %s (%d bytes) to %s", self.name, self.size, to_dir)
 
     def map(self) -> mmap.mmap | None:

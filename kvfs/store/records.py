@@ -15,23 +15,25 @@ from kvfs.errors import IndexDamaged
 FORMAT_VERSION = 2          # 1 was pickle (no longer read); 2 is CBOR records
 FSCK_HINT = "run `kvfs fsck --repair` to rebuild it from the tiers"
 
-_Int = (int,)
-_Num = (int, float)
-_OptInt = (int, type(None))
+_INT = frozenset((int,))
+_NUM = frozenset((int, float))
+_OPTINT = frozenset((int, type(None)))
+_BYTES = frozenset((bytes,))
+_STR = frozenset((str,))
+_DICT = frozenset((dict,))
+_BOOL = frozenset((bool,))
 
-INODE_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
-    # field: (types, required)
-    "mode": (_Int, True), "uid": (_Int, True), "gid": (_Int, True), "size": (_Int, True),
-    "nlink": (_Int, True), "atime": (_Int, True), "mtime": (_Int, True), "ctime": (_Int, True),
-    "parent": (_Int, True), "name": ((bytes,), True), "xattrs": ((dict,), True),
-    "oid": (_OptInt, False), "target": ((bytes,), False), "pin": ((bool,), False),
-    "gen": (_Int, False), "kv": ((dict,), False),
-}
-OBJECT_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
-    "size": (_Int, True), "checksum": (_Int, True), "chunk_size": (_Int, True),
-    "sums": ((bytes,), True), "place": ((dict,), True), "ino": (_Int, True),
-    "key": ((str,), False), "gen": (_Int, False), "hits": (_Int, False), "atime": (_Num, False),
-}
+# (required fields, optional fields): field -> allowed exact types
+INODE_FIELDS = (
+    {"mode": _INT, "uid": _INT, "gid": _INT, "size": _INT, "nlink": _INT, "atime": _INT, "mtime": _INT,
+     "ctime": _INT, "parent": _INT, "name": _BYTES, "xattrs": _DICT},
+    {"oid": _OPTINT, "target": _BYTES, "pin": _BOOL, "gen": _INT, "kv": _DICT},
+)
+OBJECT_FIELDS = (
+    {"size": _INT, "checksum": _INT, "chunk_size": _INT, "sums": _BYTES, "place": _DICT, "ino": _INT},
+    {"key": _STR, "gen": _INT, "hits": _INT, "atime": _NUM},
+)
+META_FIELDS: tuple[dict, dict] = ({}, {})
 # maps inside records: field -> (key type, value type)
 _MAPS = {"xattrs": (bytes, bytes), "kv": (str, str), "place": (str, bytes)}
 _PLAIN = (int, float, str, bytes, bool, type(None))
@@ -57,27 +59,42 @@ def encode(rec: dict) -> bytes:
     return cbor2.dumps(rec)
 
 
-def _decode(raw: bytes, fields: dict, what: str) -> dict:
+def _decode(raw: bytes, fields: tuple[dict, dict], what: str) -> dict:
     try:
         rec = cbor2.loads(raw, tag_hook=_no_tags)
     except Exception as e:      # noqa: BLE001 - any decoding failure is a damaged record
         raise IndexDamaged(f"index record ({what}) does not parse: {e}; {FSCK_HINT}") from None
-    if not isinstance(rec, dict):
+    if type(rec) is not dict:
         raise IndexDamaged(f"index record ({what}) is not a map; {FSCK_HINT}")
-    for name, (types, required) in fields.items():
-        v = rec.get(name, _MISSING)
-        if v is _MISSING:
-            if required:
-                raise IndexDamaged(f"index record ({what}) lacks {name!r}; {FSCK_HINT}")
-            continue
-        if not isinstance(v, types):
-            raise IndexDamaged(f"index record ({what}) has a bad {name!r}; {FSCK_HINT}")
-        kv = _MAPS.get(name)
-        if kv and not all(isinstance(k, kv[0]) and isinstance(x, kv[1]) for k, x in v.items()):
-            raise IndexDamaged(f"index record ({what}) has a bad {name!r} map; {FSCK_HINT}")
-    for name, v in rec.items():
-        if name not in fields and not (isinstance(name, str) and _plain(v)):
-            raise IndexDamaged(f"index record ({what}) has an unexpected field; {FSCK_HINT}")
+    required, optional = fields
+    bad = None
+    try:
+        for name, types in required.items():
+            if type(rec[name]) not in types:
+                bad = name
+                break
+    except KeyError as e:
+        raise IndexDamaged(f"index record ({what}) lacks {e.args[0]!r}; {FSCK_HINT}") from None
+    if bad is None and len(rec) > len(required):
+        for name, v in rec.items():
+            if name in required:
+                continue
+            types = optional.get(name)
+            if types is None:
+                if not (type(name) is str and _plain(v)):
+                    bad = name
+                    break
+            elif type(v) not in types:
+                bad = name
+                break
+    if bad is None:
+        for name, (kt, vt) in _MAPS.items():
+            m = rec.get(name)
+            if m and not all(type(k) is kt and type(x) is vt for k, x in m.items()):
+                bad = name
+                break
+    if bad is not None:
+        raise IndexDamaged(f"index record ({what}) has a bad field {str(bad)[:40]!r}; {FSCK_HINT}")
     return rec
 
 
@@ -94,4 +111,4 @@ def decode_object(raw: bytes) -> dict:
 
 def decode_meta(raw: bytes) -> dict:
     """A meta map (format header): plain values only."""
-    return _decode(raw, {}, "meta")
+    return _decode(raw, META_FIELDS, "meta")

@@ -89,9 +89,11 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             fh = await self.cache.open(ino, os.O_WRONLY | (os.O_APPEND if append else os.O_TRUNC))
         try:
+            # the kernel resolves O_APPEND offsets from i_size before it sends the write
+            base = self.cache.getattr(self._ino(name))["size"] if append and ino is not None else 0
             half = len(data) // 2
-            await self.cache.write(fh, 0, data[:half])
-            await self.cache.write(fh, half, data[half:])
+            await self.cache.write(fh, base, data[:half])
+            await self.cache.write(fh, base + half, data[half:])
             await self.cache.flush(fh)
         finally:
             await self.cache.release(fh)

@@ -1,0 +1,48 @@
+"""Issue 11 item 12: a read-ahead of an object deleted meanwhile is not a checksum failure."""
+from __future__ import annotations
+
+import os
+
+from storekit import open_cache
+
+from kvfs.store.index import ROOT_INO
+
+
+async def _sealed_on_nvme(cache, name: bytes, data: bytes):
+    fh, ino, _ = await cache.create(ROOT_INO, name, 0o644, 0, 0, os.O_WRONLY)
+    await cache.write(fh, 0, data)
+    await cache.release(fh)
+    obj = cache.ns.sealed[ino]
+    await cache.store.demote(obj, 0)
+    assert set(obj.place) == {"nvme"}
+    return obj
+
+
+async def test_read_ahead_of_a_deleted_object_is_not_a_checksum_failure(tmp_path, caplog):
+    async with open_cache(tmp_path) as cache:
+        store = cache.store
+        nvme = store.tiers[1]
+        data = os.urandom(4 * store.chunk_size)
+        obj = await _sealed_on_nvme(cache, b"f", data)
+        assert bytes(await store.read(obj, 0, 10)) == data[:10]
+        await cache.unlink(ROOT_INO, b"f")          # its bytes are freed at once (not open)
+        await store._prefetch(obj, nvme, 2)          # a read-ahead whose turn comes now
+        assert store.counters["nvme"].checksum_failures == 0
+        assert "checksum mismatch" not in caplog.text
+
+
+async def test_read_of_a_copy_deleted_under_it_is_not_counted_as_corrupt(tmp_path, caplog):
+    async with open_cache(tmp_path) as cache:
+        store = cache.store
+        nvme = store.tiers[1]
+        obj = await _sealed_on_nvme(cache, b"g", os.urandom(3 * store.chunk_size))
+        obj.refs += 1                                # a reader holds it
+        await cache.unlink(ROOT_INO, b"g")
+        obj.refs -= 1
+        await store.release_space(obj)              # the reader closed: bytes freed
+        try:
+            await store._fetch_chunk(obj, nvme, 1)   # a fetch that was already on its way
+        except Exception as e:                      # noqa: BLE001
+            assert type(e).__name__ == "NoSuchObject", e
+        assert store.counters["nvme"].checksum_failures == 0
+        assert "checksum mismatch" not in caplog.text

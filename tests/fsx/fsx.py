@@ -20,7 +20,9 @@ The reference models kvfs's documented semantics where they are not POSIX (docs/
   ENOENT from kvfs for a closed file, the reference drops it too (counted as ``evicted``). A
   name recreated by O_CREAT after an unnoticed eviction is recognised by its new inode number.
 * ``mmap`` of a handle opened while another version of the inode is open gives ENODEV on kvfs
-  (``direct_io`` handles): counted as ``mmap_enodev``, not a mismatch.
+  (``direct_io`` handles): counted as ``mmap_enodev``, not a mismatch. Since the kernel sends
+  FUSE_RELEASE after ``close(2)`` returns, a handle of the inode closed earlier may still count
+  as open, so ENODEV is accepted for any inode that had another handle open or closed before.
 * kvfs's own read-only ``user.kvfs.*`` attributes are left out of xattr lists.
 * O_DIRECT: if the reference filesystem refuses it, the reference does the same I/O buffered.
 
@@ -93,6 +95,7 @@ class Config:
     max_open: int = 4            # descriptors per worker
     exclude: tuple = ()          # op kinds left out of the random choice
     max_mismatches: int = 200    # a worker stops after this many (they cascade once sides diverge)
+    history: int = 0             # > 0: each mismatch lists up to this many earlier checks of its file
 
 
 @dataclasses.dataclass
@@ -105,6 +108,7 @@ class Handle:
     direct: bool
     rino: int                    # reference inode: the file's identity
     frozen: bool = False         # the reference side reads a private snapshot (old version)
+    maybe_direct_io: bool = False   # kvfs may have opened it direct_io (mmap gives ENODEV)
     snap: str | None = None
 
 
@@ -151,6 +155,8 @@ class Worker:
         self.op_no = 0
         self.mtimes: dict[str, int] = {}          # names whose mtime we set, and to what
         self.cur_kind = "setup"
+        self.closed_inos: set[int] = set()       # reference inodes with a handle closed before
+        self.trace: collections.deque = collections.deque(maxlen=400)   # checks done (history)
 
     # -- helpers ------------------------------------------------------------------------
     def _probe_ref_direct(self) -> bool:
@@ -176,6 +182,11 @@ class Worker:
 
     def fail(self, what: str) -> None:
         msg = f"seed {self.cfg.seed} worker {self.k} op {self.op_no} [{self.cur_kind}]: {what}"
+        if self.cfg.history:
+            import re
+            names = set(re.findall(r"\bf\d\d\b", what))
+            past = [t for t in self.trace if names & set(re.findall(r"\bf\d\d\b", t))]
+            msg += "\n      history: " + " | ".join(past[-self.cfg.history:])
         self.mismatches.append(msg)
         self.counts["mismatch"] += 1
         self.counts["mismatch:" + self.cur_kind] += 1     # by the kind of the op that saw it
@@ -184,6 +195,8 @@ class Worker:
 
     def check(self, what: str, rk, rr) -> bool:
         """Compare two results; False (and a recorded mismatch) if they differ."""
+        if self.cfg.history:
+            self.trace.append(f"#{self.op_no} {what} -> {_ename(rr)}")
         if rk == rr:
             return True
         if not rk[0] and rk[1] == errno.ENOSPC:
@@ -329,6 +342,9 @@ class Worker:
             return True
         new_rino = os.fstat(rr[1]).st_ino
         h = Handle(n, rk[1], rr[1], acc, append, direct, new_rino)
+        # kvfs opens a handle direct_io when another version of the inode is open. A handle
+        # closed earlier may still count: the kernel sends FUSE_RELEASE after close(2) returns.
+        h.maybe_direct_io = bool(self.open_on(new_rino)) or new_rino in self.closed_inos
         if rino is None and writing:
             self.session_start.setdefault(new_rino, None)     # created in this session: no sealed version
         self.handles.append(h)                    # (a reader opened while writers are open shares their buffer)
@@ -351,6 +367,7 @@ class Worker:
         if h is None:
             return False
         self.handles.remove(h)
+        self.closed_inos.add(h.rino)
         rk, rr = _call(os.close, h.kfd), _call(os.close, h.rfd)
         if h.snap:
             os.unlink(h.snap)
@@ -518,7 +535,7 @@ class Worker:
             return True
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
         rk = _call(mmap.mmap, h.kfd, size, mmap.MAP_SHARED, prot)
-        if not rk[0] and rk[1] == errno.ENODEV and len(self.open_on(h.rino)) > 1:
+        if not rk[0] and rk[1] == errno.ENODEV and h.maybe_direct_io:
             self.counts["mmap_enodev"] += 1     # documented: direct_io handle (another version open)
             return True
         rr = _call(mmap.mmap, h.rfd, size, mmap.MAP_SHARED, prot)
@@ -888,10 +905,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", type=int, default=20000)
     ap.add_argument("--procs", type=int, default=1)
     ap.add_argument("--exclude-known-broken", action="store_true")
+    ap.add_argument("--history", type=int, default=0, help="earlier checks of the file shown per mismatch")
+    ap.add_argument("--max-mismatches", type=int, default=200)
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args(argv)
     cfg = Config(a.kvfs_dir, a.ref_dir, seed=a.seed, ops=a.ops, procs=a.procs,
-                 exclude=tuple(sorted(KNOWN_BROKEN)) if a.exclude_known_broken else ())
+                 exclude=tuple(sorted(KNOWN_BROKEN)) if a.exclude_known_broken else (),
+                 history=a.history, max_mismatches=a.max_mismatches)
     ex = Exerciser(cfg)
     t0 = time.perf_counter()
     try:

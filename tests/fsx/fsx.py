@@ -453,6 +453,7 @@ class Worker:
                 self.kino[b] = self.kino.pop(a)
             else:
                 self.kino.pop(b, None)
+            self.note_kino(b)
         return True
 
     def _unlink(self, n: str) -> None:
@@ -478,6 +479,14 @@ class Worker:
             return False
         self._unlink(self.rng.choice(opened))
         return True
+
+    def note_kino(self, n: str) -> None:
+        """Remember the kvfs inode of ``n``: an O_CREAT open that gets another one found the
+        file evicted (and made a new one)."""
+        try:
+            self.kino[n] = os.stat(self.kp(n)).st_ino
+        except OSError:
+            self.kino.pop(n, None)
 
     def op_stat(self):
         n = self.rng.choice(self.names)
@@ -774,6 +783,10 @@ class Worker:
                 if os.path.exists(self.rp(n)):
                     os.unlink(self.rp(n))
                 continue
+            try:
+                self.kino[n] = os.stat(self.kp(n)).st_ino
+            except OSError:
+                pass
             want = expected.get(n)
             if n not in expected or hashlib.sha256(got).hexdigest() != want:
                 self.counts["crash_mismatch"] += 1

@@ -218,9 +218,11 @@ class KVCache:
         client.ttl = ttl
         try:
             backings = client.acquire(rels)
-        except OSError:
+        except OSError as e:               # like a failed load lease: carry on without one
+            log.warning("holding a prefix failed (%s); looked up without a hold", e)
             client.close()
-            raise
+            k = self._lookup.prefix_rel(rels)
+            return PrefixHold(self, rels[:k], k * B)
         k = len(backings)
         return PrefixHold(self, rels[:k], k * B, client, backings)
 

@@ -96,6 +96,7 @@ class Config:
     exclude: tuple = ()          # op kinds left out of the random choice
     max_mismatches: int = 200    # a worker stops after this many (they cascade once sides diverge)
     history: int = 0             # > 0: each mismatch lists up to this many earlier checks of its file
+    posix: bool = False          # model plain POSIX (no old versions): to check the exerciser on two POSIX dirs
 
 
 @dataclasses.dataclass
@@ -254,7 +255,7 @@ class Worker:
                         sealed = f.read()
                     break
         self.session_start[rino] = sealed
-        for h in readers:
+        for h in ([] if self.cfg.posix else readers):
             self.nsnap += 1
             snap = os.path.join(self.snapdir, f"s{self.nsnap}")
             with open(snap, "wb") as f:

@@ -156,8 +156,8 @@ class Mount:
         return "--- kvfs.log (tail) ---\n" + "\n".join(text)
 
     def cleanup(self) -> None:
-        if os.path.ismount(self.path):
-            lazy_unmount(self.path)
+        # unconditionally: a dead daemon's mount fails stat() (ENOTCONN), so ismount says False
+        lazy_unmount(self.path)
         for pid in self._pids:              # detached: a daemon shuts down (and frees its RAM tier)
             try:
                 wait_for(lambda: not pid_alive(pid), 15, f"daemon {pid} to exit")

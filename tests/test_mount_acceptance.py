@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from conftest import wait_for
+
 pytestmark = pytest.mark.mount
 
 MiB = 1 << 20
@@ -19,6 +21,12 @@ MiB = 1 << 20
 def blob(seed: str, size: int) -> bytes:
     h = hashlib.sha256(seed.encode()).digest()
     return (h * (size // len(h) + 1))[:size]
+
+
+def settled(m) -> bool:
+    """No demotion, eviction or promotion running or queued, RAM at or under its high watermark."""
+    st = m.stats()
+    return st["settled"] and st["tiers"]["ram"]["used"] <= 0.9 * st["tiers"]["ram"]["capacity"]
 
 
 def test_forty_files_demote_and_survive_remount(kvfs_mount):
@@ -34,6 +42,9 @@ def test_forty_files_demote_and_survive_remount(kvfs_mount):
         tmp.write_bytes(data)
         os.replace(tmp, final)
         want[final] = data
+    # demotion runs in the background: wait until it has brought RAM under its high watermark
+    # (160 MiB went through a 64 MiB RAM tier, so RAM crossed it and demotion had to run)
+    wait_for(lambda: settled(m), 120, "background demotion to settle")
     tiers = {os.getxattr(p, "user.kvfs.tier").decode() for p in want}
     assert "nvme" in tiers
     assert m.stats()["tiers"]["ram"]["demotions"] > 0
@@ -109,7 +120,8 @@ def test_flipped_byte_on_nvme_gives_eio(kvfs_mount):
     victim.write_bytes(blob("victim", 6 * MiB))
     for i in range(8):                            # push it out of RAM
         (m.path / f"fill{i}").write_bytes(blob(f"fill{i}", 4 * MiB))
-    assert os.getxattr(victim, "user.kvfs.tier") == b"nvme"
+    # pushed out by background demotion (the oldest, coldest file): wait for it, not for time
+    wait_for(lambda: os.getxattr(victim, "user.kvfs.tier") == b"nvme", 120, "the victim to reach NVMe")
     fd = os.open(victim, os.O_RDONLY)
     backing = json.loads(os.getxattr(fd, "user.kvfs.backing"))
     os.close(fd)

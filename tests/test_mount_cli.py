@@ -1,6 +1,7 @@
 """The kvfs command against real mounts: mount, stat, ls, umount, foreground, errors a daemon reports."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -213,3 +214,62 @@ def test_foreground_mount_stays_attached(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_umount_lazy_when_the_dead_mount_answers_enotconn(kvfs_mount, kvfs_cli):
+    """Issue 11 item 9: once the dead daemon's mount answers stat() with ENOTCONN (its root's
+    cached attributes gone), ``os.path.ismount`` says False; ``kvfs umount --lazy`` must find
+    the mount in the kernel's mount table and detach it. Creating a file in the root just
+    before the kill invalidates the root's cached attributes, so the next stat() goes to the
+    dead daemon at once (no waiting for the attribute timeout)."""
+    m = kvfs_mount()
+    pid = m.pid
+    (m.path / "touch.bin").write_bytes(b"x")     # the root directory changed: attrs invalid
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(pid), 60, "the daemon to die")
+    with pytest.raises(OSError) as err:
+        os.stat(m.path)
+    assert err.value.errno == errno.ENOTCONN
+    assert not os.path.ismount(m.path)            # what the old check relied on
+    res = kvfs_cli("umount", m.path)              # not lazy: a one-line error naming --lazy
+    assert_one_line_error(res, "--lazy")
+    res = kvfs_cli("umount", "--lazy", m.path)
+    assert res.returncode == 0, res.stderr
+    with open("/proc/self/mountinfo") as f:
+        assert f" {m.path} " not in f.read()
+    assert os.path.isdir(m.path) and not os.path.ismount(m.path)
+    m.pid = None
+
+
+def test_ls_recursive_on_a_3000_deep_tree(kvfs_mount, kvfs_cli):
+    """Issue 11 item 12: ``kvfs ls -R`` walks a tree deeper than Python's recursion limit and
+    than PATH_MAX (3000 levels of ``d``: a 6000-character path)."""
+    m = kvfs_mount()
+    depth = 3000
+    fd = os.open(m.path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):                    # relative to the parent's fd: no PATH_MAX
+            os.mkdir("d", dir_fd=fd)
+            nfd = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        wfd = os.open("leaf.bin", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(wfd, b"L" * 1234)
+        os.close(wfd)
+    finally:
+        os.close(fd)
+    (m.path / "z.bin").write_bytes(b"z" * 10)     # listed after the whole d/ subtree
+    res = kvfs_cli("ls", "-R", "--json", m.path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(res.stdout)
+    assert len(rows) == depth + 2
+    deep = "/".join(["d"] * depth)
+    assert [r["name"] for r in rows[:3]] == ["d", "d/d", "d/d/d"]
+    assert rows[depth - 1]["name"] == deep and rows[depth - 1]["type"] == "dir"
+    leaf = rows[depth]
+    assert (leaf["name"], leaf["type"], leaf["size"], leaf["tier"]) == (deep + "/leaf.bin", "file", 1234, "ram")
+    assert leaf["path"] == str(m.path / deep / "leaf.bin")
+    assert (rows[-1]["name"], rows[-1]["size"]) == ("z.bin", 10)
+    res = kvfs_cli("ls", "-R", m.path)            # the table too
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "leaf.bin" in res.stdout

@@ -5,6 +5,7 @@ import errno
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -51,12 +52,44 @@ def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
         time.sleep(interval)
 
 
+def _unescape_mountinfo(field: str) -> str:
+    """A /proc mountinfo path field: spaces, tabs, newlines and backslashes are octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mount_fstype(path: str | os.PathLike, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The filesystem type mounted at ``path`` (e.g. ``fuse.kvfs``), or None if nothing is.
+
+    Read from the kernel's mount table, never by ``stat``-ing the mountpoint: the mount of a
+    dead FUSE daemon answers ENOTCONN, so ``os.path.ismount`` calls it "not a mountpoint".
+    With several mounts stacked on ``path``, the last one (the visible one) counts.
+    """
+    wants = {os.path.abspath(os.fspath(path)), os.path.realpath(os.fspath(path))}
+    found = None
+    try:
+        with open(mountinfo, encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                left, sep, right = line.partition(" - ")
+                fields = left.split()
+                if not sep or len(fields) < 5:
+                    continue
+                if _unescape_mountinfo(fields[4]) in wants:
+                    found = right.split()[0] if right.split() else ""
+    except OSError as e:
+        log.debug("cannot read %s: %s", mountinfo, e)
+        return None
+    return found
+
+
+KVFS_FSTYPES = ("fuse.kvfs", "fuse")     # the daemon mounts with subtype=kvfs
+
+
 def read_stats(mountpoint: str | os.PathLike) -> dict:
     """The parsed ``.kvfs/stats`` of a kvfs mount, or a CLIError that says why not."""
     mp = Path(mountpoint)
-    if not mp.exists():
-        raise fail(f"no such directory: {mp}")
-    if not os.path.ismount(mp):
+    if mount_fstype(mp) is None:         # the mount table: a dead daemon's mount fails stat()
+        if not os.path.lexists(mp):
+            raise fail(f"no such directory: {mp}")
         raise fail(f"not a mountpoint: {mp}")
     try:
         with open(mp / STATS_NAME, "rb") as f:

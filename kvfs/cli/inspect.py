@@ -85,21 +85,24 @@ def _int(v: str | None) -> int | None:
         return None
 
 
-def describe(path: str, name: str) -> dict:
-    """One row of ``kvfs ls``: kind, size and the kvfs extended attributes."""
-    s = os.lstat(path)
+def describe(path: str, name: str, dir_fd: int | None = None) -> dict:
+    """One row of ``kvfs ls``: kind, size and the kvfs extended attributes. With ``dir_fd``,
+    ``path`` is an entry of that open directory (no path length limit on deep trees)."""
+    s = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
     kind = "dir" if st.S_ISDIR(s.st_mode) else "symlink" if st.S_ISLNK(s.st_mode) else \
         "file" if st.S_ISREG(s.st_mode) else "other"
     row: dict = {"name": name, "type": kind, "size": s.st_size}
+    # the xattr calls take no dir_fd: reach the entry through the directory's /proc fd link
+    xpath = path if dir_fd is None else f"/proc/self/fd/{dir_fd}/{path}"
     if kind == "file":
-        row["tier"] = _xattr(path, "user.kvfs.tier")
-        row["hits"] = _int(_xattr(path, "user.kvfs.hits"))
-        atime = _xattr(path, "user.kvfs.atime")
+        row["tier"] = _xattr(xpath, "user.kvfs.tier")
+        row["hits"] = _int(_xattr(xpath, "user.kvfs.hits"))
+        atime = _xattr(xpath, "user.kvfs.atime")
         row["atime"] = float(atime) if atime and _int(atime) is not None else None
-        pin = _xattr(path, "user.kvfs.pin")
+        pin = _xattr(xpath, "user.kvfs.pin")
         row["pinned"] = None if pin is None else pin.strip() == "1"
     elif kind == "symlink":
-        row["target"] = os.readlink(path)
+        row["target"] = os.readlink(path, dir_fd=dir_fd)
     return row
 
 
@@ -113,19 +116,70 @@ def _ago(ts: float | None) -> str:
     return f"{stamp} ({rel} ago)"
 
 
+_MAX_OPEN_DIRS = 64      # directory fds ``kvfs ls -R`` keeps open while descending
+
+
+class _Dir:
+    """One directory being listed: its sorted entries, an fd (reopened through ``..`` of its
+    child when it was closed to bound the open fds), and the name and path prefixes of its
+    rows."""
+
+    def __init__(self, fd: int, name_prefix: str, path_prefix: str, hide_control: bool):
+        self.fd = fd
+        self.name_prefix, self.path_prefix = name_prefix, path_prefix
+        self.names = iter(sorted(n for n in os.listdir(fd) if not (hide_control and n == ".kvfs")))
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 def _rows(p: Path, recursive: bool) -> list[dict]:
+    """The rows of ``kvfs ls``: ``p`` itself if not a directory, else its entries (sorted),
+    each directory followed by its own rows when ``recursive``.
+
+    Iterative (a stack, depth first) and relative to open directory fds: a tree thousands of
+    levels deep hits neither Python's recursion limit nor PATH_MAX. At most
+    ``_MAX_OPEN_DIRS`` fds stay open; an ancestor whose fd was closed is reopened as ``..``
+    of its child when the walk comes back up.
+    """
     if not (p.is_dir() and not p.is_symlink()):
         return [describe(str(p), p.name) | {"path": str(p)}]
-    rows = []
-    is_root = os.path.ismount(p)
-    for n in sorted(os.listdir(p)):
-        if is_root and n == ".kvfs":
-            continue
-        row = describe(str(p / n), n) | {"path": str(p / n)}
-        rows.append(row)
-        if recursive and row["type"] == "dir":
-            for sub in _rows(p / n, True):
-                rows.append(sub | {"name": f"{n}/{sub['name']}"})
+    rows: list[dict] = []
+    stack = [_Dir(os.open(p, os.O_RDONLY | os.O_DIRECTORY), "", str(p) + os.sep, os.path.ismount(p))]
+    try:
+        while stack:
+            top = stack[-1]
+            n = next(top.names, None)
+            if n is None:
+                stack.pop()
+                if stack and stack[-1].fd < 0:
+                    stack[-1].fd = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=top.fd)
+                top.close()
+                continue
+            try:
+                row = describe(n, top.name_prefix + n, dir_fd=top.fd)
+            except FileNotFoundError:              # removed while we list: not a row
+                continue
+            row["path"] = top.path_prefix + n
+            rows.append(row)
+            if recursive and row["type"] == "dir":
+                try:
+                    fd = os.open(n, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top.fd)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                try:
+                    child = _Dir(fd, row["name"] + "/", row["path"] + os.sep, False)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                stack.append(child)
+                if len(stack) > _MAX_OPEN_DIRS:
+                    stack[-1 - _MAX_OPEN_DIRS].close()
+    finally:
+        for d in stack:
+            d.close()
     return rows
 
 

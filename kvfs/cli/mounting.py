@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from kvfs.cli.common import fail, pid_alive, read_stats, stderr, wait_until
+from kvfs.cli.common import KVFS_FSTYPES, fail, mount_fstype, pid_alive, read_stats, stderr, wait_until
 from kvfs.config import Config
 from kvfs.errors import ConfigError
 
@@ -208,10 +208,14 @@ def _run_foreground(cfg: Config) -> None:
 def umount_cmd(mountpoint, timeout, lazy):
     """Unmount kvfs at MOUNTPOINT and wait until the daemon has flushed and exited."""
     mp = os.path.abspath(mountpoint)
-    if not os.path.exists(mp) and not lazy:
-        raise fail(f"no such directory: {mp}")
-    if not os.path.ismount(mp):
+    # the kernel's mount table, not stat(): a dead daemon's mount answers ENOTCONN to stat
+    fstype = mount_fstype(mp)
+    if fstype is None:
+        if not os.path.lexists(mp):
+            raise fail(f"no such directory: {mp}")
         raise fail(f"not mounted: {mp}")
+    if fstype not in KVFS_FSTYPES:
+        raise fail(f"not a kvfs mount ({fstype}): {mp}")
     pid = None
     try:
         pid = int(read_stats(mp)["pid"])

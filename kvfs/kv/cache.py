@@ -8,6 +8,9 @@
     cache.save(token_ids, kv)             # kv: [num_layers, 2, tokens, num_kv_heads, head_dim]
     kv = cache.load(token_ids[:n], device="cuda:0")
 
+    with cache.lookup(token_ids, hold=True) as held:     # found blocks held until the load
+        kv = cache.load(token_ids[:held.tokens], hold=held)
+
 Works on a kvfs mount (one-call lookups, fast-path loads) and on any plain directory.
 """
 from __future__ import annotations
@@ -27,11 +30,63 @@ from kvfs.kv.layout import KVLayout, block_path, block_relpath, ensure_namespace
 from kvfs.kv.blockio import LeaseClient
 from kvfs.kv.loader import BlockPlan, Loader, LoadStats, check_verify_shm
 from kvfs.kv.lookup import PrefixLookup
-from kvfs.kv.writer import BlockWriter, SaveJob, WriterStats
+from kvfs.kv.writer import EXIT_TIMEOUT, BlockWriter, SaveJob, WriterStats
 
 log = logging.getLogger(__name__)
 
 _CHAIN_MEMO = 64       # prompts whose block hashes a KVCache remembers
+
+
+class PrefixHold:
+    """The cached prefix a ``KVCache.lookup(..., hold=True)`` found, held for the load.
+
+    On a kvfs mount the blocks are leased (``.kvfs/lease``, one descriptor per hold): the
+    daemon neither demotes, evicts nor frees them until the hold is released — by the load
+    that uses it, ``release()``, leaving a ``with`` block, or the lease's ttl (the daemon's
+    default 30 s, at most 600 s). On a plain directory nothing can be held: ``tokens`` is
+    the plain lookup's answer. ``tokens``: tokens in the held prefix (whole blocks);
+    ``tiers``: the tier of each held block (a mount only)."""
+
+    def __init__(self, cache: "KVCache", rels: list[str], tokens: int, client: LeaseClient | None = None,
+                 backings: list | None = None):
+        self._cache = cache
+        self.rels = rels                   # the held blocks' names (relative to the namespace)
+        self.tokens = tokens
+        self.backings = backings           # the lease's entries (None: nothing leased)
+        self.tiers = [b.tier if b is not None else None for b in backings] if backings is not None else []
+        self._client = client
+        self._lock = threading.Lock()
+
+    @property
+    def blocks(self) -> int:
+        return len(self.rels)
+
+    @property
+    def held(self) -> bool:
+        """True while the daemon holds the blocks for this handle."""
+        return self._client is not None
+
+    def release(self) -> None:
+        """Let the daemon move and evict the blocks again (idempotent)."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            self._cache._return_hold_client(client)
+
+    def __enter__(self) -> "PrefixHold":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - the interpreter may be shutting down
+            pass
+
+    def __repr__(self) -> str:
+        return f"PrefixHold(tokens={self.tokens}, blocks={self.blocks}, held={self.held})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +115,9 @@ class KVCache:
     ``cache_salt`` isolates tenants (no block is shared across salts); ``lora_name`` keys
     blocks to an adapter; ``hash_algo`` is ``"sha256_cbor"`` (default) or ``"xxhash_cbor"``.
     ``save_timeout`` bounds how long ``save`` may block when the writer is backed up (the save
-    is dropped after that; ``None`` waits). ``fast_path`` uses the daemon's backing files;
+    is dropped after that; ``None`` waits). Saves still queued when the interpreter exits
+    normally are written first, for at most ``exit_timeout`` seconds (``None``: no bound); a
+    warning gives the count of blocks left unwritten. ``fast_path`` uses the daemon's backing files;
     ``verify`` checks layer checksums of blocks read through the mount. Fast-path reads always
     check the object's xxh3; ``verify_shm="once"`` (default) hashes a RAM-tier object in shared
     memory the first time and trusts it while its tmpfs file is unchanged, ``"always"`` hashes
@@ -70,7 +127,8 @@ class KVCache:
     def __init__(self, root: str | os.PathLike, model: str, layout: KVLayout, cache_salt: str | None = None, *,
                  lora_name: str | None = None, hash_algo: str = "sha256_cbor", save_timeout: float | None = 1.0,
                  max_pending_saves: int = 64, store_token_ids: bool = True, fast_path: bool = True,
-                 verify: bool = True, verify_shm: str = "once", readers: int = 4, staging: int = 8):
+                 verify: bool = True, verify_shm: str = "once", readers: int = 4, staging: int = 8,
+                 exit_timeout: float | None = EXIT_TIMEOUT):
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a kvfs.KVLayout, got {type(layout).__name__}")
         check_verify_shm(verify_shm)                      # before anything is opened or started
@@ -83,7 +141,8 @@ class KVCache:
         self.save_timeout = save_timeout
         self._lookup = PrefixLookup(self.ns_dir)
         self._writer = BlockWriter(self.ns_dir, self.namespace, layout, self.hasher.algo,
-                                   max_pending=max_pending_saves, store_token_ids=store_token_ids)
+                                   max_pending=max_pending_saves, store_token_ids=store_token_ids,
+                                   exit_timeout=exit_timeout)
         leases = LeaseClient.open(self._lookup.mount_root, self.ns_dir) if fast_path else None
         self._loader = Loader(layout, fast_path=fast_path, verify=verify, verify_shm=verify_shm, readers=readers,
                               staging=staging, leases=leases)
@@ -92,6 +151,9 @@ class KVCache:
         self._closed = False
         self._chains: collections.OrderedDict = collections.OrderedDict()
         self._chain_lock = threading.Lock()
+        self._fast_path = fast_path
+        self._hold_clients: list[LeaseClient] = []     # idle lease descriptors for holds
+        self._hold_lock = threading.Lock()
 
     # -- naming ---------------------------------------------------------------------------
     def _chain(self, token_ids, mm_inputs) -> list:
@@ -132,10 +194,59 @@ class KVCache:
         return self._lookup.one_call
 
     # -- lookup ---------------------------------------------------------------------------
-    def lookup(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> int:
-        """Tokens in the longest cached prefix of ``token_ids`` (a multiple of block_tokens)."""
+    def lookup(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = (), hold: bool = False,
+               hold_ttl: float | None = None):
+        """Tokens in the longest cached prefix of ``token_ids`` (a multiple of block_tokens).
+
+        ``hold=True`` returns a :class:`PrefixHold` instead (its ``tokens`` is that count):
+        on a kvfs mount the found blocks are leased, so eviction and demotion cannot take
+        them before the load. Pass it to ``load``/``load_into``/``load_layers`` (``hold=``),
+        which release it, or release it yourself. ``hold_ttl`` bounds the hold in seconds
+        (the daemon's default 30 s, at most 600 s)."""
         self._check_open()
-        return self._lookup.prefix_rel(self._chain_rels(token_ids, mm_inputs)) * self.layout.block_tokens
+        rels = self._chain_rels(token_ids, mm_inputs)
+        if not hold:
+            return self._lookup.prefix_rel(rels) * self.layout.block_tokens
+        return self._hold(rels, hold_ttl)
+
+    def _hold(self, rels: list[str], ttl: float | None) -> PrefixHold:
+        B = self.layout.block_tokens
+        client = self._hold_client() if rels else None
+        if client is None:                     # a plain directory: nothing to hold
+            k = self._lookup.prefix_rel(rels)
+            return PrefixHold(self, rels[:k], k * B)
+        client.ttl = ttl
+        try:
+            backings = client.acquire(rels)
+        except OSError as e:               # like a failed load lease: carry on without one
+            log.warning("holding a prefix failed (%s); looked up without a hold", e)
+            client.close()
+            k = self._lookup.prefix_rel(rels)
+            return PrefixHold(self, rels[:k], k * B)
+        k = len(backings)
+        return PrefixHold(self, rels[:k], k * B, client, backings)
+
+    def _hold_client(self) -> LeaseClient | None:
+        if not self._fast_path or self._lookup.mount_root is None:
+            return None
+        with self._hold_lock:
+            if self._hold_clients:
+                return self._hold_clients.pop()
+        return LeaseClient.open(self._lookup.mount_root, self.ns_dir)
+
+    def _return_hold_client(self, client: LeaseClient) -> None:
+        """A hold ended: release its lease and keep the descriptor for the next hold."""
+        try:
+            client.release()
+        except OSError as e:
+            log.warning("releasing a held prefix failed (%s); its lease expires on its own", e)
+            client.close()
+            return
+        with self._hold_lock:
+            if not self._closed and len(self._hold_clients) < 8:
+                self._hold_clients.append(client)
+                return
+        client.close()
 
     def lookup_tiers(self, token_ids, *, mm_inputs: tuple[MMInput, ...] = ()) -> tuple[int, list[str]]:
         """``(tokens, tiers)``: like ``lookup``, plus the tier of each cached block (on a mount)."""
@@ -217,14 +328,37 @@ class KVCache:
             entry[2] = [BlockPlan(block_path(self.ns_dir, h), h, (i + 1) * B) for i, h in enumerate(entry[0])]
         return entry[2]
 
-    def load(self, token_ids, device="cpu", *, mm_inputs: tuple[MMInput, ...] = ()) -> torch.Tensor:
+    def _held(self, plans: list[BlockPlan], hold: PrefixHold | None):
+        """The lease entries of ``hold`` for ``plans`` (None: no hold, or nothing leased)."""
+        if hold is None:
+            return None
+        if not isinstance(hold, PrefixHold) or hold._cache is not self:
+            raise ValueError("hold must be a PrefixHold from this KVCache's lookup(..., hold=True)")
+        if not hold.held:
+            if hold.backings is not None:
+                raise ValueError("this PrefixHold was already released (a load releases it)")
+            return None
+        n = min(len(plans), hold.blocks)
+        if [block_relpath(p.hash) for p in plans[:n]] != hold.rels[:n]:
+            raise ValueError("the tokens to load are not the prefix this hold was looked up for")
+        return hold.backings
+
+    def load(self, token_ids, device="cpu", *, mm_inputs: tuple[MMInput, ...] = (),
+             hold: PrefixHold | None = None) -> torch.Tensor:
         """The KV of ``token_ids`` (whole blocks, all cached) as ``[L, 2, tokens, H, D]``.
 
+        ``hold``: the ``PrefixHold`` of a ``lookup(..., hold=True)`` of these tokens; its
+        blocks are read from where it holds them, and it is released when the load ends.
         Raises BlockNotFound if a block is missing, BlockFormatError/ChecksumMismatch if one
         is damaged.
         """
         self._check_open()
-        plans = self._plans(token_ids, mm_inputs)
+        try:
+            plans = self._plans(token_ids, mm_inputs)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
         from kvfs import gpu
         shape = self.layout.block_shape(len(plans) * self.layout.block_tokens)
         dev = gpu.device_of(device)
@@ -232,24 +366,43 @@ class KVCache:
             out = gpu.host_empty(shape, self.layout.torch_dtype)     # page aligned: faster reads
         else:
             out = torch.empty(shape, dtype=self.layout.torch_dtype, device=dev)
-        self._load(plans, out)
+        self._load(plans, out, hold)
         return out
 
-    def load_into(self, token_ids, out: torch.Tensor, *, mm_inputs: tuple[MMInput, ...] = ()) -> LoadStats:
-        """Fill the preallocated ``out`` (``[L, 2, tokens, H, D]``) with the KV of ``token_ids``."""
+    def load_into(self, token_ids, out: torch.Tensor, *, mm_inputs: tuple[MMInput, ...] = (),
+                  hold: PrefixHold | None = None) -> LoadStats:
+        """Fill the preallocated ``out`` (``[L, 2, tokens, H, D]``) with the KV of ``token_ids``
+        (``hold``: as for ``load``)."""
         self._check_open()
-        return self._load(self._plans(token_ids, mm_inputs), out)
+        try:
+            plans = self._plans(token_ids, mm_inputs)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
+        return self._load(plans, out, hold)
 
-    def load_layers(self, token_ids, out: torch.Tensor, *, mm_inputs: tuple[MMInput, ...] = ()):
-        """Fill ``out`` layer by layer, yielding each layer index as soon as it is in place."""
+    def load_layers(self, token_ids, out: torch.Tensor, *, mm_inputs: tuple[MMInput, ...] = (),
+                    hold: PrefixHold | None = None):
+        """Fill ``out`` layer by layer, yielding each layer index as soon as it is in place
+        (``hold``: as for ``load``, released when the generator ends)."""
         self._check_open()
-        plans = self._plans(token_ids, mm_inputs)
-        with self._load_lock:
-            yield from self._loader.iter_layers(plans, out)
+        try:
+            plans = self._plans(token_ids, mm_inputs)
+            with self._load_lock:
+                yield from self._loader.iter_layers(plans, out, held=self._held(plans, hold))
+        finally:
+            if hold is not None:
+                hold.release()
 
-    def _load(self, plans, out) -> LoadStats:
-        with self._load_lock:
-            stats = self._loader.load_into(plans, out)
+    def _load(self, plans, out, hold: PrefixHold | None = None) -> LoadStats:
+        try:
+            held = self._held(plans, hold)
+            with self._load_lock:
+                stats = self._loader.load_into(plans, out, held=held)
+        finally:
+            if hold is not None:
+                hold.release()
         self.last_load = stats
         return stats
 
@@ -266,6 +419,10 @@ class KVCache:
         try:
             self._writer.close(timeout)
         finally:
+            with self._hold_lock:
+                idle, self._hold_clients = self._hold_clients, []
+            for client in idle:
+                client.close()
             self._loader.close()
             self._lookup.close()
 

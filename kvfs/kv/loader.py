@@ -158,6 +158,12 @@ class Loader:
             log.warning("lease request failed (%s); reading through the mount", e)
             return []
 
+    def _lease_or_held(self, plans: list[BlockPlan], held) -> tuple[list[Backing | None], bool]:
+        """``(backings of the leading blocks, whether this load owns the lease)``."""
+        if held is not None:
+            return list(held[:len(plans)]), False
+        return self._lease(plans), True
+
     def _release(self, leased, *, wait: bool = True) -> None:
         """End the lease. ``wait=False``: on a reader thread, off the caller's critical path
         (a later lease on the descriptor ends it anyway; only this generation is released)."""
@@ -366,8 +372,13 @@ class Loader:
     def _bytes_of(out: torch.Tensor) -> memoryview:
         return memoryview(gpu.as_numpy(out).reshape(-1).view("uint8"))
 
-    def load_into(self, plans: list[BlockPlan], out: torch.Tensor) -> LoadStats:
-        """Fill ``out`` (``[L, 2, len(plans)*B, H, D]``, any device) from the blocks."""
+    def load_into(self, plans: list[BlockPlan], out: torch.Tensor, *,
+                  held: list[Backing | None] | None = None) -> LoadStats:
+        """Fill ``out`` (``[L, 2, len(plans)*B, H, D]``, any device) from the blocks.
+
+        ``held``: the backings of a lease the caller already holds on the leading blocks
+        (``KVCache.lookup(..., hold=True)``): used instead of a new lease, and not released
+        here (the holder releases it)."""
         lay = self.layout
         self._check_out(out, len(plans))
         t0 = time.perf_counter()
@@ -379,7 +390,7 @@ class Loader:
             in_place = not copier.cuda and out.device.type == "cpu" and out.is_contiguous()
             out_mv = self._bytes_of(out) if in_place else None
             T = out.shape[2]
-            leased = self._lease(plans)
+            leased, own = self._lease_or_held(plans, held)
             # no lease file (a plain directory, an older daemon): try the per-file xattr
             xattr = self.fast_path and self.leases is None
 
@@ -413,7 +424,7 @@ class Loader:
                             f.result()
                         except BaseException:
                             pass
-                    self._release(leased, wait=False)
+                    self._release(leased if own else None, wait=False)
                 dt = time.perf_counter() - t0
                 return LoadStats(len(plans), len(plans) * lay.block_bytes, dt, dict(sources))
             bufs = self._staging(pin=copier.cuda)
@@ -468,7 +479,7 @@ class Loader:
                         pass
                 for tok, st in copying:
                     copier.wait(tok)
-                self._release(leased, wait=False)
+                self._release(leased if own else None, wait=False)
         dt = time.perf_counter() - t0
         return LoadStats(len(plans), len(plans) * lay.block_bytes, dt, dict(sources))
 
@@ -483,7 +494,8 @@ class Loader:
             raise ValueError(f"out has dtype {out.dtype}, layout needs {lay.torch_dtype}")
 
     # -- layer by layer -------------------------------------------------------------------
-    def iter_layers(self, plans: list[BlockPlan], out: torch.Tensor):
+    def iter_layers(self, plans: list[BlockPlan], out: torch.Tensor, *,
+                    held: list[Backing | None] | None = None):
         """Fill ``out`` layer by layer; yields each layer index once ``out[layer]`` is ready.
 
         On CUDA the caller's current stream is made to wait for the layer's copy before the
@@ -498,8 +510,9 @@ class Loader:
         copier = gpu.DeviceCopier(out.device)
         n, lb = len(plans), lay.layer_bytes
         with self._lock:
-            leased = self._lease(plans)
-            backings = leased + [None] * (len(plans) - len(leased))
+            backings, own = self._lease_or_held(plans, held)
+            leased = backings if own else None        # released below only when ours
+            backings = backings + [None] * (len(plans) - len(backings))
             try:
                 opened = list(self._pool.map(self._open_checked, plans, backings))
             except BaseException:

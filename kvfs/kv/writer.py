@@ -3,15 +3,23 @@
 ``BlockWriter.submit`` never blocks the caller longer than its bound: the job queue is
 bounded, and a job that cannot be queued within ``timeout`` is dropped (counted, logged).
 ``flush`` waits for queued jobs and raises the first failure since the last flush.
+
+Exit safety: queued saves are written before a normal interpreter exit. An ``atexit``
+handler flushes every open writer, each bounded by its ``exit_timeout``; blocks still
+unwritten after that are logged (one warning with the count) and lost. (The writer thread is
+a daemon thread so a hung disk cannot hang the exit forever; ``atexit`` handlers run
+before the interpreter stops daemon threads.)
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 
 from kvfs.kv.block import encode_header
 from kvfs.kv.layout import KVLayout, block_path
@@ -36,6 +44,7 @@ class SaveJob:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     written: int = 0
     skipped: int = 0
+    done_blocks: int = 0        # blocks written, skipped or failed (the writer's accounting)
     error: BaseException | None = None
 
 
@@ -80,22 +89,38 @@ def write_block_file(final: str, header: bytes, payload) -> bool:
     return True
 
 
+EXIT_TIMEOUT = 60.0       # seconds an exiting interpreter waits for each writer's queued saves
+
+_open_writers: "weakref.WeakSet[BlockWriter]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """Write every queued block of every open writer before the interpreter exits."""
+    for w in list(_open_writers):
+        w.finish_at_exit()
+
+
 class BlockWriter:
     """One background thread writing SaveJobs for one namespace."""
 
     def __init__(self, ns_dir: str, namespace: str, layout: KVLayout, hash_algo: str, *,
-                 max_pending: int = 64, store_token_ids: bool = True):
+                 max_pending: int = 64, store_token_ids: bool = True,
+                 exit_timeout: float | None = EXIT_TIMEOUT):
         self.ns_dir, self.namespace, self.layout, self.hash_algo = ns_dir, namespace, layout, hash_algo
         self.store_token_ids = store_token_ids
         self._q: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._outstanding = 0
+        self._unwritten = 0             # blocks of queued jobs not yet written, skipped or failed
+        self.exit_timeout = exit_timeout
         self._errors: list[BaseException] = []
         self._counts = dict(queued=0, written=0, skipped=0, dropped=0, failed=0, bytes_written=0)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"kvfs-writer-{namespace[:24]}", daemon=True)
         self._thread.start()
+        _open_writers.add(self)
 
     def submit(self, job: SaveJob, timeout: float | None) -> bool:
         """Queue ``job``; False (job dropped) if the queue stayed full for ``timeout`` s."""
@@ -103,11 +128,13 @@ class BlockWriter:
             raise RuntimeError("the KV cache writer is closed")
         with self._lock:
             self._outstanding += 1
+            self._unwritten += len(job.hashes)
         try:
             self._q.put(job, timeout=timeout) if timeout is None or timeout > 0 else self._q.put_nowait(job)
         except queue.Full:
             with self._lock:
                 self._outstanding -= 1
+                self._unwritten -= len(job.hashes)
                 self._counts["dropped"] += len(job.hashes)
                 self._idle.notify_all()
             log.warning("save of %d blocks dropped: writer queue full for %.3fs", len(job.hashes), timeout or 0)
@@ -131,6 +158,9 @@ class BlockWriter:
                     self._errors.append(e)
                     self._counts["failed"] += len(job.hashes) - job.written - job.skipped
             finally:
+                with self._lock:
+                    self._unwritten -= len(job.hashes) - job.done_blocks
+                job.done_blocks = len(job.hashes)
                 job.done.set()
                 with self._lock:
                     self._outstanding -= 1
@@ -144,8 +174,10 @@ class BlockWriter:
             final = block_path(self.ns_dir, h)
             if os.path.exists(final):
                 job.skipped += 1
+                job.done_blocks += 1
                 with self._lock:
                     self._counts["skipped"] += 1
+                    self._unwritten -= 1
                 continue
             payload = job.payload(j)
             tokens = (job.first + j + 1) * lay.block_tokens
@@ -154,13 +186,17 @@ class BlockWriter:
                                    token_ids=job.token_ids[j] if self.store_token_ids else None)
             if write_block_file(final, header, payload):
                 job.written += 1
+                job.done_blocks += 1
                 with self._lock:
                     self._counts["written"] += 1
                     self._counts["bytes_written"] += len(header) + lay.block_bytes
+                    self._unwritten -= 1
             else:
                 job.skipped += 1
+                job.done_blocks += 1
                 with self._lock:
                     self._counts["skipped"] += 1
+                    self._unwritten -= 1
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued job is written; raise SaveError for failures since last flush."""
@@ -179,9 +215,30 @@ class BlockWriter:
         with self._lock:
             return WriterStats(**self._counts)
 
+    def unwritten(self) -> int:
+        """Blocks of accepted saves not yet written (nor skipped as present, nor failed)."""
+        with self._lock:
+            return self._unwritten
+
+    def finish_at_exit(self) -> None:
+        """The interpreter is exiting: write what is queued, for at most ``exit_timeout`` s;
+        log a warning with the count of blocks left unwritten (lost), never raise."""
+        if self._closed:
+            return
+        try:
+            self.close(self.exit_timeout)
+        except TimeoutError:
+            log.warning("exiting with %d KV blocks of %s still unwritten after %ss (lost)",
+                        self.unwritten(), self.namespace, self.exit_timeout)
+        except SaveError as e:
+            log.error("at exit, saving KV blocks of %s failed: %s", self.namespace, e)
+        except BaseException as e:  # noqa: BLE001 - an atexit handler must not raise
+            log.error("at exit, flushing the KV writer of %s failed: %r", self.namespace, e)
+
     def close(self, timeout: float | None = None) -> None:
         if self._closed:
             return
+        _open_writers.discard(self)
         try:
             self.flush(timeout)
         finally:

@@ -16,6 +16,7 @@ import xxhash  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 import kvfs  # noqa: E402
+from conftest import wait_for  # noqa: E402
 from kvfs.kv.format import parse_block_header  # noqa: E402
 from kvfs.kv.tree import tree_document  # noqa: E402
 
@@ -233,10 +234,7 @@ def test_lease_fast_path_from_shared_memory(kvfs_mount):
     finally:
         os.close(fd)                                      # closing the descriptor ends the lease
     # the kernel sends FUSE_RELEASE after close(2) returns: poll with a deadline
-    deadline = time.monotonic() + 30
-    while m.stats()["leases"] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert m.stats()["leases"] == 0
+    wait_for(lambda: m.stats()["leases"] == 0, 30, "the lease to be released")
     with pytest.raises(kvfs.kv.block.ChecksumMismatch):
         cache.load(toks)
     with pytest.raises(kvfs.kv.block.ChecksumMismatch):         # layer by layer too
@@ -312,10 +310,9 @@ def test_nvme_fast_path_catches_a_damaged_object(kvfs_mount, tmp_path):
     kv = _kv(LLAMA, len(toks), 42)
     cache.save(toks, kv, wait=True)
     paths = cache.block_paths(toks)
-    deadline = time.monotonic() + 60                           # RAM holds one 2 MiB block at most
-    while [os.getxattr(p, "user.kvfs.tier").decode() for p in paths].count("nvme") < 5:
-        assert time.monotonic() < deadline, "blocks never moved to NVMe"
-        time.sleep(0.2)
+    # RAM holds one 2 MiB block at most: background demotion moves the others
+    wait_for(lambda: [os.getxattr(p, "user.kvfs.tier").decode() for p in paths].count("nvme") >= 5, 60,
+             "blocks to move to NVMe", interval=0.05)
     out = kvfs.gpu.host_empty(LLAMA.block_shape(len(toks)), LLAMA.torch_dtype)
     cache.load_into(toks, out)
     assert torch.equal(out, kv) and cache.last_load.sources.get("nvme", 0) >= 5
@@ -333,3 +330,71 @@ def test_nvme_fast_path_catches_a_damaged_object(kvfs_mount, tmp_path):
     with pytest.raises(kvfs.kv.block.ChecksumMismatch, match="nvme tier"):
         cache.load_into(toks, out)
     cache.close()
+
+
+def _settled(m) -> bool:
+    return bool(m.stats()["settled"])
+
+
+def test_lookup_hold_keeps_blocks_through_eviction_until_the_load(kvfs_mount):
+    """Issue 11 item 10: ``lookup(..., hold=True)`` leases what it found; eviction pressure
+    between the lookup and the load cannot take those blocks. A twin chain looked up the same
+    way (same hits) but released at once is evicted by the same pressure: the hold, not heat,
+    is what keeps the held one."""
+    m = kvfs_mount(ram="4MiB", nvme_size="16MiB")
+    cache = kvfs.KVCache(m.path, model="m", layout=BIG)        # 256 KiB blocks
+    held_toks, twin_toks = _tokens(16 * 8, 40), _tokens(16 * 8, 41)
+    held_kv, twin_kv = _kv(BIG, len(held_toks), 40), _kv(BIG, len(twin_toks), 41)
+    cache.save(twin_toks, twin_kv, wait=True)
+    cache.save(held_toks, held_kv, wait=True)
+    hold = cache.lookup(held_toks, hold=True)
+    twin = cache.lookup(twin_toks, hold=True)
+    assert (hold.tokens, hold.blocks, hold.held) == (len(held_toks), 8, True)
+    assert twin.tokens == len(twin_toks)
+    twin.release()
+    assert m.stats()["leases"] == 1
+    # pressure: 4x the NVMe budget of other chains, each saved to completion
+    for i in range(32):
+        toks = _tokens(16 * 8, 1000 + i)
+        cache.save(toks, _kv(BIG, len(toks), 1000 + i), wait=True)
+    wait_for(lambda: _settled(m), 120, "the store to settle")
+    st = m.stats()
+    assert st["tiers"]["nvme"]["evictions"] > 0
+    assert cache.lookup(twin_toks) < len(twin_toks), "the pressure evicted nothing of the unheld twin"
+    out = cache.load(held_toks, hold=hold)                     # releases the hold
+    assert torch.equal(out, held_kv)
+    assert not hold.held and m.stats()["leases"] == 0
+    with pytest.raises(ValueError, match="released"):
+        cache.load(held_toks, hold=hold)
+    cache.close()
+
+
+def test_lookup_hold_api_edges(kvfs_mount, tmp_path):
+    m = kvfs_mount()
+    cache = kvfs.KVCache(m.path, model="m", layout=SMALL)
+    toks = _tokens(16 * 4, 50)
+    kv = _kv(SMALL, len(toks), 50)
+    cache.save(toks, kv, wait=True)
+    with cache.lookup(toks + _tokens(32, 51), hold=True) as h:     # 4 of 6 blocks cached
+        assert (h.tokens, h.blocks) == (64, 4) and h.held
+        with pytest.raises(ValueError, match="prefix"):
+            cache.load(_tokens(64, 52), hold=h)                 # other tokens: refused...
+        assert not h.held                                       # ...and the hold released
+    with cache.lookup(toks, hold=True) as h:
+        out = torch.empty(SMALL.block_shape(32), dtype=SMALL.torch_dtype)
+        cache.load_into(toks[:32], out, hold=h)                 # a shorter prefix of the hold
+        assert torch.equal(out, kv[:, :, :32])
+    with cache.lookup(toks, hold=True) as h:
+        out = torch.empty(SMALL.block_shape(64), dtype=SMALL.torch_dtype)
+        assert list(cache.load_layers(toks, out, hold=h)) == list(range(SMALL.num_layers))
+        assert torch.equal(out, kv) and not h.held
+    assert m.stats()["leases"] == 0
+    assert cache.lookup([1] * 64, hold=True).tokens == 0
+    cache.close()
+    # a plain directory: nothing to hold, the answer is the plain lookup's
+    (tmp_path / "plain").mkdir()
+    with kvfs.KVCache(tmp_path / "plain", model="m", layout=SMALL) as plain:
+        plain.save(toks, kv, wait=True)
+        h = plain.lookup(toks, hold=True)
+        assert (h.tokens, h.held) == (64, False)
+        assert torch.equal(plain.load(toks, hold=h), kv)

@@ -26,8 +26,18 @@ import numpy as np
 import pytest
 import xxhash
 
+from conftest import wait_for
+
 pytestmark = pytest.mark.mount
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _settled(m) -> bool:
+    """No demotion, eviction or promotion running or queued; RAM and NVMe at or under their
+    high watermark (90 %), where the daemon leaves them alone."""
+    st = m.stats()
+    return st["settled"] and all(st["tiers"][t]["used"] <= 0.9 * st["tiers"][t]["capacity"]
+                                 for t in ("ram", "nvme"))
 
 
 def _payload(i: int, size: int) -> bytes:
@@ -84,9 +94,12 @@ def _vllm_write(root, h: str, data: bytes, direct: bool) -> None:
 
 def _vllm_read(root, h: str, size: int, direct: bool) -> bytes | None:
     path = _vllm_path(root, h)
-    if not os.access(path, os.F_OK):
+    # (vLLM checks access(F_OK) first; on a cache that evicts, the file may go between the
+    # check and the open, so open directly and take ENOENT as the miss it is)
+    try:
+        fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+    except FileNotFoundError:
         return None
-    fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
     try:
         buf = _aligned(size)
         n = os.readv(fd, [buf])
@@ -114,6 +127,7 @@ def test_vllm_file_tier_pattern(kvfs_mount):
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda i: _vllm_read(root, hashes[i], size, direct), range(n)))
     assert all(g == _payload(i, size) for i, g in enumerate(got))
+    wait_for(lambda: _settled(m), 120, "background demotion to settle")
     tiers = [os.getxattr(_vllm_path(root, h), "user.kvfs.tier").decode() for h in hashes]
     assert "nvme" in tiers and "ram" in tiers, tiers      # tiering under the runtime's feet
     for i in (0, n // 2, n - 1):
@@ -133,6 +147,7 @@ def test_vllm_pattern_is_bounded_by_eviction(kvfs_mount):
     hashes = [hashlib.sha256(f"p-{i}".encode()).hexdigest() for i in range(n)]
     for i in range(n):
         _vllm_write(root, hashes[i], _payload(i, size), direct=False)
+    wait_for(lambda: _settled(m), 120, "background eviction to settle")
     present = [os.path.exists(_vllm_path(root, h)) for h in hashes]
     assert present[-1] and not all(present)        # newest kept, oldest evicted
     assert sum(present) * size <= 20 * 2**20
@@ -198,6 +213,7 @@ def test_lmcache_local_disk_pattern(kvfs_mount):
         f.result()
     kept = [k for k in keys if k in disk.index]
     assert len(kept) < len(keys)                    # its own LRU removed the oldest
+    wait_for(lambda: _settled(m), 120, "background demotion to settle")
     for i, k in enumerate(keys):
         got = disk.get(k)
         assert got is None if k not in kept else got == _payload(i, size)
@@ -259,6 +275,7 @@ def test_sglang_hicache_file_pattern(kvfs_mount):
         _sglang_get(root, keys[i], out)
         assert np.array_equal(out, pages[i])
     assert not [f for f in os.listdir(root) if f.endswith(".tmp")]
+    wait_for(lambda: _settled(m), 120, "background demotion to settle")
     tiers = {os.getxattr(_sglang_path(root, k), "user.kvfs.tier").decode() for k in keys[:260]}
     assert "nvme" in tiers                          # 32 MiB of pages through an 8 MiB RAM tier
     m.remount()

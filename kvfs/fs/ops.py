@@ -10,6 +10,7 @@ import pyfuse3
 import trio
 
 from kvfs.fs import control
+from kvfs.errors import NamespaceError
 from kvfs.fs.errmap import translate
 from kvfs.store.cache import Cache
 from kvfs.store.index import ROOT_INO
@@ -18,6 +19,18 @@ log = logging.getLogger(__name__)
 
 ENTRY_TIMEOUT = 60
 ATTR_TIMEOUT = 10
+# A missing name is remembered by the kernel this long (a negative dentry). Safe because every
+# name appears through the kernel (create, mkdir, symlink, rename replace the negative dentry);
+# the daemon never adds a name on its own while mounted (fsck and rebuild run offline).
+NEGATIVE_TIMEOUT = 60
+
+
+def _negative() -> pyfuse3.EntryAttributes:
+    """A lookup answer for a missing name that the kernel caches (st_ino 0; pyfuse3 docs)."""
+    a = pyfuse3.EntryAttributes()
+    a.st_ino = 0
+    a.entry_timeout = NEGATIVE_TIMEOUT
+    return a
 
 
 def _entry(ino: int, rec: dict) -> pyfuse3.EntryAttributes:
@@ -92,7 +105,12 @@ class KvfsOperations(pyfuse3.Operations):
         elif name == b"..":
             ino = self.cache.ns.inode(parent_inode)["parent"]
         else:
-            ino = self.cache.ns.lookup(parent_inode, name)
+            try:
+                ino = self.cache.ns.lookup(parent_inode, name)
+            except NamespaceError as e:
+                if e.errno == errno.ENOENT and NEGATIVE_TIMEOUT > 0:
+                    return _negative()
+                raise
         return _entry(ino, self.cache.getattr(ino))
 
     @translate

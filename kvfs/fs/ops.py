@@ -17,8 +17,11 @@ from kvfs.store.index import ROOT_INO
 
 log = logging.getLogger(__name__)
 
-ENTRY_TIMEOUT = 60
-ATTR_TIMEOUT = 10
+# Names and attributes change only through the kernel, or by the daemon, which tells the kernel
+# (eviction and loss: invalidate_entry; a new version: the seal's invalidation), so the kernel may
+# keep them long: an older block's stat is then answered by the kernel alone.
+ENTRY_TIMEOUT = 3600
+ATTR_TIMEOUT = 3600
 # A missing name is remembered by the kernel this long (a negative dentry). Safe because every
 # name appears through the kernel (create, mkdir, symlink, rename replace the negative dentry);
 # the daemon never adds a name on its own while mounted (fsck and rebuild run offline).

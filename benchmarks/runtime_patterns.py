@@ -506,6 +506,21 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def steps_table(steps: list[tuple[str, dict]], key: str = "vs_plain") -> str:
+    """One row per pattern, one column per run (e.g. before and after each fix): kvfs's ratio
+    ``key`` (vs_plain or vs_floor), median of the rounds of that run."""
+    head = "| pattern | " + " | ".join(label for label, _ in steps) + " |"
+    lines = [head, "|---|" + "---:|" * len(steps)]
+    for key_, what, _ in METRICS:
+        cells = []
+        for _, res in steps:
+            row = next((r for r in res["metrics"] if r["key"] == key_), None)
+            s = row and row.get(key)
+            cells.append(f"{s['median']:.2f}" if s else "–")
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(res: dict, png: Path) -> bool:
     try:
         import matplotlib
@@ -588,10 +603,18 @@ def main(argv=None) -> int:
     p.add_argument("--many", type=int, default=None, help="files of pattern (i)")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(ORDER)}")
     p.add_argument("--json", default=None)
+    p.add_argument("--steps", nargs="+", metavar="LABEL=JSON", default=None,
+                   help="print the per-step ratio tables of earlier runs and exit")
     p.add_argument("--plot", default=None)
     p.add_argument("--write-docs", default=None, metavar="MD", help="write the section (and the plot beside it)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if a.steps:
+        steps = [(x.split("=", 1)[0], json.loads(Path(x.split("=", 1)[1]).read_text())) for x in a.steps]
+        for key in ("vs_plain", "vs_floor"):
+            print(f"\nkvfs {key.replace('vs_', '/ ')}\n")
+            print(steps_table(steps, key))
+        return 0
     sizes = QUICK if a.quick else Sizes()
     if a.many is not None:
         sizes = dataclasses.replace(sizes, many=a.many)

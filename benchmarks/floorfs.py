@@ -115,7 +115,7 @@ class FloorFS(pyfuse3.Operations):
         _fail(errno.ENODATA)     # kvfs has xattrs, so the kernel keeps asking both
 
     async def access(self, inode, mode, ctx):
-        pass
+        raise pyfuse3.FUSEError(errno.ENOSYS)    # as kvfs: the kernel stops asking, allows
 
     async def mkdir(self, parent_inode, name, mode, ctx):
         return self._attr(self._new(parent_inode, name, stat.S_IFDIR | (mode & 0o7777)))

@@ -101,6 +101,18 @@ async def _tune_read_ahead(mountpoint: str) -> None:
             return
 
 
+def mount_options(allow_other: bool) -> set[str]:
+    """The FUSE mount options. pyfuse3's default ``default_permissions`` only with
+    ``allow_other``: it makes the kernel fetch the parent directory's attributes before every
+    create and rename (a round trip each), and without ``allow_other`` only the mounting user
+    can reach the mount at all."""
+    options = set(pyfuse3.default_options) - {"default_permissions"}
+    options.update(("fsname=kvfs", "subtype=kvfs"))
+    if allow_other:
+        options.update(("allow_other", "default_permissions"))
+    return options
+
+
 def build_tiers(cfg: Config, index: Index, holder: str | None = None) -> list:
     """RAM, local NVMe and (when configured) the remote tier, top to bottom."""
     tiers = [RamTier(cfg.ram_bytes(), cfg.shm_dir, index.instance_id),
@@ -138,12 +150,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                             "instance": index.instance_id,
                             "recovered": recovered, "started": started}
         ops = KvfsOperations(cache, describe)
-        options = set(pyfuse3.default_options)
-        options.add("fsname=kvfs")
-        options.add("subtype=kvfs")
-        if cfg.allow_other:
-            options.update(("allow_other", "default_permissions"))
-        pyfuse3.init(ops, mountpoint, options)
+        pyfuse3.init(ops, mountpoint, mount_options(cfg.allow_other))
         ops.mounted = True
         unmounted = False
         try:

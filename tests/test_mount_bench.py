@@ -43,3 +43,37 @@ def test_bench_runs_everything_and_writes_docs(tmp_path):
     assert text == first, "rewriting replaces the section instead of appending another"
     assert text.count(bench_report.BEGIN) == 1 and "## Remote tier\n\nkept as is" in text
     assert "read_nvme" in text and "O_DIRECT plain file" in text
+
+
+def test_runtime_patterns_quick_run_reports_ratios(tmp_path):
+    """``kvfs bench --only runtime --quick``: every pattern runs on kvfs, the floor fs, a plain
+    directory and tmpfs, and each gets its ratios; the docs section is replaced, not appended."""
+    res = run_kvfs("bench", "--only", "runtime", "--quick", "--rounds", "1", "--dir",
+                   tmp_path / "scratch", "--json", timeout=900)
+    assert res.returncode == 0, res.stderr
+    rt = json.loads(res.stdout)["runtime"]
+    rows = {r["key"]: r for r in rt["metrics"]}
+    assert len(rows) >= 16, sorted(rows)      # (h) needs torch, the rest runs everywhere
+    for key, r in rows.items():
+        for t in ("kvfs", "floor", "plain", "tmpfs"):
+            assert r[t]["median"] > 0, (key, t)
+        assert r["vs_floor"]["median"] == pytest.approx(r["kvfs"]["median"] / r["floor"]["median"], rel=1e-6)
+        assert r["vs_plain"]["median"] == pytest.approx(r["kvfs"]["median"] / r["plain"]["median"], rel=1e-6)
+    assert rt["o_direct"]["kvfs"] is True               # vLLM's probe passes on the mount
+    assert not any(p.is_mount() for p in (tmp_path / "scratch").rglob("*") if p.is_dir())
+
+    import importlib.util
+    import sys
+    from pathlib import Path
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime_patterns.py"
+    spec = importlib.util.spec_from_file_location("rp_for_test", src)
+    rp = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = rp
+    spec.loader.exec_module(rp)
+    md = tmp_path / "benchmarks.md"
+    md.write_text("# kvfs benchmarks\n\n## Remote tier\n\nkept as is\n")
+    rp.write_docs(rt, md)
+    first = md.read_text()
+    rp.write_docs(rt, md)
+    assert md.read_text() == first and first.count(rp.BEGIN) == 1 and "kept as is" in first
+    assert "(f) vLLM store" in first

@@ -201,7 +201,7 @@ def _run_foreground(cfg: Config) -> None:
 
 
 @click.command("umount")
-@click.argument("mountpoint", type=click.Path())
+@click.argument("mountpoint", type=click.Path(readable=False))   # a dead mount is not readable
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Seconds to wait for the daemon to finish flushing and exit.")
 @click.option("--lazy", "-z", is_flag=True, help="Lazy unmount (fusermount3 -z), e.g. a dead daemon.")

@@ -11,14 +11,30 @@ import threading
 import pyfuse3
 
 from kvfs.fs import control
+from kvfs.errors import NamespaceError
 from kvfs.fs.errmap import translate
 from kvfs.store.cache import Cache
 from kvfs.store.index import ROOT_INO
 
 log = logging.getLogger(__name__)
 
-ENTRY_TIMEOUT = 60
-ATTR_TIMEOUT = 10
+# Names and attributes change only through the kernel, or by the daemon, which tells the kernel
+# (eviction and loss: invalidate_entry; a new version: the seal's invalidation), so the kernel may
+# keep them long: an older block's stat is then answered by the kernel alone.
+ENTRY_TIMEOUT = 3600
+ATTR_TIMEOUT = 3600
+# A missing name is remembered by the kernel this long (a negative dentry). Safe because every
+# name appears through the kernel (create, mkdir, symlink, rename replace the negative dentry);
+# the daemon never adds a name on its own while mounted (fsck and rebuild run offline).
+NEGATIVE_TIMEOUT = 60
+
+
+def _negative() -> pyfuse3.EntryAttributes:
+    """A lookup answer for a missing name that the kernel caches (st_ino 0; pyfuse3 docs)."""
+    a = pyfuse3.EntryAttributes()
+    a.st_ino = 0
+    a.entry_timeout = NEGATIVE_TIMEOUT
+    return a
 
 
 def _entry(ino: int, rec: dict) -> pyfuse3.EntryAttributes:
@@ -160,7 +176,12 @@ class KvfsOperations(pyfuse3.Operations):
         elif name == b"..":
             ino = self.cache.ns.inode(parent_inode)["parent"]
         else:
-            ino = self.cache.ns.lookup(parent_inode, name)
+            try:
+                ino = self.cache.ns.lookup(parent_inode, name)
+            except NamespaceError as e:
+                if e.errno == errno.ENOENT and NEGATIVE_TIMEOUT > 0:
+                    return _negative()
+                raise
         return _entry(ino, self.cache.getattr(ino))
 
     @translate
@@ -372,7 +393,7 @@ class KvfsOperations(pyfuse3.Operations):
         s.f_namemax = 255
         return s
 
-    @translate
     async def access(self, inode, mode, ctx):
-        if not control.is_control(inode):
-            self.cache.ns.inode(inode)
+        # Without default_permissions the kernel asks here on every access(2) (vLLM's existence
+        # check); ENOSYS once makes it stop asking and allow (the lookup already found the file).
+        raise pyfuse3.FUSEError(errno.ENOSYS)

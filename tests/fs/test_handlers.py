@@ -23,9 +23,15 @@ CTX = types.SimpleNamespace(uid=0, gid=0, pid=os.getpid(), umask=0o022)
 
 
 async def fuse_errno(coro) -> int:
-    with pytest.raises(pyfuse3.FUSEError) as ei:
-        await coro
-    return ei.value.errno
+    """The errno a handler answers; a lookup's negative entry (st_ino 0) counts as ENOENT."""
+    try:
+        res = await coro
+    except pyfuse3.FUSEError as e:
+        return e.errno
+    if isinstance(res, pyfuse3.EntryAttributes) and res.st_ino == 0:
+        assert res.entry_timeout > 0            # cached by the kernel, not a bare miss
+        return errno.ENOENT
+    pytest.fail(f"expected an error, got {res!r}")
 
 
 async def put(ops, parent, name: bytes, data: bytes):

@@ -1,0 +1,634 @@
+"""What a runtime gets from a kvfs mount, against the floor of a Python FUSE daemon and a plain directory.
+
+    python benchmarks/runtime_patterns.py [--quick] [--rounds 5] [--dir DIR] [--json FILE]
+    kvfs bench --only runtime [--quick]            (the same, through the CLI)
+
+The storage patterns of inference runtimes, run in ONE run on four targets, interleaved
+(every round runs each pattern on every target, in a rotated order) and repeated:
+
+- ``kvfs``: a kvfs mount through the CLI;
+- ``floor``: benchmarks/floorfs.py, an in-memory pyfuse3 + trio filesystem with kvfs's
+  timeouts, mount options and read-ahead: what any Python FUSE daemon costs here;
+- ``plain``: a plain directory on the filesystem that holds the kvfs NVMe tier;
+- ``tmpfs``: a directory in /dev/shm.
+
+Patterns: (a) create + write 32 KiB / 2 MiB + close + rename, 1 and 4 threads; (b) first
+``stat`` of a file right after its write; (c) ``stat`` of files written at the start of the
+run; (d) repeated ``os.path.exists`` of missing names; (e) open + one ``readinto`` of 2 MiB
+right after the write, and again later; (f) vLLM's store (O_DIRECT probe, O_EXCL temp
+``<h>.bin_<rand>.tmp``, page-aligned buffer, one write, rename, 16 threads racing ``makedirs``
+of ``h[:3]/h[3:5]_g0``) and its existence checks; (g) LMCache's (write in place, 4 threads;
+O_DIRECT reads); (h) ``kvfs.KVCache.save`` + ``flush`` of 32 KiB and 2 MiB blocks;
+(i) many creates, then ``stat`` and ``unlink`` of each.
+
+Every figure is a rate (higher is better). Reported: each target's median with min-max
+over the rounds, and kvfs's ratio to the floor and to the plain directory (median of the
+per-round ratios, with their min-max). Buffers are page-aligned mmaps touched before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import errno
+import json
+import logging
+import mmap
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from kvfs.bench import BenchError, BenchMount, aligned_buffer, wait_for  # noqa: E402
+
+log = logging.getLogger("runtime_patterns")
+TARGETS = ("kvfs", "floor", "plain", "tmpfs")
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+KIB, MIB = 1 << 10, 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    small: int = 400          # (a) 32 KiB files per thread setting
+    big: int = 32             # (a) 2 MiB files per thread setting
+    first_stat: int = 300     # (b)
+    old: int = 1000           # (c) files written at the start, stat()ed every round
+    missing: int = 500        # (d) names, each checked 5 times after a first miss
+    reads: int = 24           # (e) 2 MiB files
+    vllm: int = 64            # (f) blocks
+    vllm_block: int = 2 * MIB
+    lmcache: int = 48         # (g) 2 MiB chunks
+    kv_small: int = 1000      # (h) 32 KiB blocks
+    kv_big: int = 64          # (h) 2 MiB blocks
+    many: int = 100_000       # (i)
+    many_rounds: int = 1      # (i) runs in this many of the rounds (it is long)
+
+
+QUICK = Sizes(small=20, big=4, first_stat=20, old=50, missing=20, reads=4, vllm=16,
+              vllm_block=256 * KIB, lmcache=8, kv_small=32, kv_big=4, many=2000, many_rounds=1)
+
+# (key, what, unit): the metrics in report order
+METRICS = [
+    ("a_32k_t1", "(a) create+write 32 KiB+close+rename, 1 thread", "files/s"),
+    ("a_32k_t4", "(a) same, 4 threads", "files/s"),
+    ("a_2m_t1", "(a) create+write 2 MiB+close+rename, 1 thread", "files/s"),
+    ("a_2m_t4", "(a) same, 4 threads", "files/s"),
+    ("b_first_stat", "(b) first stat right after the write", "stats/s"),
+    ("c_old_stat", "(c) stat of files written at the start of the run", "stats/s"),
+    ("d_missing", "(d) repeated exists() of missing names", "checks/s"),
+    ("e_read_fresh", "(e) open+readinto 2 MiB right after the write", "GB/s"),
+    ("e_read_later", "(e) same file again after a stat", "GB/s"),
+    ("f_vllm_store", "(f) vLLM store, 16 threads", "blocks/s"),
+    ("f_vllm_exists", "(f) vLLM existence check of the blocks stored", "checks/s"),
+    ("g_lmc_write", "(g) LMCache write in place, 4 threads", "GB/s"),
+    ("g_lmc_read", "(g) LMCache O_DIRECT read, 4 threads", "GB/s"),
+    ("h_save_32k", "(h) KVCache.save+flush, 32 KiB blocks", "blocks/s"),
+    ("h_save_2m", "(h) KVCache.save+flush, 2 MiB blocks", "blocks/s"),
+    ("i_create", "(i) create of many empty files", "files/s"),
+    ("i_stat", "(i) stat of each", "stats/s"),
+    ("i_unlink", "(i) unlink of each", "files/s"),
+]
+
+
+# -- the floor filesystem -----------------------------------------------------------------------
+def kvfs_settings() -> dict:
+    """The kernel-facing settings kvfs uses now, so the floor mounts with the same."""
+    import pyfuse3
+    from kvfs.fs import ops
+    from kvfs import daemon
+    if hasattr(daemon, "mount_options"):
+        opts = daemon.mount_options(allow_other=False)
+    else:
+        opts = set(pyfuse3.default_options)
+    return {"entry_timeout": ops.ENTRY_TIMEOUT, "attr_timeout": ops.ATTR_TIMEOUT,
+            "negative_timeout": getattr(ops, "NEGATIVE_TIMEOUT", 0),
+            "default_permissions": "default_permissions" in opts,
+            "read_ahead_kb": daemon.READ_AHEAD_KB}
+
+
+class FloorMount:
+    def __init__(self, path: Path, settings: dict):
+        self.path = path
+        self.settings = settings
+        self.proc: subprocess.Popen | None = None
+
+    def mount(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        s = self.settings
+        cmd = [sys.executable, str(REPO / "benchmarks" / "floorfs.py"), str(self.path),
+               "--entry-timeout", str(s["entry_timeout"]), "--attr-timeout", str(s["attr_timeout"]),
+               "--negative-timeout", str(s["negative_timeout"]), "--read-ahead-kb", str(s["read_ahead_kb"])]
+        if s["default_permissions"]:
+            cmd.append("--default-permissions")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+        if not wait_for(lambda: os.path.ismount(self.path) or self.proc.poll() is not None, 30, 0.02) \
+                or not os.path.ismount(self.path):
+            err = self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None else ""
+            self.cleanup()
+            raise BenchError(f"floorfs did not mount: {err.strip()[-400:]}")
+
+    def cleanup(self) -> None:
+        if os.path.ismount(self.path):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
+        if self.proc is not None:
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _write(path: str, mv, flags: int = 0) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
+    try:
+        n = os.write(fd, mv)
+        if n != len(mv):
+            raise BenchError(f"short write to {path}: {n}")
+    finally:
+        os.close(fd)
+
+
+def _read(path: str, mv, flags: int = 0) -> int:
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        n = os.readv(fd, [mv])
+    finally:
+        os.close(fd)
+    if n != len(mv):
+        raise BenchError(f"short read of {path}: {n} of {len(mv)}")
+    return n
+
+
+def _threads(n: int, items: list, fn) -> None:
+    """Run ``fn`` over ``items`` split into ``n`` contiguous slices, one thread each."""
+    if n == 1:
+        for x in items:
+            fn(x)
+        return
+    step = (len(items) + n - 1) // n
+
+    def work(lo):
+        for x in items[lo:lo + step]:
+            fn(x)
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(work, range(0, len(items), step)))
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _odirect_probe(root: str) -> bool:
+    """vLLM's start-up probe: can an aligned O_DIRECT write be done here?"""
+    probe = os.path.join(root, f".odirect_probe_{secrets.token_hex(4)}")
+    buf = mmap.mmap(-1, 4096)
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | O_DIRECT, 0o644)
+    except OSError:
+        return False
+    try:
+        os.write(fd, buf)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        buf.close()
+        try:
+            os.unlink(probe)
+        except FileNotFoundError:
+            pass
+
+
+# -- the patterns -------------------------------------------------------------------------------
+class Patterns:
+    def __init__(self, sizes: Sizes):
+        self.sz = sizes
+        self.b32 = aligned_buffer(32 * KIB)
+        self.b2m = aligned_buffer(2 * MIB)
+        self.bvllm = aligned_buffer(sizes.vllm_block)
+        self.rbuf = aligned_buffer(2 * MIB)
+        self.rbufs = [aligned_buffer(2 * MIB) for _ in range(4)]
+        self.kv = None
+        self.notes: list[str] = []
+
+    def setup(self, root: str) -> None:
+        """Files written once at the start: the 'older' files of (c)."""
+        os.makedirs(os.path.join(root, "old"), exist_ok=True)
+        mv = memoryview(self.b32)
+        for i in range(self.sz.old):
+            _write(os.path.join(root, "old", f"{i:06d}.bin"), mv)
+
+    def run(self, name: str, root: str, rnd: int, out: dict) -> None:
+        d = os.path.join(root, f"r{rnd}")
+        os.makedirs(d, exist_ok=True)
+        getattr(self, name)(d, rnd, out)
+
+    # (a)
+    def create_rename(self, d: str, rnd: int, out: dict) -> None:
+        for size, buf, n, tag in ((32 * KIB, self.b32, self.sz.small, "32k"),
+                                  (2 * MIB, self.b2m, self.sz.big, "2m")):
+            mv = memoryview(buf)
+            for threads in (1, 4):
+                sub = os.path.join(d, f"a{tag}_{threads}")
+                os.mkdir(sub)
+
+                def one(i, sub=sub):
+                    tmp = os.path.join(sub, f".{i}.tmp")
+                    _write(tmp, mv)
+                    os.rename(tmp, os.path.join(sub, f"{i}.bin"))
+                out[f"a_{tag}_t{threads}"] = n / _timed(lambda: _threads(threads, list(range(n)), one))
+
+    # (b)
+    def first_stat(self, d: str, rnd: int, out: dict) -> None:
+        mv = memoryview(self.b32)
+        total = 0.0
+        for i in range(self.sz.first_stat):
+            p = os.path.join(d, f"b{i}.bin")
+            _write(p, mv)
+            t0 = time.perf_counter()
+            st = os.stat(p)
+            total += time.perf_counter() - t0
+            if st.st_size != len(mv):
+                raise BenchError(f"stat right after the write saw size {st.st_size}")
+        out["b_first_stat"] = self.sz.first_stat / total
+
+    # (c)
+    def old_stat(self, d: str, rnd: int, out: dict) -> None:
+        paths = [os.path.join(d, "..", "old", f"{i:06d}.bin") for i in range(self.sz.old)]
+        out["c_old_stat"] = len(paths) / _timed(lambda: [os.stat(p) for p in paths])
+
+    # (d)
+    def missing(self, d: str, rnd: int, out: dict) -> None:
+        paths = [os.path.join(d, f"missing-{i}.bin") for i in range(self.sz.missing)]
+        if any(os.path.exists(p) for p in paths):      # the first miss of each, untimed
+            raise BenchError("a missing name exists")
+
+        def again():
+            for _ in range(5):
+                for p in paths:
+                    os.path.exists(p)
+        out["d_missing"] = 5 * len(paths) / _timed(again)
+
+    # (e)
+    def read_back(self, d: str, rnd: int, out: dict) -> None:
+        w, r = memoryview(self.b2m), memoryview(self.rbuf)
+        paths, fresh = [], 0.0
+        for i in range(self.sz.reads):
+            p = os.path.join(d, f"e{i}.bin")
+            _write(p, w)
+            fresh += _timed(lambda: _read(p, r))
+            paths.append(p)
+        if r[:4096] != w[:4096]:
+            raise BenchError("read back other bytes than were written")
+        for p in paths:
+            os.stat(p)
+        later = _timed(lambda: [_read(p, r) for p in paths])
+        out["e_read_fresh"] = len(paths) * 2 * MIB / fresh / 1e9
+        out["e_read_later"] = len(paths) * 2 * MIB / later / 1e9
+
+    # (f)
+    def vllm(self, d: str, rnd: int, out: dict) -> None:
+        root = os.path.join(d, "llama-8b_0123456789ab_r0")
+        os.makedirs(root, exist_ok=True)
+        direct = O_DIRECT if _odirect_probe(root) else 0
+        mv = memoryview(self.bvllm)
+        hashes = [secrets.token_hex(16) for _ in range(self.sz.vllm)]
+
+        def path_of(h):
+            return os.path.join(root, h[:3], f"{h[3:5]}_g0", f"{h}.bin")
+
+        def store(h):
+            final = path_of(h)
+            os.makedirs(os.path.dirname(final), exist_ok=True)     # 16 threads race here
+            tmp = f"{final}_{secrets.token_hex(4)}.tmp"
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_TRUNC | os.O_WRONLY | direct, 0o644)
+            try:
+                if os.write(fd, mv) != len(mv):
+                    raise BenchError("short vLLM write")
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+
+        out["f_vllm_store"] = len(hashes) / _timed(lambda: _threads(16, hashes, store))
+        out["f_vllm_exists"] = len(hashes) / _timed(
+            lambda: [os.access(path_of(h), os.F_OK) or _raise(h) for h in hashes])
+        out["f_direct"] = bool(direct)
+
+    # (g)
+    def lmcache(self, d: str, rnd: int, out: dict) -> None:
+        w = memoryview(self.b2m)
+        paths = [os.path.join(d, f"chunk{i}.pt") for i in range(self.sz.lmcache)]
+        t = _timed(lambda: _threads(4, paths, lambda p: _write(p, w)))
+        out["g_lmc_write"] = len(paths) * 2 * MIB / t / 1e9
+        direct = O_DIRECT
+        try:
+            _read(paths[0], memoryview(self.rbuf), O_DIRECT)
+        except OSError:
+            direct = 0                         # tmpfs before Linux 6.6: no O_DIRECT
+        lock = threading.Lock()
+        free = [memoryview(b) for b in self.rbufs]
+
+        def rd(p):
+            with lock:
+                mv = free.pop()
+            try:
+                _read(p, mv, direct)
+            finally:
+                with lock:
+                    free.append(mv)
+        out["g_lmc_read"] = len(paths) * 2 * MIB / _timed(lambda: _threads(4, paths, rd)) / 1e9
+        out["g_direct"] = bool(direct)
+
+    # (h)
+    def kvcache(self, d: str, rnd: int, out: dict) -> None:
+        try:
+            import torch
+            import kvfs
+        except ImportError as e:
+            self.notes.append(f"(h) skipped: {e}")
+            return
+        layouts = {"32k": (kvfs.KVLayout(num_layers=2, num_kv_heads=8, head_dim=32, dtype=torch.float16),
+                           self.sz.kv_small),
+                   "2m": (kvfs.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),
+                          self.sz.kv_big)}
+        if self.kv is None:
+            self.kv = {k: torch.randn(lay.block_shape(n * lay.block_tokens)).to(lay.torch_dtype)
+                       for k, (lay, n) in layouts.items()}
+        for tag, (lay, n) in layouts.items():
+            seed = int.from_bytes(os.urandom(4), "little")
+            tokens = [(seed + i * 7919) % 150_000 for i in range(n * lay.block_tokens)]
+            os.mkdir(os.path.join(d, f"kv{tag}"))
+            c = kvfs.KVCache(os.path.join(d, f"kv{tag}"), model="bench/model", layout=lay,
+                             save_timeout=None, max_pending_saves=n + 1, fast_path=False)
+            try:
+                def save():
+                    res = c.save(tokens, self.kv[tag])
+                    c.flush()
+                    if res.dropped or res.queued != n:
+                        raise BenchError(f"KVCache.save queued {res.queued} of {n} blocks")
+                out[f"h_save_{tag}"] = n / _timed(save)
+            finally:
+                c.close()
+
+    # (i)
+    def many(self, d: str, rnd: int, out: dict) -> None:
+        if rnd >= self.sz.many_rounds:
+            return
+        n, ndirs = self.sz.many, 100
+        for k in range(ndirs):
+            os.mkdir(os.path.join(d, f"i{k:02d}"))
+        paths = [os.path.join(d, f"i{i % ndirs:02d}", f"{i:07d}") for i in range(n)]
+
+        def create():
+            for p in paths:
+                os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        out["i_create"] = n / _timed(create)
+        out["i_stat"] = n / _timed(lambda: [os.stat(p) for p in paths])
+        out["i_unlink"] = n / _timed(lambda: [os.unlink(p) for p in paths])
+
+
+def _raise(h):
+    raise BenchError(f"block {h} missing right after it was stored")
+
+
+ORDER = ["create_rename", "first_stat", "old_stat", "missing", "read_back", "vllm", "lmcache",
+         "kvcache", "many"]
+
+
+# -- the run ----------------------------------------------------------------------------------------
+def _summary(vals: list[float]) -> dict:
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def _ratios(per_round: list[dict], a: str, b: str, key: str) -> dict | None:
+    rs = [r[a][key] / r[b][key] for r in per_round
+          if key in r.get(a, {}) and key in r.get(b, {}) and r[b][key]]
+    return _summary(rs) if rs else None
+
+
+def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: None,
+        only: list[str] | None = None) -> dict:
+    base = base.expanduser().resolve()
+    root = base / "runtime"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    shm = tmpfs / f"kvfs-runtime-{os.getpid()}"
+    settings = kvfs_settings()
+    m = BenchMount(root / "kvfs", ram=4 << 30, nvme_size=16 << 30)
+    floor = FloorMount(root / "floor", settings)
+    plain = root / "kvfs" / "plain"       # beside the NVMe tier's directory, same filesystem
+    pats = Patterns(sizes)
+    names = [n for n in ORDER if not only or n in only]
+    per_round: list[dict] = []
+    try:
+        progress("mounting kvfs and floorfs")
+        m.mount()
+        floor.mount()
+        plain.mkdir(parents=True, exist_ok=True)
+        shm.mkdir(parents=True, exist_ok=True)
+        dirs = {"kvfs": m.path / "bench", "floor": floor.path / "bench", "plain": plain, "tmpfs": shm}
+        for t, p in dirs.items():
+            os.makedirs(p, exist_ok=True)
+            progress(f"setup on {t}")
+            pats.setup(str(p))
+        for rnd in range(rounds):
+            res: dict = {t: {} for t in TARGETS}
+            for k, name in enumerate(names):
+                order = TARGETS[(rnd + k) % 4:] + TARGETS[:(rnd + k) % 4]
+                for t in order:
+                    progress(f"round {rnd + 1}/{rounds}: {name} on {t}")
+                    pats.run(name, str(dirs[t]), rnd, res[t])
+            per_round.append(res)
+            for t in TARGETS:              # free the round's files (kvfs's RAM tier stays small)
+                shutil.rmtree(dirs[t] / f"r{rnd}", ignore_errors=True)
+            log.info("round %d: %s", rnd, json.dumps(res))
+    finally:
+        floor.cleanup()
+        try:
+            if m.pid is not None:
+                m.umount()
+        except BenchError as e:
+            log.warning("%s", e)
+        m.cleanup()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+    out: dict = {"rounds": rounds, "sizes": dataclasses.asdict(sizes), "floor_settings": settings,
+                 "o_direct": {t: per_round[0][t].get("f_direct") for t in TARGETS} if per_round else {},
+                 "metrics": [], "notes": pats.notes}
+    for key, what, unit in METRICS:
+        row = {"key": key, "what": what, "unit": unit}
+        for t in TARGETS:
+            vals = [r[t][key] for r in per_round if key in r[t]]
+            if vals:
+                row[t] = _summary(vals)
+        if "kvfs" not in row:
+            continue
+        row["vs_floor"] = _ratios(per_round, "kvfs", "floor", key)
+        row["vs_plain"] = _ratios(per_round, "kvfs", "plain", key)
+        row["floor_vs_plain"] = _ratios(per_round, "floor", "plain", key)
+        out["metrics"].append(row)
+    return out
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}" if x < 1000 else f"{x:,.0f}"
+
+
+def table(res: dict) -> str:
+    """The results as a markdown table."""
+    lines = ["| pattern | unit | kvfs | floor fs | plain dir | tmpfs | kvfs / floor | kvfs / plain | floor / plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in res["metrics"]:
+        cells = []
+        for t in TARGETS:
+            s = row.get(t)
+            cells.append(_fmt(s["median"]) if s else "–")
+        rat = []
+        for k in ("vs_floor", "vs_plain", "floor_vs_plain"):
+            s = row.get(k)
+            rat.append(f"{s['median']:.2f} ({s['min']:.2f}–{s['max']:.2f})" if s else "–")
+        lines.append(f"| {row['what']} | {row['unit']} | " + " | ".join(cells + rat) + " |")
+    return "\n".join(lines)
+
+
+def steps_table(steps: list[tuple[str, dict]], key: str = "vs_plain") -> str:
+    """One row per pattern, one column per run (e.g. before and after each fix): kvfs's ratio
+    ``key`` (vs_plain or vs_floor), median of the rounds of that run."""
+    head = "| pattern | " + " | ".join(label for label, _ in steps) + " |"
+    lines = [head, "|---|" + "---:|" * len(steps)]
+    for key_, what, _ in METRICS:
+        cells = []
+        for _, res in steps:
+            row = next((r for r in res["metrics"] if r["key"] == key_), None)
+            s = row and row.get(key)
+            cells.append(f"{s['median']:.2f}" if s else "–")
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(res: dict, png: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in res["metrics"] if r.get("vs_floor") or r.get("vs_plain")]
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 1.5))
+    ys = range(len(rows))
+    h = 0.38
+    for off, key, label, color in ((-h / 2, "vs_floor", "kvfs / floor fs", "#4c72b0"),
+                                   (h / 2, "vs_plain", "kvfs / plain dir", "#dd8452")):
+        med = [(r.get(key) or {}).get("median", 0) for r in rows]
+        lo = [m - (r.get(key) or {}).get("min", m) for m, r in zip(med, rows)]
+        hi = [(r.get(key) or {}).get("max", m) - m for m, r in zip(med, rows)]
+        ax.barh([y + off for y in ys], med, height=h, xerr=[lo, hi], label=label, color=color,
+                error_kw={"elinewidth": 0.8, "capsize": 2})
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels([r["what"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("ratio of rates (median of interleaved rounds, min–max); >1: kvfs faster")
+    ax.set_title(f"kvfs under runtime storage patterns ({res['rounds']} rounds)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return True
+
+
+BEGIN = "<!-- kvfs-bench:runtime:begin (generated by `kvfs bench --only runtime --write-docs`) -->"
+END = "<!-- kvfs-bench:runtime:end -->"
+PLOT_NAME = "bench_runtime.png"
+
+
+def markdown(res: dict, png_name: str | None) -> str:
+    s = res["floor_settings"]
+    out = [BEGIN, "### One run of the runtime-pattern benchmark", "",
+           f"{res['rounds']} interleaved rounds; rates are medians over the rounds, ratios the median "
+           "(min–max) of the per-round ratios. Floor fs settings (copied from kvfs): entry timeout "
+           f"{s['entry_timeout']} s, attribute timeout {s['attr_timeout']} s, negative entries "
+           f"{s['negative_timeout'] or 'off'}{' s' if s['negative_timeout'] else ''}, "
+           f"default_permissions {'on' if s['default_permissions'] else 'off'}, read-ahead "
+           f"{s['read_ahead_kb']} KiB. O_DIRECT used by (f): "
+           + ", ".join(f"{t} {'yes' if v else 'no'}" for t, v in res.get("o_direct", {}).items())
+           + f". Sizes: `{json.dumps(res['sizes'])}`.", ""]
+    if png_name:
+        out += [f"![kvfs / floor and kvfs / plain per pattern]({png_name})", ""]
+    out.append(table(res))
+    for n in res.get("notes", []):
+        out += ["", f"Note: {n}"]
+    out += ["", END]
+    return "\n".join(out) + "\n"
+
+
+def write_docs(res: dict, md: Path) -> Path | None:
+    """Replace (or add) the runtime section of ``md``; returns the PNG path if drawn."""
+    import re
+    png = md.parent / PLOT_NAME
+    drawn = plot(res, png)
+    section = markdown(res, PLOT_NAME if drawn else None)
+    text = md.read_text() if md.exists() else "# kvfs benchmarks\n\n"
+    pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.S)
+    if pat.search(text):
+        text = pat.sub(lambda _: section, text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    md.write_text(text)
+    return png if drawn else None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", default=".kvfs-bench", help="scratch directory (holds the NVMe tier and the plain dir)")
+    p.add_argument("--tmpfs", default="/dev/shm")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
+    p.add_argument("--many", type=int, default=None, help="files of pattern (i)")
+    p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(ORDER)}")
+    p.add_argument("--json", default=None)
+    p.add_argument("--steps", nargs="+", metavar="LABEL=JSON", default=None,
+                   help="print the per-step ratio tables of earlier runs and exit")
+    p.add_argument("--plot", default=None)
+    p.add_argument("--write-docs", default=None, metavar="MD", help="write the section (and the plot beside it)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if a.steps:
+        steps = [(x.split("=", 1)[0], json.loads(Path(x.split("=", 1)[1]).read_text())) for x in a.steps]
+        for key in ("vs_plain", "vs_floor"):
+            print(f"\nkvfs {key.replace('vs_', '/ ')}\n")
+            print(steps_table(steps, key))
+        return 0
+    sizes = QUICK if a.quick else Sizes()
+    if a.many is not None:
+        sizes = dataclasses.replace(sizes, many=a.many)
+    res = run(Path(a.dir), Path(a.tmpfs), a.rounds, sizes, progress=lambda s: log.info("%s", s),
+              only=a.only.split(",") if a.only else None)
+    print(table(res))
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+    if a.plot:
+        plot(res, Path(a.plot))
+    if a.write_docs:
+        write_docs(res, Path(a.write_docs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

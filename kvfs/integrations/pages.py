@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 PIECE = 512 << 10          # leased reads land and are hashed in pieces of about this size
 _LOG_EVERY = 30.0          # seconds between repeated warnings of one kind
+_NO_HEAD = memoryview(bytearray(0))   # raw pages have no header
 
 
 class NotOnKvfs(OSError):
@@ -102,6 +103,7 @@ class PageStore:
         self._leases: list[LeaseClient] = []
         self._lookup: PrefixLookup | None = None
         self._mount_root: str | None = None
+        self._dev = -1
         self._epoch = 0                   # bumped on every reset: threads reopen their leases
         self._counts = dict.fromkeys(f.name for f in dataclasses.fields(PageStoreStats))
         for k in self._counts:
@@ -113,7 +115,14 @@ class PageStore:
         """The lookup client, (re)opened on first use and after a reset."""
         lk = self._lookup
         if lk is not None:
-            return lk
+            try:                            # still the filesystem we connected to? (a lazy
+                same = os.stat(self.dir).st_dev == self._dev   # unmount keeps our fds working)
+            except OSError:
+                same = False
+            if same:
+                return lk
+            log.warning("%s left its kvfs mount (unmounted?): closing the control files", self.dir)
+            self.reset()
         with self._lock:
             if self._lookup is not None:
                 return self._lookup
@@ -125,6 +134,7 @@ class PageStore:
                 raise NotOnKvfs(errno.ENOTCONN, f"{self.root} is not inside a kvfs mount")
             os.makedirs(self.dir, exist_ok=True)
             lk = PrefixLookup(self.dir, use_control=ctl is not None)
+            self._dev = os.stat(self.dir).st_dev
             self._mount_root = lk.mount_root
             self._lookup = lk
             log.debug("page store %s (%s)", self.dir, "kvfs" if lk.one_call else "plain directory")
@@ -253,7 +263,7 @@ class PageStore:
                     off += len(s)
                 return size
             verified = self.verified if b.tier == "ram" else None
-            return read_backing_into(b, memoryview(b""), segs, _cuts(segs), verified=verified)
+            return read_backing_into(b, _NO_HEAD, segs, _cuts(segs), verified=verified)
         except ChecksumMismatch:
             raise
         except OSError as e:   # e.g. demoted meanwhile (the lease makes this rare): the mount has it

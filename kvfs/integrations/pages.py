@@ -28,6 +28,7 @@ import dataclasses
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 
@@ -202,12 +203,28 @@ class PageStore:
         if not names:
             return 0
         try:
-            k = self._connect().prefix_rel(names)
+            k = self._prefix(names)
         except Exception as e:         # noqa: BLE001 -- any failure is a miss
             self._failed("lookup", e, len(names))
             k = 0
         self._count(lookups=1, lookup_hits=k, lookup_misses=len(names) - k)
         return k
+
+    def _prefix(self, names: list[str]) -> int:
+        lk = self._connect()
+        if lk.one_call:
+            # The first page decides a miss (the common one: a new prompt) in one LOOKUP round
+            # trip, or none when the kernel has its entry cached (pages written or read here);
+            # the lookup file costs two (write the request, read the answer).
+            try:
+                st = os.stat(os.path.join(self.dir, names[0]))
+            except FileNotFoundError:
+                return 0
+            if not stat.S_ISREG(st.st_mode):
+                return 0
+            if len(names) == 1:
+                return 1
+        return lk.prefix_rel(names)
 
     # -- reads ----------------------------------------------------------------------------
     def read_into(self, names: list[str], dests: list[list[memoryview]]) -> list[bool]:

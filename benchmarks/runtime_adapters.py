@@ -2,6 +2,7 @@
 
     python benchmarks/runtime_adapters.py [--pages 1000] [--runs 3] [--json out.json]
                                           [--write-docs docs/integrations.md] [--workdir DIR]
+                                          [--from-json saved.json]
 
 For SGLang (0.5.23, its released storage layer: tests/integration/released.py), in one run:
 
@@ -197,7 +198,8 @@ def report(res: dict) -> str:
     out = ["## Benchmark: runtime backends on a plain directory and on kvfs", "",
            f"Measured {m['date']} on {m['cpus']} CPUs, kernel {m['kernel']}, Python {m['python']}, "
            f"SGLang {m['sglang']} (released storage layer and controller loops), {n} pages, median of "
-           f"{m['runs']} runs. Plain directory: the host disk (ext4, page cache warm). kvfs: RAM tier "
+           f"{m['runs']} runs, load average {m['load'][0]:.1f} at the start (shared machine). Plain "
+           "directory: the host disk (ext4, page cache warm). kvfs: RAM tier "
            "large enough for every page. Regenerate with `python benchmarks/runtime_adapters.py "
            "--write-docs docs/integrations.md`.", "",
            "Ratios are against SGLang's own file backend on the plain directory (higher is better: "
@@ -280,10 +282,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--write-docs", type=Path)
     ap.add_argument("--workdir", type=Path, default=None, help="where the plain directory and mounts go (default /tmp)")
+    ap.add_argument("--from-json", type=Path, help="report (and --write-docs) a saved --json result, measure nothing")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    res = bench(args)
-    if args.json:
+    res = json.loads(args.from_json.read_text()) if args.from_json else bench(args)
+    if args.json and not args.from_json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
     text = report(res)
     print(text)

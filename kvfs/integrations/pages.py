@@ -24,6 +24,7 @@ Pure Python (no torch); thread-safe: each thread gets its own lease descriptor.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -46,6 +47,10 @@ _NO_HEAD = memoryview(bytearray(0))   # raw pages have no header
 
 class NotOnKvfs(OSError):
     """The page directory is not (or no longer) inside a kvfs mount."""
+
+
+class Stalled(OSError):
+    """A kvfs request of this store has been waiting longer than ``stall_timeout``."""
 
 
 class PageSizeError(OSError):
@@ -71,6 +76,7 @@ class PageStoreStats:
     bytes_written: int
     checksum_errors: int
     errors: int             # failed calls (each made its pages misses / failed sets)
+    stalled: int            # calls answered "miss" at once: an earlier request is still waiting
     reconnects: int
 
 
@@ -91,13 +97,15 @@ class PageStore:
     """Raw page files in ``<root>/<subdir>`` (``root`` inside a kvfs mount)."""
 
     def __init__(self, root: str | os.PathLike, subdir: str = "", *, require_kvfs: bool = True,
-                 lease_ttl: float | None = None, verify_shm: str = "once"):
+                 lease_ttl: float | None = None, verify_shm: str = "once", stall_timeout: float | None = 10.0):
         if verify_shm not in ("once", "always"):
             raise ValueError(f"verify_shm must be 'once' or 'always', got {verify_shm!r}")
         self.root = os.path.abspath(os.fspath(root))
         self.dir = os.path.join(self.root, subdir) if subdir else self.root
         self.require_kvfs = require_kvfs
         self.lease_ttl = lease_ttl
+        self.stall_timeout = stall_timeout
+        self._inflight: dict[object, float] = {}     # calls under way -> when they started
         self.verified = VerifiedObjects() if verify_shm == "once" else None
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -176,8 +184,29 @@ class PageStore:
         if self.verified is not None:
             self.verified.clear()
 
+    @contextlib.contextmanager
+    def _call(self):
+        """One call that may wait on the daemon. A daemon that neither answers nor dies (stopped,
+        wedged) blocks the thread in its request like any FUSE filesystem; while a request of
+        this store has waited longer than ``stall_timeout``, further calls fail at once
+        (``Stalled``: a miss) instead of piling the runtime's other threads up behind it."""
+        if self.stall_timeout is not None and self._inflight:
+            now = time.monotonic()
+            oldest = min(list(self._inflight.values()), default=now)
+            if now - oldest > self.stall_timeout:
+                raise Stalled(errno.ETIMEDOUT, f"a kvfs request has been waiting {now - oldest:.1f}s")
+        token = object()
+        self._inflight[token] = time.monotonic()
+        try:
+            yield
+        finally:
+            self._inflight.pop(token, None)
+
     def _failed(self, what: str, e: BaseException, pages: int) -> None:
-        self._count(errors=1)
+        if isinstance(e, Stalled):
+            self._count(stalled=1)
+        else:
+            self._count(errors=1)
         now = time.monotonic()
         if now - self._last_log.get(what, -1e9) >= _LOG_EVERY:
             self._last_log[what] = now
@@ -185,7 +214,7 @@ class PageStore:
                         what, pages, self.dir, type(e).__name__, e)
         else:
             log.debug("kvfs %s failed: %r", what, e)
-        if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, PageSizeError)):
+        if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, PageSizeError, Stalled)):
             self.reset()        # the daemon may be gone: reconnect on the next call
 
     def _count(self, **kw) -> None:
@@ -203,7 +232,8 @@ class PageStore:
         if not names:
             return 0
         try:
-            k = self._prefix(names)
+            with self._call():
+                k = self._prefix(names)
         except Exception as e:         # noqa: BLE001 -- any failure is a miss
             self._failed("lookup", e, len(names))
             k = 0
@@ -235,38 +265,42 @@ class PageStore:
         ok = [False] * n
         if not n:
             return ok
-        got = nbytes = fallbacks = 0
+        fallbacks = [0]
         try:
-            lease = self._lease()
-            leased = lease.acquire(names) if lease is not None else None
-            try:
-                for i in range(n):
-                    if leased is not None and i >= len(leased):
-                        break                   # not sealed when leased: a miss, and the run ends
-                    b = leased[i] if leased is not None else None
-                    size = sum(len(s) for s in dests[i])
-                    if b is not None and b.size == size:
-                        r = self._read_leased(b, names[i], dests[i], size)
-                    else:
-                        r = None
-                    if r is None:               # no fast path for it: through the mount
-                        r = self._read_mount(names[i], dests[i], size)
-                        fallbacks += r is not None and self._lookup is not None and self._lookup.one_call
-                    if r is None:
-                        break
-                    ok[i] = True
-                    got += 1
-                    nbytes += size
-            finally:
-                if leased is not None:
-                    lease.release(lease.generation)
+            with self._call():
+                self._read_batch(names, dests, ok, fallbacks)
         except ChecksumMismatch as e:
             self._count(checksum_errors=1)
             self._failed("read", e, n)
         except Exception as e:         # noqa: BLE001 -- any failure is a miss
             self._failed("read", e, n)
-        self._count(gets=n, hits=got, misses=n - got, bytes_read=nbytes, lease_fallbacks=fallbacks)
+        got = sum(ok)
+        nbytes = sum(sum(len(s) for s in dests[i]) for i in range(n) if ok[i])
+        self._count(gets=n, hits=got, misses=n - got, bytes_read=nbytes, lease_fallbacks=fallbacks[0])
         return ok
+
+    def _read_batch(self, names: list[str], dests: list[list[memoryview]], ok: list[bool],
+                    fallbacks: list[int]) -> None:
+        """One lease for the batch, then each page beside FUSE (or through the mount)."""
+        lease = self._lease()
+        leased = lease.acquire(names) if lease is not None else None
+        on_kvfs = self._lookup is not None and self._lookup.one_call
+        try:
+            for i, name in enumerate(names):
+                if leased is not None and i >= len(leased):
+                    return                  # not sealed when leased: a miss, and the run ends
+                b = leased[i] if leased is not None else None
+                size = sum(len(s) for s in dests[i])
+                r = self._read_leased(b, name, dests[i], size) if b is not None and b.size == size else None
+                if r is None:               # no fast path for it: through the mount
+                    r = self._read_mount(name, dests[i], size)
+                    if r is None:
+                        return
+                    fallbacks[0] += on_kvfs
+                ok[i] = True
+        finally:
+            if leased is not None:
+                lease.release(lease.generation)
 
     def _read_leased(self, b: Backing, name: str, segs: list[memoryview], size: int) -> int | None:
         """Read a leased page beside FUSE and verify it; None: use the mount instead."""
@@ -323,11 +357,12 @@ class PageStore:
         for i in range(present):
             ok[i] = True
         try:
-            for i in range(present, n):
-                size = self._write(names[i], bufs_of(i))
-                ok[i] = True
-                written += 1
-                nbytes += size
+            with self._call():
+                for i in range(present, n):
+                    size = self._write(names[i], bufs_of(i))
+                    ok[i] = True
+                    written += 1
+                    nbytes += size
         except Exception as e:         # noqa: BLE001 -- a failed store is reported, not raised
             failed = n - present - written
             self._failed("write", e, failed)

@@ -33,7 +33,8 @@ folded into the page keys by SGLang itself (its storage hash seeds each chain wi
 
 ``extra_config`` keys: ``root`` (required, or env ``KVFS_SGLANG_ROOT``), ``namespace``,
 ``require_kvfs`` (default true: if ``root`` is not on a kvfs mount nothing is read or written
-and every lookup is a miss), ``lease_ttl`` (seconds), ``verify_shm`` (``once``/``always``).
+and every lookup is a miss), ``lease_ttl`` (seconds), ``verify_shm`` (``once``/``always``),
+``stall_timeout`` (seconds, default 10; 0 disables: see ``PageStore._call``).
 
 Every kvfs failure (daemon killed, unmounted, a vanished or damaged page) is a miss or a failed
 store, never an exception in SGLang's prefetch or backup thread. Counters: ``statistics()``.
@@ -169,6 +170,7 @@ class KvfsHiCacheStorage(HiCacheStorage):
         self.base = os.path.join(*parts)
         self.require_kvfs = bool(extra.get("require_kvfs", True))
         self.lease_ttl = float(extra["lease_ttl"]) if extra.get("lease_ttl") else None
+        self.stall_timeout = float(extra.get("stall_timeout", 10.0)) or None
         self.verify_shm = str(extra.get("verify_shm", "once"))
         if self.verify_shm not in ("once", "always"):
             raise ValueError(f"kvfs HiCache backend: verify_shm must be 'once' or 'always', got {self.verify_shm!r}")
@@ -187,7 +189,8 @@ class KvfsHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         pages = _Pages(mem_pool_host)
         store = PageStore(self.root, os.path.join(self.base, pages.tag), require_kvfs=self.require_kvfs,
-                          lease_ttl=self.lease_ttl, verify_shm=self.verify_shm)
+                          lease_ttl=self.lease_ttl, verify_shm=self.verify_shm,
+                          stall_timeout=self.stall_timeout)
         with self._lock:
             old, self._store, self._pages = self._store, store, pages
         if old is not None:
@@ -204,7 +207,8 @@ class KvfsHiCacheStorage(HiCacheStorage):
             if st is None:
                 st = self._plain[nbytes] = PageStore(
                     self.root, os.path.join(self.base, f"raw_{nbytes}"), require_kvfs=self.require_kvfs,
-                    lease_ttl=self.lease_ttl, verify_shm=self.verify_shm)
+                    lease_ttl=self.lease_ttl, verify_shm=self.verify_shm,
+                          stall_timeout=self.stall_timeout)
             return st
 
     # -- existence ------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import threading
 import time
 from pathlib import Path
@@ -241,6 +242,37 @@ def test_unmount_gives_misses(sg, kvfs_mount, opened):
     assert backend.exists(keys[0]) is False
     assert os.listdir(m.path) == []
     wait_for(lambda: not pid_alive(pid), 60, "the detached daemon to exit")
+
+
+def test_stopped_daemon_times_out_to_misses(sg, kvfs_mount, opened):
+    """A daemon that stops answering (SIGSTOP) blocks the thread whose request it holds;
+    once that request has waited past ``stall_timeout``, the other threads get misses at once
+    instead of queueing behind it; when the daemon resumes, everything works again."""
+    m = kvfs_mount()
+    pool = _pool(sg, 4)
+    backend, ctl = _backend(sg, pool, _extra(m.path / "sglang", stall_timeout=0.2), opened)
+    _fill(pool, 2)
+    keys = _keys(2)
+    assert ctl.backup(keys, _indices(pool, 0, 2)) == 2 * pool.page_size
+    store = backend._store
+    blocked: dict = {}
+    os.kill(m.pid, signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: blocked.setdefault("hits", backend.batch_exists(keys)))
+        t.start()
+        wait_for(lambda: any(time.monotonic() - t0 > 0.2 for t0 in list(store._inflight.values())), 60,
+                 "a request to wait past the stall timeout")
+        assert ctl.on_thread(ctl.hit_query, keys) == []
+        assert ctl.on_thread(ctl.prefetch, "r", keys, _indices(pool, 2, 2)) == 0
+        assert ctl.on_thread(ctl.backup, _keys(2, "e"), _indices(pool, 0, 2)) == 0
+        st = backend.statistics()
+        assert st.stalled >= 3 and st.errors == 0
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+    t.join(60)
+    assert blocked["hits"] == 2              # the held request completes when the daemon resumes
+    assert ctl.hit_query(keys) == keys
+    assert ctl.prefetch("r2", keys, _indices(pool, 2, 2)) == 2
 
 
 def test_key_isolation(sg, kvfs_mount, opened):

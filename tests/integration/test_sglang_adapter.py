@@ -84,8 +84,8 @@ def _read_back(pool, first_page, n):
     return [_as_bytes(pool.get_data_page((first_page + i) * pool.page_size, flat=True)) for i in range(n)]
 
 
-@pytest.mark.parametrize("layout,interface_v1", [("page_first", 1), ("layer_first", 1),
-                                                 ("page_first_direct", 1), ("layer_first", 0)])
+@pytest.mark.parametrize("layout,interface_v1", [("page_first", 1), ("layer_first", 1), ("page_first_direct", 1),
+                                                 ("page_head", 1), ("layer_first", 0)])
 def test_pages_round_trip(sg, kvfs_mount, opened, layout, interface_v1):
     """Backup then prefetch through the released controller loops: every page equal, the
     hit query stops at the first missing page, pages of 1 MiB come back over the lease."""

@@ -1,4 +1,4 @@
-# kvfs: make setup | make run | make test | make test-slow | make bench | make clean
+# kvfs: make setup | make run | make test | make test-slow | make test-integration | make bench | make clean
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
@@ -17,13 +17,14 @@ DEMO_MNT  := $(CURDIR)/mnt
 DEMO_DIR  := $(CURDIR)/.kvfs-demo
 PYTEST_ARGS ?=
 
-.PHONY: help setup apt run demo-umount test test-slow bench clean
+.PHONY: help setup apt run demo-umount test test-slow test-integration bench clean
 
 help:
 	@echo "make setup      install Debian packages (as root), .venv, kvfs and its deps"
 	@echo "make run        setup, mount kvfs at ./mnt, run a demo workload, print kvfs stat"
 	@echo "make test       setup, then the default test selection (not slow)"
 	@echo "make test-slow  setup, then the slow tests"
+	@echo "make test-integration  setup, then the runtime adapters against the released runtimes"
 	@echo "make bench      setup, then kvfs bench, results into docs/benchmarks.md"
 	@echo "make clean      unmount the demo and remove .venv, .kvfs-demo"
 
@@ -72,6 +73,13 @@ test: setup
 
 test-slow: setup
 	$(VENV)/bin/pytest -m slow $(PYTEST_ARGS)
+
+# Runtime adapters against the released runtimes (also part of `make test`): the tests
+# `pip download --no-deps` the runtime wheels into $(KVFS_WHEEL_CACHE) (outside the checkout)
+# and load only their storage layers.
+KVFS_WHEEL_CACHE ?= $(HOME)/.cache/kvfs/wheels
+test-integration: setup
+	KVFS_WHEEL_CACHE=$(KVFS_WHEEL_CACHE) $(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
 
 bench: setup
 	$(PIP) install -q -e '.[bench]'

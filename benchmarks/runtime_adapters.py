@@ -1,0 +1,299 @@
+"""Runtime storage backends on a plain directory and on kvfs, driven by the runtimes' own code.
+
+    python benchmarks/runtime_adapters.py [--pages 1000] [--runs 3] [--json out.json]
+                                          [--write-docs docs/integrations.md] [--workdir DIR]
+                                          [--from-json saved.json]
+
+For SGLang (0.5.23, its released storage layer: tests/integration/released.py), in one run:
+
+* ``file, plain dir``   -- SGLang's own ``HiCacheFile`` on a directory of the host disk
+* ``file, kvfs``        -- the same backend on a kvfs mount (plain POSIX calls through FUSE)
+* ``kvfs adapter``      -- ``kvfs.integrations.sglang`` on a kvfs mount (lookup + lease)
+
+each driven by SGLang's released cache-controller loops (batches of 128 pages; its generic
+page path for ``file``, the zero-copy ``interface_v1`` path for the adapter), a host pool in
+SGLang's default ``page_first`` layout, 2 MiB pages (Llama-3.1-8B: 32 layers, 8 KV heads,
+dim 128, bf16, 16 tokens) and 256 KiB pages (16 layers, 4 heads, 16 tokens), ``--pages`` pages:
+
+* ``set``             -- the backup of all pages (fresh directory each run)
+* ``get after set``   -- the prefetch of all pages right after they were written
+* ``get later``       -- the same prefetch again (steady state: pages read before)
+* ``exists (hits)``   -- the prefetch thread's hit query over all pages (all present)
+* ``exists (miss)``   -- one hit query per absent page (the first page of a new prompt)
+
+Medians of ``--runs`` runs (set and get-after-set: one pair per run); the host pool is
+pre-faulted. Every kvfs row reads its pages back and compares them with what was written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
+
+from integration.released import load_sglang, storage_config  # noqa: E402
+from kv_bench import Mounted  # noqa: E402
+
+log = logging.getLogger("runtime_adapters")
+BEGIN, END = "<!-- BEGIN runtime_adapters -->", "<!-- END runtime_adapters -->"
+PLOT_NAME = "bench_runtime_adapters.png"
+# (label, layers, kv heads, head dim, tokens per page): bf16 pages
+PAGES = {"2 MiB": (32, 8, 128, 16), "256 KiB": (16, 4, 128, 16)}
+POOL_PAGES = 128          # host slots: SGLang's storage batch; pages cycle through them
+ROWS = ("file, plain dir", "file, kvfs", "kvfs adapter")
+OPS = ("set", "get after set", "get later", "exists (hits)", "exists (miss)")
+MODULE = {"backend_name": "kvfs", "module_path": "kvfs.integrations.sglang", "class_name": "KvfsHiCacheStorage",
+          "interface_v1": 1}
+
+
+class Row:
+    """One backend of one runtime, with its controller and host pool."""
+
+    def __init__(self, sg, name: str, directory: Path, geometry, n_pages: int):
+        layers, heads, dim, ps = geometry
+        self.name, self.sg, self.n = name, sg, n_pages
+        self.pool = sg.HostPool(pages=POOL_PAGES, page_size=ps, layer_num=layers, head_num=heads, head_dim=dim,
+                                layout="page_first")
+        self.pool.kv_buffer.view(torch.uint8).fill_(1)          # pre-fault
+        for i in range(POOL_PAGES):
+            self.pool.fill(i * ps, i)
+        self.want = [self.pool.get_data_page(i * ps, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+                     for i in range(POOL_PAGES)]
+        hs = sg.hicache_storage
+        if name == "kvfs adapter":
+            kind, extra = "dynamic", {**MODULE, "root": str(directory)}
+        else:
+            kind, extra = "file", {"file_storage_path": str(directory)}
+        cfg = storage_config(hs, extra=extra, layout="page_first", model="bench/model")
+        self.backend = sg.StorageBackendFactory.create_backend(kind, cfg, self.pool)
+        self.backend.register_mem_pool_host(self.pool)
+        self.ctl = sg.Controller(self.backend, self.pool, backend_type=kind, extra_config=extra)
+        ps_ = self.pool.page_size
+        self.indices = torch.tensor([(i % POOL_PAGES) * ps_ + t for i in range(n_pages) for t in range(ps_)],
+                                    dtype=torch.int64)
+        self.gen = 0
+
+    def keys(self) -> list[str]:
+        return [f"{self.gen:08x}{i:056x}" for i in range(self.n)]
+
+    def set(self) -> float:
+        self.backend.clear()
+        self.gen += 1
+        t0 = time.perf_counter()
+        done = self.ctl.on_thread(self.ctl.backup, self.keys(), self.indices, name="hicache-backup")
+        dt = time.perf_counter() - t0
+        assert done == self.n * self.pool.page_size, f"{self.name}: backup stored {done} tokens"
+        return dt
+
+    def get(self) -> float:
+        t0 = time.perf_counter()
+        got = self.ctl.on_thread(self.ctl.prefetch, "bench", self.keys(), self.indices, name="hicache-io")
+        dt = time.perf_counter() - t0
+        assert got == self.n, f"{self.name}: prefetch got {got} of {self.n} pages"
+        return dt
+
+    def check(self) -> None:
+        """The last POOL_PAGES pages read are in the pool slots: compare them with the writes."""
+        ps = self.pool.page_size
+        for i in range(POOL_PAGES):
+            got = self.pool.get_data_page(i * ps, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+            assert got == self.want[i], f"{self.name}: page in slot {i} differs from what was written"
+
+    def exists_hits(self) -> float:
+        keys = self.keys()
+        t0 = time.perf_counter()
+        hits = self.ctl.on_thread(self.ctl.hit_query, keys, name="hicache-prefetch")
+        dt = time.perf_counter() - t0
+        assert len(hits) == self.n
+        return dt
+
+    def exists_miss(self) -> float:
+        keys = [f"ffffffff{i:056x}" for i in range(self.n)]
+
+        def run():
+            for k in keys:
+                assert self.ctl.hit_query([k]) == []
+        t0 = time.perf_counter()
+        self.ctl.on_thread(run, name="hicache-prefetch")
+        return time.perf_counter() - t0
+
+    def finish(self, ts: dict) -> dict:
+        out = {op: statistics.median(v) for op, v in ts.items()}
+        if hasattr(self.backend, "statistics"):
+            out["counters"] = self.backend.statistics().__dict__
+        self.backend.clear()
+        if hasattr(self.backend, "close"):
+            self.backend.close()
+        return out
+
+
+def run_rows(rows: list[Row], runs: int) -> dict:
+    """Each operation on every row in turn (round-robin: all rows see the same machine load)."""
+    ts = {r.name: {op: [] for op in OPS} for r in rows}
+    for _ in range(runs):
+        for r in rows:
+            ts[r.name]["set"].append(r.set())
+            ts[r.name]["get after set"].append(r.get())
+    for r in rows:
+        r.check()
+    for _ in range(runs):
+        for r in rows:
+            ts[r.name]["get later"].append(r.get())
+            ts[r.name]["exists (hits)"].append(r.exists_hits())
+            ts[r.name]["exists (miss)"].append(r.exists_miss())
+    for r in rows:
+        r.check()
+    return {r.name: r.finish(ts[r.name]) for r in rows}
+
+
+def bench(args) -> dict:
+    sg = load_sglang()
+    root = Path(tempfile.mkdtemp(prefix="kvfs-adapters-", dir=args.workdir))
+    res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+                    "kernel": os.uname().release, "python": sys.version.split()[0], "torch": torch.__version__,
+                    "sglang": sg.version, "pages": args.pages, "runs": args.runs,
+                    "load": os.getloadavg()}, "sglang": {}}
+    try:
+        for label, geometry in PAGES.items():
+            layers, heads, dim, ps = geometry
+            page_bytes = 2 * layers * heads * dim * ps * 2
+            # both kvfs rows share one mount: room for two copies of every page
+            ram = f"{(2 * args.pages * page_bytes * 9 // 8 >> 20) + 256}MiB"
+            t0 = time.monotonic()
+            plain = root / f"plain-{ps}-{layers}"
+            plain.mkdir()
+            with Mounted(root, f"m{layers}", ram=ram, nvme_size="8GiB") as m:
+                dirs = {ROWS[0]: plain, ROWS[1]: m.path / "sglang-file", ROWS[2]: m.path / "sglang-kvfs"}
+                for d in dirs.values():
+                    d.mkdir(exist_ok=True)
+                rows = [Row(sg, name, dirs[name], geometry, args.pages) for name in ROWS]
+                res["sglang"][label] = {"page_bytes": page_bytes, **run_rows(rows, args.runs)}
+            shutil.rmtree(plain, ignore_errors=True)
+            print(f"[runtime_adapters] sglang {label}: {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+def _rate(op: str, seconds: float, n: int, page_bytes: int) -> str:
+    if op.startswith("exists"):
+        return f"{seconds / n * 1e6:.1f} µs/page"
+    return f"{n * page_bytes / seconds / 1e9:.2f} GB/s"
+
+
+def report(res: dict) -> str:
+    m = res["meta"]
+    n = m["pages"]
+    out = ["## Benchmark: runtime backends on a plain directory and on kvfs", "",
+           f"Measured {m['date']} on {m['cpus']} CPUs, kernel {m['kernel']}, Python {m['python']}, "
+           f"SGLang {m['sglang']} (released storage layer and controller loops), {n} pages, median of "
+           f"{m['runs']} runs, load average {m['load'][0]:.1f} at the start (shared machine). Plain "
+           "directory: the host disk (ext4, page cache warm). kvfs: RAM tier "
+           "large enough for every page. Regenerate with `python benchmarks/runtime_adapters.py "
+           "--write-docs docs/integrations.md`.", "",
+           "Ratios are against SGLang's own file backend on the plain directory (higher is better: "
+           "throughput for set/get, 1/latency for exists). Targets: exists ≥ 1.0×, get ≥ 1.0× (pages "
+           "in the RAM tier), set ≥ 0.8×.", ""]
+    for label, rows in res["sglang"].items():
+        pb = rows["page_bytes"]
+        base = rows["file, plain dir"]
+        out += [f"### SGLang HiCache, {label} pages", "",
+                "| operation | " + " | ".join(ROWS) + " | file on kvfs / plain | adapter / plain | target |",
+                "|---|" + "---:|" * (len(ROWS) + 3)]
+        for op in OPS:
+            cells = [_rate(op, rows[r][op], n, pb) for r in ROWS]
+            r_file = base[op] / rows["file, kvfs"][op]
+            r_ad = base[op] / rows["kvfs adapter"][op]
+            target = {"set": 0.8}.get(op, 1.0)
+            mark = "met" if r_ad >= target else "**missed**"
+            out.append(f"| {op} | " + " | ".join(cells) + f" | {r_file:.2f}× | {r_ad:.2f}× | ≥ {target}× ({mark}) |")
+        c = rows["kvfs adapter"].get("counters", {})
+        if c:
+            out += ["", f"Adapter counters: {c['hits']} hits, {c['misses']} misses, "
+                        f"{c['lease_fallbacks']} lease fallbacks (pages read through the mount), "
+                        f"{c['bytes_read'] / 1e9:.1f} GB read, {c['written']} pages written, "
+                        f"{c['errors']} errors."]
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(res: dict, png: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return False
+    labels = list(res["sglang"])
+    fig, axes = plt.subplots(1, len(labels), figsize=(6 * len(labels), 4), sharey=True)
+    for ax, label in zip(axes, labels):
+        rows = res["sglang"][label]
+        base = rows["file, plain dir"]
+        width = 0.27
+        for j, r in enumerate(ROWS):
+            vals = [base[op] / rows[r][op] for op in OPS]
+            bars = ax.bar([i + (j - 1) * width for i in range(len(OPS))], vals, width, label=r)
+            if r != ROWS[0]:
+                for b, v in zip(bars, vals):
+                    ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                                va="bottom", fontsize=7)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks(range(len(OPS)), OPS, rotation=20, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(f"SGLang HiCache, {label} pages ({res['meta']['pages']} pages)", fontsize=9)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("speed vs SGLang file backend on a plain dir (×, log)")
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+    return True
+
+
+def write_docs(path: Path, text: str, res: dict) -> None:
+    if plot(res, path.parent / PLOT_NAME):
+        head, _, rest = text.partition("\n\n")
+        text = f"{head}\n\n![runtime backends vs plain directory]({PLOT_NAME})\n\n{rest}"
+    doc = path.read_text() if path.exists() else ""
+    block = f"{BEGIN}\n{text.rstrip()}\n{END}\n"
+    if BEGIN in doc and END in doc:
+        head, rest = doc.split(BEGIN, 1)
+        doc = head + block + rest.split(END, 1)[1].lstrip("\n")
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + block
+    path.write_text(doc)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pages", type=int, default=1000)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--write-docs", type=Path)
+    ap.add_argument("--workdir", type=Path, default=None, help="where the plain directory and mounts go (default /tmp)")
+    ap.add_argument("--from-json", type=Path, help="report (and --write-docs) a saved --json result, measure nothing")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    res = json.loads(args.from_json.read_text()) if args.from_json else bench(args)
+    if args.json and not args.from_json:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+    text = report(res)
+    print(text)
+    if args.write_docs:
+        write_docs(args.write_docs, text, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

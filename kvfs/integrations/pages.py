@@ -1,0 +1,428 @@
+"""A directory of raw KV page files on a kvfs mount, as runtime storage backends use it.
+
+A page is one file ``<dir>/<name>`` holding the page's bytes and nothing else (what the
+runtimes' own file backends write). :class:`PageStore` gives an adapter the three operations
+runtimes need, each batched the way kvfs makes cheap:
+
+* ``prefix(names)``: how many leading pages exist -- one ``.kvfs/lookup`` round trip for the
+  whole batch (a plain directory would need one ``stat`` per page).
+* ``read_into(names, dests)``: one ``.kvfs/lease`` round trip for the batch; each leased page
+  is read from its backing file (RAM tier's tmpfs file or the NVMe tier's file) beside FUSE,
+  straight into the caller's buffers (``dests[i]``: the page's destination byte ranges in
+  file order), and its whole-object xxh3_64 checked before the page counts as a hit; a page
+  without a fast path (``null`` entry) is read through the mount (a *lease fallback*).
+* ``write(name, bufs)``: temp file, one ``writev``, ``rename`` -- through the mount, so the
+  daemon places, indexes and checksums it like any other file.
+
+Failure policy (the runtime's worker thread must never see a kvfs exception): every error --
+a dead or unmounted daemon (ENOTCONN), a vanished file, a short read, a checksum mismatch, a
+malformed answer -- makes the affected pages misses, is counted and logged, and drops the
+control-file descriptors so the next call reconnects. If the root stops being on a kvfs mount
+(unmounted), nothing is read or written there (``require_kvfs``): the runtime recomputes.
+
+Pure Python (no torch); thread-safe: each thread gets its own lease descriptor.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import stat
+import threading
+import time
+
+from kvfs.kv.block import ChecksumMismatch
+from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObjects, preadv_full, read_backing,
+                             read_backing_into)
+from kvfs.kv.lookup import PrefixLookup, find_control
+
+log = logging.getLogger(__name__)
+
+PIECE = 512 << 10          # leased reads land and are hashed in pieces of about this size
+_LOG_EVERY = 30.0          # seconds between repeated warnings of one kind
+_NO_HEAD = memoryview(bytearray(0))   # raw pages have no header
+
+
+class NotOnKvfs(OSError):
+    """The page directory is not (or no longer) inside a kvfs mount."""
+
+
+class Stalled(OSError):
+    """A kvfs request of this store has been waiting longer than ``stall_timeout``."""
+
+
+class PageSizeError(OSError):
+    """A page file does not have the size the caller's page has (another geometry)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PageStoreStats:
+    """Counters of one PageStore (pages unless said otherwise)."""
+
+    lookups: int            # existence queries (one round trip each on kvfs)
+    lookup_hits: int        # pages found by them
+    lookup_misses: int      # pages asked about and not found (past the prefix)
+    gets: int               # pages asked for
+    hits: int               # pages read back and verified
+    misses: int             # pages not read (absent, or any error)
+    bytes_read: int
+    lease_fallbacks: int    # pages read through the mount (no fast path for them)
+    sets: int               # pages asked to store
+    written: int
+    skipped: int            # already present: not rewritten
+    set_failures: int
+    bytes_written: int
+    checksum_errors: int
+    errors: int             # failed calls (each made its pages misses / failed sets)
+    stalled: int            # calls answered "miss" at once: an earlier request is still waiting
+    reconnects: int
+
+
+def _cuts(segs: list[memoryview]) -> list[tuple[int, int, int]]:
+    """Group ``segs`` into pieces of about PIECE bytes: ``(first, end, nbytes)``."""
+    cuts, first, size = [], 0, 0
+    for i, s in enumerate(segs):
+        size += len(s)
+        if size >= PIECE:
+            cuts.append((first, i + 1, size))
+            first, size = i + 1, 0
+    if first < len(segs):
+        cuts.append((first, len(segs), size))
+    return cuts
+
+
+class PageStore:
+    """Raw page files in ``<root>/<subdir>`` (``root`` inside a kvfs mount)."""
+
+    def __init__(self, root: str | os.PathLike, subdir: str = "", *, require_kvfs: bool = True,
+                 lease_ttl: float | None = None, verify_shm: str = "once", stall_timeout: float | None = 10.0):
+        if verify_shm not in ("once", "always"):
+            raise ValueError(f"verify_shm must be 'once' or 'always', got {verify_shm!r}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.dir = os.path.join(self.root, subdir) if subdir else self.root
+        self.require_kvfs = require_kvfs
+        self.lease_ttl = lease_ttl
+        self.stall_timeout = stall_timeout
+        self._inflight: dict[object, float] = {}     # calls under way -> when they started
+        self.verified = VerifiedObjects() if verify_shm == "once" else None
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._leases: list[LeaseClient] = []
+        self._lookup: PrefixLookup | None = None
+        self._mount_root: str | None = None
+        self._dev = -1
+        self._epoch = 0                   # bumped on every reset: threads reopen their leases
+        self._counts = dict.fromkeys(f.name for f in dataclasses.fields(PageStoreStats))
+        for k in self._counts:
+            self._counts[k] = 0
+        self._last_log: dict[str, float] = {}
+
+    # -- connection -----------------------------------------------------------------------
+    def _connect(self) -> PrefixLookup:
+        """The lookup client, (re)opened on first use and after a reset."""
+        lk = self._lookup
+        if lk is not None:
+            try:                            # still the filesystem we connected to? (a lazy
+                same = os.stat(self.dir).st_dev == self._dev   # unmount keeps our fds working)
+            except OSError:
+                same = False
+            if same:
+                return lk
+            log.warning("%s left its kvfs mount (unmounted?): closing the control files", self.dir)
+            self.reset()
+        with self._lock:
+            if self._lookup is not None:
+                return self._lookup
+            probe = self.root              # the nearest existing ancestor says which filesystem
+            while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+                probe = os.path.dirname(probe)
+            ctl = find_control(probe)
+            if ctl is None and self.require_kvfs:
+                raise NotOnKvfs(errno.ENOTCONN, f"{self.root} is not inside a kvfs mount")
+            os.makedirs(self.dir, exist_ok=True)
+            lk = PrefixLookup(self.dir, use_control=ctl is not None)
+            self._dev = os.stat(self.dir).st_dev
+            self._mount_root = lk.mount_root
+            self._lookup = lk
+            log.debug("page store %s (%s)", self.dir, "kvfs" if lk.one_call else "plain directory")
+            return lk
+
+    @property
+    def on_kvfs(self) -> bool:
+        try:
+            return self._connect().one_call
+        except OSError:
+            return False
+
+    def _lease(self) -> LeaseClient | None:
+        lk = self._connect()
+        if not lk.one_call:
+            return None
+        st = self._local
+        if getattr(st, "epoch", -1) != self._epoch or st.client is None:
+            client = LeaseClient.open(self._mount_root, self.dir, ttl=self.lease_ttl)
+            st.client, st.epoch = client, self._epoch
+            if client is not None:
+                with self._lock:
+                    self._leases.append(client)
+        return st.client
+
+    def reset(self) -> None:
+        """Drop the control-file descriptors (after an error); the next call reconnects."""
+        with self._lock:
+            lk, self._lookup = self._lookup, None
+            leases, self._leases = self._leases, []
+            self._epoch += 1
+            self._counts["reconnects"] += 1
+        for c in ([lk] if lk is not None else []) + leases:
+            try:
+                c.close()
+            except OSError:
+                pass
+        if self.verified is not None:
+            self.verified.clear()
+
+    @contextlib.contextmanager
+    def _call(self):
+        """One call that may wait on the daemon. A daemon that neither answers nor dies (stopped,
+        wedged) blocks the thread in its request like any FUSE filesystem; while a request of
+        this store has waited longer than ``stall_timeout``, further calls fail at once
+        (``Stalled``: a miss) instead of piling the runtime's other threads up behind it."""
+        if self.stall_timeout is not None and self._inflight:
+            now = time.monotonic()
+            oldest = min(list(self._inflight.values()), default=now)
+            if now - oldest > self.stall_timeout:
+                raise Stalled(errno.ETIMEDOUT, f"a kvfs request has been waiting {now - oldest:.1f}s")
+        token = object()
+        self._inflight[token] = time.monotonic()
+        try:
+            yield
+        finally:
+            self._inflight.pop(token, None)
+
+    def _failed(self, what: str, e: BaseException, pages: int) -> None:
+        if isinstance(e, Stalled):
+            self._count(stalled=1)
+        else:
+            self._count(errors=1)
+        now = time.monotonic()
+        if now - self._last_log.get(what, -1e9) >= _LOG_EVERY:
+            self._last_log[what] = now
+            log.warning("kvfs %s of %d page(s) in %s failed (%s: %s): treated as a miss",
+                        what, pages, self.dir, type(e).__name__, e)
+        else:
+            log.debug("kvfs %s failed: %r", what, e)
+        if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, PageSizeError, Stalled)):
+            self.reset()        # the daemon may be gone: reconnect on the next call
+
+    def _count(self, **kw) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self._counts[k] += v
+
+    def statistics(self) -> PageStoreStats:
+        with self._lock:
+            return PageStoreStats(**self._counts)
+
+    # -- existence ------------------------------------------------------------------------
+    def prefix(self, names: list[str]) -> int:
+        """How many leading ``names`` exist as page files (0 on any failure)."""
+        if not names:
+            return 0
+        try:
+            with self._call():
+                k = self._prefix(names)
+        except Exception as e:         # noqa: BLE001 -- any failure is a miss
+            self._failed("lookup", e, len(names))
+            k = 0
+        self._count(lookups=1, lookup_hits=k, lookup_misses=len(names) - k)
+        return k
+
+    def _prefix(self, names: list[str]) -> int:
+        lk = self._connect()
+        if lk.one_call:
+            # The first page decides a miss (the common one: a new prompt) in one LOOKUP round
+            # trip, or none when the kernel has its entry cached (pages written or read here);
+            # the lookup file costs two (write the request, read the answer).
+            try:
+                st = os.stat(os.path.join(self.dir, names[0]))
+            except FileNotFoundError:
+                return 0
+            if not stat.S_ISREG(st.st_mode):
+                return 0
+            if len(names) == 1:
+                return 1
+        return lk.prefix_rel(names)
+
+    # -- reads ----------------------------------------------------------------------------
+    def read_into(self, names: list[str], dests: list[list[memoryview]]) -> list[bool]:
+        """Read each page ``names[i]`` into ``dests[i]`` (its destination byte ranges, in file
+        order, writable). Returns one flag per page: True = read and verified. Pages after the
+        first miss are not read (the runtimes use the leading run only)."""
+        n = len(names)
+        ok = [False] * n
+        if not n:
+            return ok
+        fallbacks = [0]
+        try:
+            with self._call():
+                self._read_batch(names, dests, ok, fallbacks)
+        except ChecksumMismatch as e:
+            self._count(checksum_errors=1)
+            self._failed("read", e, n)
+        except Exception as e:         # noqa: BLE001 -- any failure is a miss
+            self._failed("read", e, n)
+        got = sum(ok)
+        nbytes = sum(sum(len(s) for s in dests[i]) for i in range(n) if ok[i])
+        self._count(gets=n, hits=got, misses=n - got, bytes_read=nbytes, lease_fallbacks=fallbacks[0])
+        return ok
+
+    def _read_batch(self, names: list[str], dests: list[list[memoryview]], ok: list[bool],
+                    fallbacks: list[int]) -> None:
+        """One lease for the batch, then each page beside FUSE (or through the mount)."""
+        lease = self._lease()
+        leased = lease.acquire(names) if lease is not None else None
+        on_kvfs = self._lookup is not None and self._lookup.one_call
+        try:
+            for i, name in enumerate(names):
+                if leased is not None and i >= len(leased):
+                    return                  # not sealed when leased: a miss, and the run ends
+                b = leased[i] if leased is not None else None
+                size = sum(len(s) for s in dests[i])
+                r = self._read_leased(b, name, dests[i], size) if b is not None and b.size == size else None
+                if r is None:               # no fast path for it: through the mount
+                    r = self._read_mount(name, dests[i], size)
+                    if r is None:
+                        return
+                    fallbacks[0] += on_kvfs
+                ok[i] = True
+        finally:
+            if leased is not None:
+                lease.release(lease.generation)
+
+    def _read_leased(self, b: Backing, name: str, segs: list[memoryview], size: int) -> int | None:
+        """Read a leased page beside FUSE and verify it; None: use the mount instead."""
+        try:
+            if b.direct:        # O_DIRECT: whole pages into an aligned buffer, then copied out
+                buf = self._staging(size)
+                read_backing(b, buf.mv)
+                off = 0
+                for s in segs:
+                    s[:] = buf.mv[off:off + len(s)]
+                    off += len(s)
+                return size
+            verified = self.verified if b.tier == "ram" else None
+            return read_backing_into(b, _NO_HEAD, segs, _cuts(segs), verified=verified)
+        except ChecksumMismatch:
+            raise
+        except OSError as e:   # e.g. demoted meanwhile (the lease makes this rare): the mount has it
+            log.debug("%s: fast path failed (%s); reading through the mount", name, e)
+            return None
+
+    def _staging(self, size: int) -> AlignedBuffer:
+        buf = getattr(self._local, "staging", None)
+        if buf is None or buf.size < size:
+            if buf is not None:
+                buf.close()
+            buf = self._local.staging = AlignedBuffer(size)
+        return buf
+
+    def _read_mount(self, name: str, segs: list[memoryview], size: int) -> int | None:
+        """Read a page through the mount (None: absent); a size mismatch is an error."""
+        try:
+            fd = os.open(os.path.join(self.dir, name), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            n = preadv_full(fd, segs, 0, size)
+            if n != size or os.fstat(fd).st_size != size:
+                raise PageSizeError(errno.EIO, f"{name}: page file is not {size} bytes")
+        finally:
+            os.close(fd)
+        return size
+
+    # -- writes ---------------------------------------------------------------------------
+    def write_many(self, names: list[str], bufs_of) -> list[bool]:
+        """Store pages ``names`` (``bufs_of(i)``: page i's bytes, a list of buffers in file
+        order), skipping the leading ones that already exist (one lookup). True per page
+        stored or present."""
+        n = len(names)
+        if not n:
+            return []
+        ok = [False] * n
+        present = self.prefix(names)
+        written = nbytes = failed = 0
+        for i in range(present):
+            ok[i] = True
+        try:
+            with self._call():
+                for i in range(present, n):
+                    size = self._write(names[i], bufs_of(i))
+                    ok[i] = True
+                    written += 1
+                    nbytes += size
+        except Exception as e:         # noqa: BLE001 -- a failed store is reported, not raised
+            failed = n - present - written
+            self._failed("write", e, failed)
+        self._count(sets=n, written=written, skipped=present, set_failures=failed, bytes_written=nbytes)
+        return ok
+
+    def _write(self, name: str, bufs: list) -> int:
+        if self.require_kvfs:
+            self._connect()             # never write under an unmounted mount point
+        final = os.path.join(self.dir, name)
+        tmp = os.path.join(self.dir, f".{name}.{os.urandom(6).hex()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            views = [memoryview(b).cast("B") for b in bufs]
+            total = sum(len(v) for v in views)
+            done = 0
+            while views:
+                k = os.writev(fd, views)
+                done += k
+                while views and k >= len(views[0]):
+                    k -= len(views[0])
+                    views.pop(0)
+                if views and k:
+                    views[0] = views[0][k:]
+            os.close(fd)
+            fd = -1
+            os.rename(tmp, final)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return total
+
+    # -- maintenance ----------------------------------------------------------------------
+    def remove_all(self) -> int:
+        """Delete every page file of this directory; returns how many."""
+        n = 0
+        try:
+            self._connect()
+            for name in os.listdir(self.dir):
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                    n += 1
+                except (IsADirectoryError, PermissionError, FileNotFoundError):
+                    pass
+        except Exception as e:         # noqa: BLE001
+            self._failed("clear", e, 0)
+        return n
+
+    def close(self) -> None:
+        with self._lock:
+            lk, self._lookup = self._lookup, None
+            leases, self._leases = self._leases, []
+            self._epoch += 1
+        for c in ([lk] if lk is not None else []) + leases:
+            try:
+                c.close()
+            except OSError:
+                pass

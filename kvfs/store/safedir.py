@@ -33,6 +33,20 @@ def _check_owned(st: os.stat_result, path, what: str) -> None:
                           f"(uid {os.geteuid()}): refusing to keep state in it")
 
 
+def _owned(fd: int, path, what: str) -> int:
+    """``fd`` after checking it is a directory of ours (mode tightened to 0700); closed if not."""
+    try:
+        st = os.fstat(fd)
+        _check_owned(st, path, what)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o700)
+            log.info("%s %s: mode %o tightened to 0700", what, path, stat.S_IMODE(st.st_mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_private_dir(path: str | Path, what: str, *, create: bool = True) -> int:
     """Create ``path`` (mode 0700) if needed and return a descriptor of it after checking
     it is a real directory (not a symlink) owned by us; a looser mode is tightened to 0700."""
@@ -51,16 +65,7 @@ def open_private_dir(path: str | Path, what: str, *, create: bool = True) -> int
         if e.errno == errno.ENOTDIR:
             raise ConfigError(f"{what} {path} is not a directory") from None
         raise ConfigError(f"cannot open {what} {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        _check_owned(st, path, what)
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.fchmod(fd, 0o700)
-            log.info("%s %s: mode %o tightened to 0700", what, path, stat.S_IMODE(st.st_mode))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _owned(fd, path, what)
 
 
 def open_subdir(dir_fd: int, name: str, what: str) -> int:
@@ -74,15 +79,7 @@ def open_subdir(dir_fd: int, name: str, what: str) -> int:
         fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         raise ConfigError(f"cannot open {what} {name}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        _check_owned(st, name, what)
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.fchmod(fd, 0o700)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _owned(fd, name, what)
 
 
 def create_file(dir_fd: int, name: str, mode: int = 0o600) -> int:

@@ -15,10 +15,9 @@ import shutil
 import stat
 from pathlib import Path
 
-import lmdb
 import pytest
 
-from conftest import reachable, run_kvfs
+from conftest import plant_record, reachable, run_kvfs
 from mounthelp import MiB, content, put, read
 
 pytestmark = pytest.mark.mount
@@ -119,21 +118,12 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _plant(state: Path, db: bytes, key: bytes, value: bytes) -> None:
-    env = lmdb.open(str(state / "index.lmdb"), max_dbs=8, subdir=True)
-    try:
-        with env.begin(write=True) as txn:
-            txn.put(key, value, db=env.open_db(db, txn=txn))
-    finally:
-        env.close()
-
-
 def test_a_pickle_record_is_refused_not_run(kvfs_mount, kvfs_cli, tmp_path):
     m = kvfs_mount()
     put(m.path / "keep.bin", content("keep", 1 * MiB))
     m.umount()
     marker = tmp_path / "pwned"
-    _plant(m.state, b"inodes", (1 << 40).to_bytes(8, "big"), pickle.dumps(_Payload(marker)))
+    plant_record(m.state, b"inodes", (1 << 40).to_bytes(8, "big"), pickle.dumps(_Payload(marker)))
     err = mount_fails(m)
     assert "kvfs fsck" in err
     res = kvfs_cli("fsck", "--nvme", m.nvme, "--state", m.state)

@@ -12,9 +12,9 @@ import shutil
 from pathlib import Path
 
 import cbor2
-import lmdb
 import pytest
 
+from conftest import plant_record
 from kvfs.errors import IndexDamaged
 from kvfs.store import records
 from kvfs.store.index import ROOT_INO, Index, k64
@@ -45,22 +45,13 @@ def test_opens_an_index_of_format_2(state):
         ix.close()
 
 
-def _put(state: Path, db: bytes, key: bytes, value: bytes) -> None:
-    env = lmdb.open(str(state / "index.lmdb"), max_dbs=8, subdir=True)
-    try:
-        with env.begin(write=True) as txn:
-            txn.put(key, value, db=env.open_db(db, txn=txn))
-    finally:
-        env.close()
-
-
 class _Boom:
     def __reduce__(self):
         return (os.abort, ())
 
 
 def test_a_pickled_record_is_refused(state):
-    _put(state, b"objects", k64(7), pickle.dumps({"size": 5, "x": _Boom()}))
+    plant_record(state, b"objects", k64(7), pickle.dumps({"size": 5, "x": _Boom()}))
     ix = Index(state)
     try:
         with pytest.raises(IndexDamaged, match="kvfs fsck"):

@@ -297,8 +297,12 @@ class KvfsOperations(pyfuse3.Operations):
         keys[key] = keys.get(key, 0) + 1
         self._fh_key[fh] = (ino, key)
         if others:
-            self.cache.handles[fh].direct = True
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        # O_APPEND through the page cache: the kernel resolves write(2)'s append offset from
+        # its size, and a shared mapping's writeback through this handle carries its page's
+        # own offset, so the offset it sends is right (a direct_io handle cannot be mapped,
+        # and the kernel's size may be another open version's: it appends at its buffer's end)
+        self.cache.handles[fh].append = False
         keep = self._page_key.get(ino) == key
         self._page_key[ino] = key
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)

@@ -95,8 +95,7 @@ class WriteState:
 class Handle:
     ino: int
     write: bool = False
-    append: bool = False
-    direct: bool = False            # opened direct_io (another version of the inode was open)
+    append: bool = False            # writes go to the end of the buffer (see KvfsOperations)
     ws: WriteState | None = None    # writers and readers of a file being written
     obj: Obj | None = None          # readers of a sealed version
 
@@ -261,6 +260,7 @@ class Cache:
                 if flags & os.O_TRUNC:
                     await (await self._staging(ws)).truncate(0)
                     ws.dirty = True
+                    ws.mtime = time.time_ns()
             ws.writers += 1
             ws.handles += 1
             return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws))
@@ -327,11 +327,7 @@ class Cache:
             raise NamespaceError(errno.EBADF)
         ws = h.ws
         staging = await self._staging(ws)
-        # O_APPEND: the kernel already put ``offset`` at its end of file for write(2), and a
-        # writeback of a shared mapping through the handle carries its page's own offset.
-        # A direct_io handle cannot be mapped, and its inode has another version open whose
-        # size the kernel may hold: its appends go to the end of this buffer.
-        if h.append and h.direct:
+        if h.append:
             offset = staging.size
         n = await staging.write(offset, data)
         ws.dirty = True

@@ -48,6 +48,7 @@ class Obj:
     pinned: bool = False
     refs: int = 0
     dead: bool = False         # no longer in the index; free its copies at refs == 0
+    corrupt: bool = False      # dropped because a copy failed its checksum (reads: EIO)
     busy: bool = False         # being moved between tiers
     win_start: float = 0.0
     win_count: int = 0
@@ -244,6 +245,8 @@ class ObjectStore:
                 pass
 
     async def read(self, obj: Obj, offset: int, length: int):
+        if obj.corrupt:
+            raise CorruptObject(f"object {obj.oid:x} failed its checksum")
         end = min(obj.size, offset + length)
         if offset >= end:
             return b""
@@ -316,6 +319,8 @@ class ObjectStore:
         c = self.counters[tier.name]
         loc = obj.place.get(tier.name)
         if loc is None:
+            if obj.corrupt:
+                raise CorruptObject(f"object {obj.oid:x} failed its checksum")
             raise NoSuchObject(f"object {obj.oid:x} has no copy on {tier.name}")
         try:
             data = bytes(await tier.read(obj.oid, loc, idx * cs, want))
@@ -324,6 +329,8 @@ class ObjectStore:
             raise
         except NoSuchObject:
             data = b""
+        if obj.corrupt:
+            raise CorruptObject(f"object {obj.oid:x} failed its checksum")
         if (len(data) != want or checksum.digest(data) != obj.sums[idx]) and (
                 obj.dead or tier.name not in obj.place):
             # dropped or moved off this tier while it was read (a read-ahead of a file just
@@ -332,6 +339,7 @@ class ObjectStore:
         if len(data) != want or checksum.digest(data) != obj.sums[idx]:
             c.checksum_failures += 1
             log.error("checksum mismatch: object %x chunk %d on %s (%s)", obj.oid, idx, tier.name, obj.key)
+            obj.corrupt = True
             await self.lose(obj)
             raise CorruptObject(f"object {obj.oid:x} chunk {idx} failed its checksum on {tier.name}")
         c.bytes_read += want
@@ -339,6 +347,8 @@ class ObjectStore:
 
     async def read_all(self, obj: Obj) -> memoryview:
         """The whole object, verified when it comes from a lower tier."""
+        if obj.corrupt:
+            raise CorruptObject(f"object {obj.oid:x} failed its checksum")
         if self.ram.name in obj.place:
             return await self.ram.read(obj.oid, b"", 0, obj.size)
         if not obj.size:
@@ -349,7 +359,10 @@ class ObjectStore:
         ok = len(data) == obj.size and await trio.to_thread.run_sync(
             lambda: checksum.chunk_sums(memoryview(data), obj.chunk_size) == obj.sums)
         if not ok:
+            if obj.dead or tier.name not in obj.place:      # freed or moved while read
+                raise NoSuchObject(f"object {obj.oid:x} left tier {tier.name} while it was read")
             self.counters[tier.name].checksum_failures += 1
+            obj.corrupt = True
             await self.lose(obj)
             raise CorruptObject(f"object {obj.oid:x} failed its checksum on {tier.name}")
         return memoryview(data)

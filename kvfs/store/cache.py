@@ -36,6 +36,7 @@ _HEADER_PEEK = 1 << 20      # the largest block header we parse
 LEASE_TTL = 30.0            # seconds a fast-path lease lives unless released first
 LEASE_TTL_MAX = 600.0
 _LEASE_ENTRY_MEMO = 1 << 17  # lease entries remembered (JSON text per object and placement)
+CREATE_MTIME_SLACK = 1_000_000_000   # ns: writes this soon after create() keep its mtime
 
 
 @dataclasses.dataclass(eq=False)
@@ -57,6 +58,11 @@ class WriteState:
     dirty: bool = False
     ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     serial: int = dataclasses.field(default_factory=itertools.count(1).__next__)
+    # the mtime reported while writing and recorded by the seal (None: the seal's time). A file
+    # created and written within CREATE_MTIME_SLACK keeps its creation time: the kernel got that
+    # in the create reply, and a different mtime later would make it drop the cached pages.
+    mtime: int | None = None
+    created: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -94,6 +100,8 @@ class Cache:
         self.open_count: dict[int, int] = {}
         self._next_fh = 1
         self.on_content_changed: Callable[[int], None] = lambda ino: None
+        # (ino, write state serial, new object id) after a seal; default: content changed
+        self.on_sealed: Callable[[int, int, int], None] = lambda ino, serial, oid: self.on_content_changed(ino)
         self.leases: dict[int, Lease] = {}
         self._next_lease = 1
         self._lease_entries: dict[int, tuple[str, bytes, str]] = {}    # see lease_entry
@@ -128,7 +136,7 @@ class Cache:
         rec = self.ns.inode(ino)
         ws = self.writers.get(ino)
         if ws is not None and ws.staging is not None:
-            rec = dict(rec, size=ws.staging.size)
+            rec = dict(rec, size=ws.staging.size, mtime=ws.mtime or rec["mtime"])
         return rec
 
     def is_open(self, ino: int) -> bool:
@@ -148,6 +156,9 @@ class Cache:
             fields["atime"] = atime
         if mtime is not None:
             fields["mtime"] = mtime
+            ws = self.writers.get(ino)
+            if ws is not None:                   # utime while writing: the seal keeps it
+                ws.mtime, ws.created = mtime, 0
         if fields:
             rec = self.ns.update(ino, **fields)
         if size is not None:
@@ -178,7 +189,8 @@ class Cache:
 
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> tuple[int, int, dict]:
         ino, rec = self.ns.make(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid, oid=None)
-        ws = WriteState(ino, staging=self.store.ram.new_staging(), dirty=True)
+        ws = WriteState(ino, staging=self.store.ram.new_staging(), dirty=True,
+                        mtime=rec["mtime"], created=rec["mtime"])
         ws.ready.set()
         self.writers[ino] = ws
         ws.writers = ws.handles = 1
@@ -265,6 +277,9 @@ class Cache:
             offset = staging.size
         n = await staging.write(offset, data)
         ws.dirty = True
+        now = time.time_ns()
+        if now - ws.created > CREATE_MTIME_SLACK:
+            ws.mtime = now
         ram = self.store.ram
         if ram.used > ram.capacity and not staging.spilled:
             self.store.kick()
@@ -361,7 +376,7 @@ class Cache:
         kvrec = None
         if kv:
             kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")}
-        old, installed = self.ns.install(ws.ino, obj, kvrec)
+        old, installed = self.ns.install(ws.ino, obj, kvrec, mtime=ws.mtime)
         ws.dirty = False
         if old is not None:
             await self.store.release_space(old)
@@ -373,7 +388,7 @@ class Cache:
             ws.base.refs -= 1
             await self.store.release_space(ws.base)
         ws.base = obj
-        self.on_content_changed(ws.ino)
+        self.on_sealed(ws.ino, ws.serial, obj.oid)
 
     # ---- namespace pass-throughs that free bytes ---------------------------
     async def unlink(self, parent: int, name: bytes) -> None:

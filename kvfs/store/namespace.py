@@ -271,8 +271,9 @@ class Namespace:
             txn.put_inode(ino, rec)
         return rec
 
-    def install(self, ino: int, obj: Obj, kv: dict | None) -> tuple[Obj | None, bool]:
-        """Point a file at a newly sealed object. Returns (old object, installed?)."""
+    def install(self, ino: int, obj: Obj, kv: dict | None, mtime: int | None = None) -> tuple[Obj | None, bool]:
+        """Point a file at a newly sealed object (``mtime``: its last write; default now).
+        Returns (old object, installed?)."""
         with self.index.write() as txn:
             rec = txn.get_inode(ino)
             if rec is None:                 # unlinked while it was being written
@@ -283,7 +284,7 @@ class Namespace:
                 self.store.drop(txn, old)
             self._kv_remove(rec)
             now = time.time_ns()
-            rec.update(oid=obj.oid, size=obj.size, mtime=now, ctime=now, gen=rec.get("gen", 0) + 1)
+            rec.update(oid=obj.oid, size=obj.size, mtime=mtime or now, ctime=now, gen=rec.get("gen", 0) + 1)
             if kv:
                 rec["kv"] = kv
             else:

@@ -76,6 +76,7 @@ test-slow: setup
 bench: setup
 	$(PIP) install -q -e '.[bench]'
 	$(KVFS) bench --write-docs docs/benchmarks.md
+	$(KVFS) bench --only runtime --write-docs docs/benchmarks.md
 
 clean: demo-umount
 	rm -rf $(VENV) $(DEMO_DIR) .kvfs-bench

@@ -9,8 +9,8 @@ import stat
 import pyfuse3
 import trio
 
-from kvfs.fs import control
 from kvfs.errors import NamespaceError
+from kvfs.fs import control
 from kvfs.fs.errmap import translate
 from kvfs.store.cache import Cache
 from kvfs.store.index import ROOT_INO

@@ -84,6 +84,7 @@ test-integration: setup
 bench: setup
 	$(PIP) install -q -e '.[bench]'
 	$(KVFS) bench --write-docs docs/benchmarks.md
+	$(KVFS) bench --only runtime --write-docs docs/benchmarks.md
 
 clean: demo-umount
 	rm -rf $(VENV) $(DEMO_DIR) .kvfs-bench

@@ -10,8 +10,8 @@ import threading
 
 import pyfuse3
 
-from kvfs.fs import control
 from kvfs.errors import NamespaceError
+from kvfs.fs import control
 from kvfs.fs.errmap import translate
 from kvfs.store.cache import Cache
 from kvfs.store.index import ROOT_INO
@@ -135,8 +135,10 @@ class KvfsOperations(pyfuse3.Operations):
         self._page_key: dict[int, tuple] = {}
         self._open_keys: dict[int, dict[tuple, int]] = {}
         self._fh_key: dict[int, tuple[int, tuple]] = {}
+        self._uncached_fh: set[int] = set()     # writes that may bypass or disagree with the pages
         cache.ns.on_name_removed = self._name_removed
         cache.on_content_changed = self._content_changed
+        cache.on_sealed = self._sealed
 
     @property
     def mounted(self) -> bool:
@@ -163,6 +165,16 @@ class KvfsOperations(pyfuse3.Operations):
         self._page_key.pop(ino, None)
         if self._mounted:
             self.notifier.send(pyfuse3.invalidate_inode, ino, False)
+
+    def _sealed(self, ino: int, serial: int, oid: int) -> None:
+        """A write state became object ``oid``. Its writes all went through the kernel's page
+        cache (no O_DIRECT, no direct_io handle, no O_APPEND) when the pages still carry its key:
+        then they hold exactly the sealed bytes, and the size and mtime the kernel knows are the
+        sealed ones (see WriteState.mtime), so pages and attributes stay; else both go."""
+        if self._page_key.get(ino) == ("ws", serial):
+            self._page_key[ino] = ("obj", oid)
+            return
+        self._content_changed(ino)
 
     # ---- names and attributes ----------------------------------------------
     @translate
@@ -286,9 +298,9 @@ class KvfsOperations(pyfuse3.Operations):
             self._ctl[fh] = self.control.open(inode, flags, control.caller(ctx))
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
         fh = await self.cache.open(inode, flags)
-        return self._file_info(fh, inode)
+        return self._file_info(fh, inode, flags)
 
-    def _file_info(self, fh: int, ino: int) -> pyfuse3.FileInfo:
+    def _file_info(self, fh: int, ino: int, flags: int = 0) -> pyfuse3.FileInfo:
         """keep_cache when the cached pages hold this handle's version (sealed objects never
         change); direct_io while another version of the inode is open (mmap then gives ENODEV)."""
         key = self.cache.handles[fh].content_key()
@@ -296,6 +308,8 @@ class KvfsOperations(pyfuse3.Operations):
         others = any(k != key for k in keys)
         keys[key] = keys.get(key, 0) + 1
         self._fh_key[fh] = (ino, key)
+        if others or flags & (os.O_DIRECT | os.O_APPEND):
+            self._uncached_fh.add(fh)
         if others:
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         # O_APPEND through the page cache: the kernel resolves write(2)'s append offset from
@@ -308,6 +322,7 @@ class KvfsOperations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
 
     def _closed(self, fh: int) -> None:
+        self._uncached_fh.discard(fh)
         ino, key = self._fh_key.pop(fh, (None, None))
         if ino is None:
             return
@@ -324,7 +339,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         self._parent_ok(parent_inode)
         fh, ino, rec = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
-        return self._file_info(fh, ino), _entry(ino, rec)
+        return self._file_info(fh, ino, flags), _entry(ino, rec)
 
     @translate
     async def read(self, fh, off, size):
@@ -336,6 +351,10 @@ class KvfsOperations(pyfuse3.Operations):
     async def write(self, fh, off, buf):
         if fh in self._ctl:
             return await self.control.write(self._ctl[fh], off, buf)
+        if fh in self._uncached_fh:          # the pages may not hold what this writes
+            ino, key = self._fh_key.get(fh, (None, None))
+            if self._page_key.get(ino) == key:
+                del self._page_key[ino]
         return await self.cache.write(fh, off, buf)
 
     @translate

@@ -39,6 +39,7 @@ LEASE_TTL_MAX_USER = 60.0   # ... for a caller other than root
 LEASES_PER_USER = 64        # live leases one non-root uid may hold (its oldest goes first)
 LEASE_PIN_SHARE = 4         # a non-root uid pins at most 1/4 of the RAM tier's capacity
 _LEASE_ENTRY_MEMO = 1 << 17  # lease entries remembered (JSON text per object and placement)
+CREATE_MTIME_SLACK = 1_000_000_000   # ns: writes this soon after create() keep its mtime
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +86,21 @@ class WriteState:
     writers: int = 0
     handles: int = 0
     dirty: bool = False
-    mtime: int | None = None        # of the last write, or set explicitly after it (utimens)
     sealing: trio.Event | None = None   # set while the buffer is being sealed: writes wait
     ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     serial: int = dataclasses.field(default_factory=itertools.count(1).__next__)
+    # the mtime reported while writing and recorded by the seal (None: the seal's time): of the
+    # last write, or one set by utimens after it. A file created and written within
+    # CREATE_MTIME_SLACK keeps its creation time: the kernel got that in the create reply, and
+    # a different mtime later would make it drop the cached pages.
+    mtime: int | None = None
+    created: int = 0
+
+    def touch(self) -> None:
+        """A write or truncate changed the buffer now."""
+        now = time.time_ns()
+        if now - self.created > CREATE_MTIME_SLACK:
+            self.mtime = now
 
 
 @dataclasses.dataclass(eq=False)
@@ -126,6 +138,8 @@ class Cache:
         self.open_count: dict[int, int] = {}
         self._next_fh = 1
         self.on_content_changed: Callable[[int], None] = lambda ino: None
+        # (ino, write state serial, new object id) after a seal; default: content changed
+        self.on_sealed: Callable[[int, int, int], None] = lambda ino, serial, oid: self.on_content_changed(ino)
         self.leases: dict[int, Lease] = {}
         self._next_lease = 1
         self._lease_entries: dict[int, tuple[str, bytes, str]] = {}    # see lease_entry
@@ -197,7 +211,7 @@ class Cache:
             rec = self.ns.update(ino, **fields)
             ws = self.writers.get(ino)
             if mtime is not None and ws is not None:
-                ws.mtime = mtime            # set after the last write: the seal keeps it
+                ws.mtime, ws.created = mtime, 0     # set after the last write: the seal keeps it
         if size is not None:
             if not stat.S_ISREG(rec["mode"]):
                 raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec["mode"]) else errno.EINVAL)
@@ -205,7 +219,9 @@ class Cache:
             if ws is not None:
                 await (await self._staging(ws)).truncate(size)
                 ws.dirty = True
-                ws.mtime = mtime if mtime is not None else time.time_ns()
+                ws.touch()
+                if mtime is not None:
+                    ws.mtime = mtime
             else:
                 ws = await self._begin_write(ino, truncate=size == 0)
                 ws.handles += 1
@@ -229,7 +245,8 @@ class Cache:
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
                      flags: int = os.O_RDWR) -> tuple[int, int, dict]:
         ino, rec = self.ns.make(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid, oid=None)
-        ws = WriteState(ino, staging=self.store.ram.new_staging(), dirty=True)
+        ws = WriteState(ino, staging=self.store.ram.new_staging(), dirty=True,
+                        mtime=rec["mtime"], created=rec["mtime"])
         ws.ready.set()
         self.writers[ino] = ws
         ws.handles = 1
@@ -260,7 +277,7 @@ class Cache:
                 if flags & os.O_TRUNC:
                     await (await self._staging(ws)).truncate(0)
                     ws.dirty = True
-                    ws.mtime = time.time_ns()
+                    ws.touch()
             ws.writers += 1
             ws.handles += 1
             return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws))
@@ -331,7 +348,7 @@ class Cache:
             offset = staging.size
         n = await staging.write(offset, data)
         ws.dirty = True
-        ws.mtime = time.time_ns()
+        ws.touch()
         ram = self.store.ram
         if ram.used > ram.capacity and not staging.spilled:
             self.store.kick()
@@ -437,7 +454,6 @@ class Cache:
                 kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")}
             old, installed = self.ns.install(ws.ino, obj, kvrec, mtime=ws.mtime)
             ws.dirty = False
-            ws.mtime = None                  # the record has it now
             if old is not None:
                 await self.store.release_space(old)
             if not installed:
@@ -451,7 +467,7 @@ class Cache:
         finally:
             ws.sealing = None
             done.set()
-        self.on_content_changed(ws.ino)
+        self.on_sealed(ws.ino, ws.serial, obj.oid)
 
     # ---- namespace pass-throughs that free bytes ---------------------------
     async def unlink(self, parent: int, name: bytes) -> None:

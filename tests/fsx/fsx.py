@@ -26,8 +26,9 @@ The reference models kvfs's documented semantics where they are not POSIX (docs/
 * kvfs's own read-only ``user.kvfs.*`` attributes are left out of xattr lists.
 * O_DIRECT: if the reference filesystem refuses it, the reference does the same I/O buffered.
 
-Crash phases (``Exerciser.pause``/``verify_after_crash``): the parent kill -9s the daemon
-between phases and remounts; then every file must hold exactly its last sealed version (the
+Crash phases (``Exerciser.pause``/``verify_after_crash``): the parent waits until the daemon
+has processed every FUSE_RELEASE (asynchronous in the kernel: see ``Exerciser.pause``), then
+kill -9s the daemon and remounts; then every file must hold exactly its last sealed version (the
 reference content when no writer had it open, else the content when its write session began
 or when its only writer last called fsync/msync, which seal) or be absent. The reference is then set to what kvfs kept.
 
@@ -837,7 +838,7 @@ def _worker_main(cfg: Config, k: int, conn) -> None:
                 w.run(arg)
                 conn.send(("ok", {"seconds": time.perf_counter() - t0, **w.report()}))
             elif cmd == "pause":
-                conn.send(("ok", w.expected_after_crash()))
+                conn.send(("ok", {"expected": w.expected_after_crash(), "open": len(w.handles)}))
             elif cmd == "verify":
                 w.verify_after_crash(arg)
                 conn.send(("ok", w.report()))
@@ -895,7 +896,14 @@ class Exerciser:
         return reps
 
     def pause(self) -> list:
-        return self._all("pause")
+        """Every worker stops between two operations; returns what each expects after a crash.
+        ``open_handles``: the kvfs descriptors they hold open. (Before killing the daemon, wait
+        until its ``.kvfs/stats`` ``open_handles`` equals that: the kernel sends FUSE_RELEASE
+        after close(2) returns, and a file whose last writer was closed is sealed only when the
+        daemon has processed the releases of its other writers.)"""
+        reps = self._all("pause")
+        self.open_handles = sum(r["open"] for r in reps)
+        return [r["expected"] for r in reps]
 
     def verify(self, expected: list) -> list[dict]:
         reps = self._all("verify", expected)

@@ -24,6 +24,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fsx  # noqa: E402
+from conftest import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.mount
 
@@ -53,6 +54,10 @@ def run_fsx(m, ref, *, seed: int, procs: int, ops: int, phases: int = 1, exclude
             ex.run(ops // phases)
             if phase < phases - 1:
                 expected = ex.pause()
+                # the kernel sends FUSE_RELEASE after close(2) returns: a version is sealed once
+                # the daemon has the release of every other writer (see fsx.Exerciser.pause)
+                wait_for(lambda: m.stats()["open_handles"] == ex.open_handles, 120,
+                         "the daemon to process every FUSE_RELEASE")
                 m.kill9()
                 m.mount()
                 ex.verify(expected)

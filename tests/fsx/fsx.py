@@ -26,10 +26,11 @@ The reference models kvfs's documented semantics where they are not POSIX (docs/
 * kvfs's own read-only ``user.kvfs.*`` attributes are left out of xattr lists.
 * O_DIRECT: if the reference filesystem refuses it, the reference does the same I/O buffered.
 
-Crash phases (``Exerciser.pause``/``verify_after_crash``): the parent kill -9s the daemon
-between phases and remounts; then every file must hold exactly its last sealed version (the
-reference content when no writer had it open, else the content when its write session began
-or when its only writer last called fsync/msync, which seal) or be absent. The reference is then set to what kvfs kept.
+Crash phases (``Exerciser.pause``/``verify_after_crash``): the parent waits until the daemon
+has processed every FUSE_RELEASE (asynchronous in the kernel: see ``Exerciser.pause``), then
+kill -9s the daemon and remounts; then every file must hold exactly its last sealed version (the
+reference content when no writer had it open, else its content when the write session began
+or when its only writer called fsync/msync, which seal) or be absent. The reference is then set to what kvfs kept.
 
 Run it from the command line on a mount you made yourself::
 
@@ -66,6 +67,9 @@ KNOWN_BROKEN = {
     "utime_while_writing",     # item 8: an mtime set while a writer has the file open is lost at close
     "fallocate_wronly",        # item 12: posix_fallocate gives EBADF on write-only / O_APPEND fds
     "rdonly_creat",            # item 12: an O_RDONLY|O_CREAT fd counts as a writer (new version)
+    # found by this exerciser, not in issue 11 (no op kind of its own: a race with eviction):
+    "creat_enoent_evicted",    # open(O_CREAT) of a name evicted meanwhile gives ENOENT (the kernel
+                               # kept its dentry and sent OPEN; the daemon could answer ESTALE)
 }
 
 ALL_KINDS = [
@@ -145,7 +149,9 @@ class Worker:
         self.names = [f"f{i:02d}" for i in range(cfg.files)]
         self.handles: list[Handle] = []
         self.kino: dict[str, int] = {}            # last kvfs inode seen per name
-        self.session_start: dict[int, bytes | None] = {}   # rino -> sealed content when its session began
+        # rino -> the versions a crash may leave while its write session runs: the sealed content
+        # when the session began (None: none, the file was created in it), then each fsync's
+        self.session_start: dict[int, list] = {}
         self.counts = collections.Counter()
         self.mismatches: list[str] = []
         self.kinds = [k_ for k_ in WEIGHTS if k_ not in cfg.exclude]
@@ -260,7 +266,7 @@ class Worker:
                     with open(self.rp(n), "rb") as f:
                         sealed = f.read()
                     break
-        self.session_start[rino] = sealed
+        self.session_start[rino] = [sealed]
         for h in ([] if self.cfg.posix else readers):
             self.nsnap += 1
             snap = os.path.join(self.snapdir, f"s{self.nsnap}")
@@ -273,9 +279,11 @@ class Worker:
 
     def synced(self, h: Handle) -> None:
         """fsync (or msync, which fsyncs a shared mapping's file) by the only writer seals the
-        current content: that is the version a crash must keep from now on."""
+        current content, which a crash may then keep. The earlier versions stay acceptable: the
+        daemon seals only if it has processed the FUSE_RELEASE of every other writer closed
+        before, and the kernel sends those after close(2) returns."""
         if h.acc != os.O_RDONLY and self.writers_on(h.rino) == 1:
-            self.session_start[h.rino] = self.content(h.rfd)
+            self.session_start.setdefault(h.rino, [None]).append(self.content(h.rfd))
 
     def end_session_if_done(self, rino: int) -> None:
         if not self.writers_on(rino):
@@ -328,8 +336,13 @@ class Worker:
         if not rk[0] and rk[1] == errno.ENOENT and self.evicted(n):
             if not creat:
                 return True
-            rino = None
-            rk = _call(os.open, self.kp(n), kflags, 0o644)
+            if "creat_enoent_evicted" in self.cfg.exclude:
+                # the known race (see KNOWN_BROKEN): the kernel still had the evicted name's
+                # dentry, sent OPEN (not CREATE), and the daemon answered ENOENT
+                self.counts["creat_enoent_evicted"] += 1
+                return True
+            self.fail(f"open({n}, {flags:#o}): kvfs ENOENT with O_CREAT (the file was evicted)")
+            return True
         if rk[0]:
             kino = os.fstat(rk[1]).st_ino
             if n in self.kino and self.kino[n] != kino and rino is not None and not self.open_on(rino):
@@ -353,7 +366,7 @@ class Worker:
         # closed earlier may still count: the kernel sends FUSE_RELEASE after close(2) returns.
         h.maybe_direct_io = bool(self.open_on(new_rino)) or new_rino in self.closed_inos
         if rino is None and writing:
-            self.session_start.setdefault(new_rino, None)     # created in this session: no sealed version
+            self.session_start.setdefault(new_rino, [None])   # created in this session: no sealed version
         self.handles.append(h)                    # (a reader opened while writers are open shares their buffer)
         self.cmp_fsize(h, "after open")
         return True
@@ -748,21 +761,20 @@ class Worker:
         return True
 
     # -- phases ---------------------------------------------------------------------------
-    def expected_after_crash(self) -> dict[str, str | None]:
-        """Per name: sha256 of the content kvfs must show after a kill -9 (its last sealed
-        version), or None where the file may only be absent. A name whose file may hold an
-        unsealed new version maps to its sealed content when the session began."""
+    def expected_after_crash(self) -> dict[str, list]:
+        """Per name: the sha256s of the contents kvfs may show after a kill -9 (its last sealed
+        version; an empty list: it may only be absent). A file with writers open maps to its
+        sealed content when the session began and to what each fsync since sealed."""
         out = {}
         for n in self.names:
             rino = self.rino_of(n)
             if rino is None:
                 continue
             if self.writers_on(rino):
-                sealed = self.session_start.get(rino)
-                out[n] = None if sealed is None else hashlib.sha256(sealed).hexdigest()
+                out[n] = [hashlib.sha256(v).hexdigest() for v in self.session_start.get(rino, [None]) if v is not None]
             else:
                 with open(self.rp(n), "rb") as f:
-                    out[n] = hashlib.sha256(f.read()).hexdigest()
+                    out[n] = [hashlib.sha256(f.read()).hexdigest()]
         return out
 
     def verify_after_crash(self, expected: dict) -> None:
@@ -801,8 +813,7 @@ class Worker:
                 self.kino[n] = os.stat(self.kp(n)).st_ino
             except OSError:
                 pass
-            want = expected.get(n)
-            if n not in expected or hashlib.sha256(got).hexdigest() != want:
+            if hashlib.sha256(got).hexdigest() not in expected.get(n, []):
                 self.counts["crash_mismatch"] += 1
                 self.fail(f"after kill -9: {n} holds {len(got)} bytes that are not its last sealed version")
             else:
@@ -829,7 +840,7 @@ def _worker_main(cfg: Config, k: int, conn) -> None:
                 w.run(arg)
                 conn.send(("ok", {"seconds": time.perf_counter() - t0, **w.report()}))
             elif cmd == "pause":
-                conn.send(("ok", w.expected_after_crash()))
+                conn.send(("ok", {"expected": w.expected_after_crash(), "open": len(w.handles)}))
             elif cmd == "verify":
                 w.verify_after_crash(arg)
                 conn.send(("ok", w.report()))
@@ -887,7 +898,14 @@ class Exerciser:
         return reps
 
     def pause(self) -> list:
-        return self._all("pause")
+        """Every worker stops between two operations; returns what each expects after a crash.
+        ``open_handles``: the kvfs descriptors they hold open. (Before killing the daemon, wait
+        until its ``.kvfs/stats`` ``open_handles`` equals that: the kernel sends FUSE_RELEASE
+        after close(2) returns, and a file whose last writer was closed is sealed only when the
+        daemon has processed the releases of its other writers.)"""
+        reps = self._all("pause")
+        self.open_handles = sum(r["open"] for r in reps)
+        return [r["expected"] for r in reps]
 
     def verify(self, expected: list) -> list[dict]:
         reps = self._all("verify", expected)

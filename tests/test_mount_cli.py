@@ -229,7 +229,8 @@ def test_umount_lazy_when_the_dead_mount_answers_enotconn(kvfs_mount, kvfs_cli):
     wait_for(lambda: not pid_alive(pid), 60, "the daemon to die")
     with pytest.raises(OSError) as err:
         os.stat(m.path)
-    assert err.value.errno == errno.ENOTCONN
+    # ENOTCONN, or ECONNABORTED when the kernel saw the connection aborted mid-request
+    assert err.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
     assert not os.path.ismount(m.path)            # what the old check relied on
     res = kvfs_cli("umount", m.path)              # not lazy: a one-line error naming --lazy
     assert_one_line_error(res, "--lazy")

@@ -297,7 +297,16 @@ class KvfsOperations(pyfuse3.Operations):
             self._next_ctl += 1
             self._ctl[fh] = self.control.open(inode, flags, control.caller(ctx))
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
-        fh = await self.cache.open(inode, flags)
+        try:
+            fh = await self.cache.open(inode, flags)
+        except NamespaceError as e:
+            if e.errno == errno.ENOENT and self.cache.index.get_inode(inode) is None \
+                    and inode not in self.cache.ns.orphans:
+                # the daemon dropped this inode (eviction) while the kernel still had its name:
+                # ESTALE makes the kernel look the name up again and retry, so open(O_CREAT)
+                # creates the file instead of failing with ENOENT
+                raise pyfuse3.FUSEError(errno.ESTALE) from None
+            raise
         return self._file_info(fh, inode, flags)
 
     def _file_info(self, fh: int, ino: int, flags: int = 0) -> pyfuse3.FileInfo:

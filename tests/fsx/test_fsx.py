@@ -3,7 +3,7 @@
 Default run: a few thousand operations (no crash phase), 1 and 2 processes, RAM 4 MiB and NVMe 16 MiB so
 demotion and eviction run during the sequence; every difference from the reference directory
 fails except the documented ones (see fsx.py). Operation kinds with bugs known and being
-fixed elsewhere (``fsx.KNOWN_BROKEN``, each naming its issue-11 item) are left out of the
+fixed elsewhere (``fsx.KNOWN_BROKEN``: now only documented limits) are left out of the
 default run until those fixes are merged; the slow runs exercise every kind.
 
 Slow runs (``make test-slow``): at least 1M operations in all, across seeds and process

@@ -580,17 +580,10 @@ def markdown(res: dict, png_name: str | None) -> str:
 
 def write_docs(res: dict, md: Path) -> Path | None:
     """Replace (or add) the runtime section of ``md``; returns the PNG path if drawn."""
-    import re
+    from kvfs.cli.bench_report import replace_section
     png = md.parent / PLOT_NAME
     drawn = plot(res, png)
-    section = markdown(res, PLOT_NAME if drawn else None)
-    text = md.read_text() if md.exists() else "# kvfs benchmarks\n\n"
-    pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.S)
-    if pat.search(text):
-        text = pat.sub(lambda _: section, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    md.write_text(text)
+    replace_section(md, BEGIN, END, markdown(res, PLOT_NAME if drawn else None))
     return png if drawn else None
 
 

@@ -118,13 +118,18 @@ def write_docs(results: dict, md: Path) -> Path | None:
     """Replace (or add) the foundation section of ``md``; returns the PNG path if drawn."""
     png = md.parent / PLOT_NAME
     drawn = plot(results, png)
-    section = markdown(results, PLOT_NAME if drawn else None)
+    replace_section(md, BEGIN, END, markdown(results, PLOT_NAME if drawn else None))
+    return png if drawn else None
+
+
+def replace_section(md: Path, begin: str, end: str, section: str) -> None:
+    """Put ``section`` (which starts with ``begin`` and ends with ``end``) into ``md`` in place
+    of the one there, or append it."""
     text = md.read_text() if md.exists() else "# kvfs benchmarks\n\n"
-    pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.S)
+    pat = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
     if pat.search(text):
         text = pat.sub(lambda _: section, text, count=1)
     else:
         text = text.rstrip("\n") + "\n\n" + section
     md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(text)
-    return png if drawn else None

@@ -144,6 +144,7 @@ class Cache:
         self._next_lease = 1
         self._lease_entries: dict[int, tuple[str, bytes, str]] = {}    # see lease_entry
         self._released: list[Obj] = []       # objects of leases dropped in sync code
+        self._releasing = 0                  # releases in progress (a seal may be running)
 
     # ---- startup ------------------------------------------------------------
     async def start(self) -> dict[str, int]:
@@ -367,7 +368,13 @@ class Cache:
         await self.flush(fh)
 
     async def release(self, fh: int) -> None:
-        h = self.handles.pop(fh)
+        self._releasing += 1            # still counted in open_handles until its seal is done
+        try:
+            await self._release(self.handles.pop(fh))
+        finally:
+            self._releasing -= 1
+
+    async def _release(self, h: Handle) -> None:
         n = self.open_count.get(h.ino, 1) - 1
         if n:
             self.open_count[h.ino] = n
@@ -738,5 +745,5 @@ class Cache:
     def statistics(self) -> dict:
         counts = self.index.counts()
         return {"tiers": self.store.statistics(), "inodes": counts["inodes"], "objects": len(self.store.objs),
-                "open_handles": len(self.handles), "writing": len(self.writers), "leases": len(self.leases),
+                "open_handles": len(self.handles) + self._releasing, "writing": len(self.writers), "leases": len(self.leases),
                 "settled": self.store.settled(), "time": time.time()}

@@ -343,6 +343,16 @@ class KVCache:
             raise ValueError("the tokens to load are not the prefix this hold was looked up for")
         return hold.backings
 
+    def _held_plans(self, token_ids, mm_inputs, hold: PrefixHold | None):
+        """The load plans of ``token_ids``; ``hold`` is released if they cannot be made."""
+        self._check_open()
+        try:
+            return self._plans(token_ids, mm_inputs)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
+
     def load(self, token_ids, device="cpu", *, mm_inputs: tuple[MMInput, ...] = (),
              hold: PrefixHold | None = None) -> torch.Tensor:
         """The KV of ``token_ids`` (whole blocks, all cached) as ``[L, 2, tokens, H, D]``.
@@ -352,13 +362,7 @@ class KVCache:
         Raises BlockNotFound if a block is missing, BlockFormatError/ChecksumMismatch if one
         is damaged.
         """
-        self._check_open()
-        try:
-            plans = self._plans(token_ids, mm_inputs)
-        except BaseException:
-            if hold is not None:
-                hold.release()
-            raise
+        plans = self._held_plans(token_ids, mm_inputs, hold)
         from kvfs import gpu
         shape = self.layout.block_shape(len(plans) * self.layout.block_tokens)
         dev = gpu.device_of(device)
@@ -373,13 +377,7 @@ class KVCache:
                   hold: PrefixHold | None = None) -> LoadStats:
         """Fill the preallocated ``out`` (``[L, 2, tokens, H, D]``) with the KV of ``token_ids``
         (``hold``: as for ``load``)."""
-        self._check_open()
-        try:
-            plans = self._plans(token_ids, mm_inputs)
-        except BaseException:
-            if hold is not None:
-                hold.release()
-            raise
+        plans = self._held_plans(token_ids, mm_inputs, hold)
         return self._load(plans, out, hold)
 
     def load_layers(self, token_ids, out: torch.Tensor, *, mm_inputs: tuple[MMInput, ...] = (),

@@ -32,6 +32,17 @@ class ControllerId:
     iorcsz: int
     icdoff: int
     msdbd: int
+    oncs: int = 0        # optional NVM commands (bit 0 Compare, 5 Reservations)
+    fuses: int = 0       # fused operations (bit 0 Compare and Write)
+
+    @property
+    def compare_and_write(self) -> bool:
+        """Fused Compare + Write: what a multi-node ownership table can be updated with."""
+        return bool(self.oncs & 1 and self.fuses & 1)
+
+    @property
+    def reservations(self) -> bool:
+        return bool(self.oncs & (1 << 5))
 
     @classmethod
     def parse(cls, b: bytes) -> "ControllerId":
@@ -42,10 +53,11 @@ class ControllerId:
         cntlid, ver = struct.unpack_from("<HI", b, 78)
         (kas,) = struct.unpack_from("<H", b, 320)
         sqes, cqes, maxcmd, nn = struct.unpack_from("<BBHI", b, 512)
+        oncs, fuses = struct.unpack_from("<HH", b, 520)
         (sgls,) = struct.unpack_from("<I", b, 536)
         ioccsz, iorcsz, icdoff = struct.unpack_from("<IIH", b, 1792)
         return cls(vid, ssvid, _text(b[4:24]), _text(b[24:64]), _text(b[64:72]), mdts, cntlid, ver,
-                   kas, sqes, cqes, maxcmd, nn, sgls, _text(b[768:1024]), ioccsz, iorcsz, icdoff, b[1803])
+                   kas, sqes, cqes, maxcmd, nn, sgls, _text(b[768:1024]), ioccsz, iorcsz, icdoff, b[1803], oncs, fuses)
 
 
 @dataclasses.dataclass(frozen=True)

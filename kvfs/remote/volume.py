@@ -231,5 +231,7 @@ class NvmeTcpVolume(Volume):
                   "maxcmd": i.maxcmd, "kas_ms": i.kas * 100, "cap": f"{c.cap.raw:#018x}", "mqes": c.cap.mqes,
                   "io_queues": len(c.io), "queue_depth": c.io[0].depth if c.io else 0,
                   "maxh2cdata": c.admin.maxh2cdata, "header_digest": c.admin.hdgst, "data_digest": c.admin.ddgst,
+                  "oncs": f"{i.oncs:#06x}", "compare_and_write": i.compare_and_write,
+                  "reservations": i.reservations,
                   "nsid": ns.nsid, "nsze": ns.nsze, "lba_size": ns.lba_size, "nguid": ns.nguid, "eui64": ns.eui64})
         return d

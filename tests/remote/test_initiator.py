@@ -29,6 +29,10 @@ async def test_identify(remote_url, nvmet_target):
         assert c.ident.model == "Linux"
         assert c.ident.subnqn == SUBNQN
         assert c.ident.serial == "KVFS0123456789"
+        # Linux nvmet (kernel 6.1): Dataset Management + Write Zeroes, no Compare, no fused
+        # commands, no reservations -- docs/scale-out.md's plain read/write case
+        assert c.ident.oncs & 0b1100 == 0b1100 and not c.ident.oncs & 1 and not c.ident.compare_and_write
+        assert not c.ident.reservations
         assert c.vs >> 16 == 1 and c.cap.mqes >= 32
         assert c.ident.ioccsz * 16 - 64 == c.io[0].inline_max > 0
         assert c.ns.lba_size == 512
@@ -164,6 +168,7 @@ def test_probe_cli(remote_url):
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["model"] == "Linux" and d["subnqn"] == SUBNQN and d["lba_size"] == 512 and d["nsze"] > 0
+    assert d["compare_and_write"] is False and d["reservations"] is False
     table = subprocess.run([sys.executable, "-m", "kvfs.remote.cli", "probe", remote_url],
                            capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "120"})
     assert table.returncode == 0 and "Linux" in table.stdout and SUBNQN in table.stdout

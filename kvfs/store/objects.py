@@ -205,6 +205,8 @@ class ObjectStore:
         """Free the copies of a dropped object unless a reader still holds it."""
         if not obj.dead or obj.refs > 0:
             return
+        if any(not self._tier(name).volatile for name in obj.place):
+            self.index.commit()         # the drop is in LMDB before a durable copy goes
         place, obj.place = obj.place, {}
         for name, loc in place.items():
             tier = self._tier(name)
@@ -511,6 +513,8 @@ class ObjectStore:
                 txn.put_object(obj.oid, obj.record())
             if not keep:
                 self.counters[src.name].demotions += 1
+                if not src.volatile:
+                    self.index.commit()     # the new placement is in LMDB before this copy goes
                 await src.delete(obj.oid, loc)
         finally:
             obj.busy = False
@@ -632,6 +636,7 @@ class ObjectStore:
         while True:
             await trio.sleep(5)
             self.flush_stats()
+            self.index.commit()
             await trio.to_thread.run_sync(self.index.sync)
 
     def flush_stats(self) -> None:

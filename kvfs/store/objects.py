@@ -561,15 +561,25 @@ class ObjectStore:
         todo = sorted((o for o in self.objs.values() if o.size and set(o.place) == {self.ram.name}),
                       key=lambda o: o.atime)
         lost = 0
-        for n, obj in enumerate(todo):
-            if not obj.dead and set(obj.place) == {self.ram.name}:
-                try:
-                    await self._write_down(obj)
-                except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
-                    lost += 1
-                    log.error("could not keep %s across the restart: %s", obj.key or hex(obj.oid), e)
-            if progress:
-                progress(n + 1, len(todo))
+        lower = self.tiers[1:]
+        for t in lower:             # one sync of each tier at the end, not two per file
+            t.defer_sync = True
+        try:
+            for n, obj in enumerate(todo):
+                if not obj.dead and set(obj.place) == {self.ram.name}:
+                    try:
+                        await self._write_down(obj)
+                    except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
+                        lost += 1
+                        log.error("could not keep %s across the restart: %s", obj.key or hex(obj.oid), e)
+                if progress:
+                    progress(n + 1, len(todo))
+        finally:
+            for t in lower:
+                t.defer_sync = False
+            for t in lower:
+                if t.available:
+                    await t.sync_deferred()
         if lost:
             log.error("%d of %d RAM-only files could not be written to a durable tier and are lost",
                       lost, len(todo))

@@ -164,13 +164,11 @@ class RamTier(Tier):
         """Turn a RAM staging buffer into the object itself (no copy; a small object's bytes
         are copied into memory and its emptied staging file is kept for the next write)."""
         assert not staging.spilled and staging.size == info.size
-        if info.size < MAPPED_MIN and staging.dir is self.staging and len(self._spare) < SPARE_STAGING:
+        if info.size < MAPPED_MIN and self._can_recycle(staging):
             self._maps[info.oid] = (os.pread(staging.fd, info.size, 0), info.size)
             self.objects += 1
-            os.ftruncate(staging.fd, 0)
-            self._spare.append((staging.name, staging.fd))
             self.staged -= staging.size
-            staging.fd, staging.size = -1, 0
+            self._recycle(staging)
             return b""
         try:
             os.rename(staging.name, f"{info.oid:016x}", src_dir_fd=staging.dir.fd, dst_dir_fd=self.home.fd)
@@ -219,6 +217,16 @@ class RamTier(Tier):
         if entry is None or not isinstance(entry[0], mmap.mmap) or oid in self._stale:
             return None
         return {"path": self._path(oid), "offset": 0, "direct": False}
+
+    def _can_recycle(self, staging: "Staging") -> bool:
+        return not staging.spilled and staging.dir is self.staging and len(self._spare) < SPARE_STAGING
+
+    def _recycle(self, staging: "Staging") -> None:
+        """Keep the staging file, emptied, for the next ``new_staging`` (accounting is the caller's)."""
+        if staging.size:
+            os.ftruncate(staging.fd, 0)
+        self._spare.append((staging.name, staging.fd))
+        staging.fd, staging.size = -1, 0
 
     def new_staging(self) -> "Staging":
         self._ensure_dir()
@@ -347,6 +355,12 @@ class Staging:
         if not self.spilled:
             self.ram.used -= self.size
             self.ram.staged -= self.size
+        if self.ram._can_recycle(self):
+            try:
+                self.ram._recycle(self)
+                return
+            except OSError:
+                pass
         os.close(self.fd)
         self.fd = -1
         try:

@@ -316,7 +316,10 @@ class Index:
                 await self._wake.wait()
                 self._wake = trio.Event()
                 await trio.sleep(delay)
-                self.commit()
+                try:
+                    self.commit()
+                except lmdb.Error as e:     # kept pending; the next change or reader retries
+                    log.error("index commit of %d operations failed: %s", self._ops, e)
         finally:
             self._wake = None
 

@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import shutil
-import statistics
 import stat as statmod
 import sys
 import time

@@ -157,6 +157,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_tune_read_ahead, mountpoint)
                 await nursery.start(store.serve)
+                await nursery.start(index.serve_commits)
                 for t in tiers:
                     nursery.start_soon(t.serve)
                 nursery.start_soon(cache.sweep_orphans)
@@ -213,7 +214,16 @@ def main(cfg: Config, ready_fd: int | None = None) -> int:
         if not os.path.isdir(cfg.mountpoint):
             raise ConfigError(f"mountpoint {cfg.mountpoint} does not exist or is not a directory")
         _setup_logging(cfg)
-        trio.run(serve, cfg, ready)
+        prof_out = os.environ.get("KVFS_PROFILE")     # a developer's profile of the trio thread
+        if prof_out:
+            import cProfile
+            prof = cProfile.Profile()
+            try:
+                prof.runcall(trio.run, serve, cfg, ready)
+            finally:
+                prof.dump_stats(prof_out)
+        else:
+            trio.run(serve, cfg, ready)
         return 0
     except ConfigError as e:
         ready.send(f"ERROR {e}")

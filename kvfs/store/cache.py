@@ -165,6 +165,7 @@ class Cache:
                 continue
             async for oid, loc, size in tier.scan():
                 if oid not in self.store.objs:
+                    self.index.commit()     # a record dropped in memory is gone from LMDB too
                     await tier.delete(oid, loc)
                     n += 1
         if n:
@@ -365,7 +366,10 @@ class Cache:
             await self._seal(h.ws)
 
     async def fsync(self, fh: int) -> None:
+        """fsync(2): seal (as close does), then the index record is committed and on disk."""
         await self.flush(fh)
+        self.index.commit()
+        await trio.to_thread.run_sync(self.index.sync)
 
     async def release(self, fh: int) -> None:
         self._releasing += 1            # still counted in open_handles until its seal is done
@@ -743,6 +747,8 @@ class Cache:
         return total, free
 
     def statistics(self) -> dict:
+        # counts() commits the pending index changes first: what the stats describe is in
+        # LMDB (a reader that then sees no open handles may kill -9 and find every closed file)
         counts = self.index.counts()
         return {"tiers": self.store.statistics(), "inodes": counts["inodes"], "objects": len(self.store.objs),
                 "open_handles": len(self.handles) + self._releasing, "writing": len(self.writers), "leases": len(self.leases),

@@ -1,8 +1,20 @@
 """The LMDB index: namespace tree, attributes, object placement, access statistics.
 
-One environment per process. Every public mutator is one write transaction that
-never spans an await, so each namespace operation is atomic on disk. Records are
-typed CBOR maps (kvfs.store.records), never pickle.
+One environment per process. Records are typed CBOR maps (kvfs.store.records),
+never pickle.
+
+Group commits: a namespace operation is one ``Txn`` that never spans an await. It
+buffers its changes and, when it ends cleanly, applies them to an in-memory table of
+pending changes that every read consults first (with a cache of decoded inode
+records), so lookups, attributes and directory entries are served from memory. The
+pending table is written to LMDB in ONE write transaction (``commit``) by the
+daemon's committer task a few milliseconds after the first change, inline once
+``GROUP_OPS`` operations are pending, before any range read (readdir, counts, the
+iterators), at fsync, at ``.kvfs/stats`` and at close. Each commit holds every
+operation ended before it, so after kill -9 the index is the state after some prefix
+of the operations: each file is one of its sealed versions or absent. The store
+frees a durable copy's bytes only after the commit that dropped its record
+(``ObjectStore.release_space``), and records only point at bytes already written.
 
 Databases:
   meta     name -> value (format header, instance id, id counters)
@@ -21,6 +33,7 @@ line naming ``kvfs fsck --repair``, which rebuilds it from the tiers.
 from __future__ import annotations
 
 import logging
+import itertools
 import os
 import struct
 import uuid
@@ -38,6 +51,12 @@ from kvfs.store.safedir import DirLock, holder_text, open_private_dir, read_file
 log = logging.getLogger(__name__)
 
 ROOT_INO = 1
+META, INODES, DIRENTS, DIRORDER, OBJECTS = range(5)     # database numbers in pending keys
+GROUP_OPS = 1024            # operations pending before a commit runs inline
+GROUP_DELAY = 0.02          # seconds the committer waits after the first pending change
+ICACHE_MAX = 1 << 16        # decoded inode records kept (the rest decode from LMDB on use)
+_DEL = object()             # a pending deletion
+_MISS = object()
 _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
 _ID_BATCH = 1024
@@ -174,6 +193,14 @@ class Index:
         self.dirorder = self.env.open_db(b"dirorder")
         self.objects = self.env.open_db(b"objects")
         self._next: dict[bytes, list[int]] = {}
+        self._dbs = (self.meta, self.inodes, self.dirents, self.dirorder, self.objects)
+        # (database, key) -> value (a record dict for inodes and objects, else bytes) or _DEL
+        self._pending: dict[tuple[int, bytes], object] = {}
+        self._ops = 0               # operations in _pending
+        self._icache: dict[int, dict] = {}
+        self._wake = None           # the committer's trio.Event while it runs
+        self.commits = 0            # LMDB write transactions of group commits
+        self.committed_ops = 0      # operations they held
         with self.env.begin(write=True) as txn:
             raw = txn.get(b"format", db=self.meta)
             if raw is None:
@@ -239,28 +266,106 @@ class Index:
     def close(self) -> None:
         try:
             if self.env is not None:
+                self.commit()
                 self.env.sync(True)
         finally:
             self._release()
 
     def sync(self) -> None:
+        """Flush committed pages to the disk (any thread; ``commit`` first, on the owner's)."""
         self.env.sync(True)
 
+    # group commits -----------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Operations applied in memory and not yet in LMDB."""
+        return self._ops
+
+    def commit(self) -> None:
+        """Write every pending change to LMDB in one write transaction."""
+        if not self._pending:
+            return
+        pending, ops = self._pending, self._ops
+        self._pending, self._ops = {}, 0
+        dbs, encode = self._dbs, records.encode
+        try:
+            with self.env.begin(write=True) as txn:
+                put, delete = txn.put, txn.delete
+                for (db, key), v in pending.items():
+                    if v is _DEL:
+                        delete(key, db=dbs[db])
+                    elif db == INODES or db == OBJECTS:
+                        put(key, encode(v), db=dbs[db])
+                    else:
+                        put(key, v, db=dbs[db])
+        except BaseException:
+            pending.update(self._pending)       # kept for the next try; newer changes win
+            self._pending, self._ops = pending, ops + self._ops
+            raise
+        self.commits += 1
+        self.committed_ops += ops
+
+    async def serve_commits(self, delay: float = GROUP_DELAY, task_status=None) -> None:
+        """The committer: commit ``delay`` seconds after the first pending change."""
+        import trio
+        self._wake = trio.Event()
+        if task_status is not None:
+            task_status.started()
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                await trio.sleep(delay)
+                try:
+                    self.commit()
+                except lmdb.Error as e:     # kept pending; the next change or reader retries
+                    log.error("index commit of %d operations failed: %s", self._ops, e)
+        finally:
+            self._wake = None
+
+    def _apply(self, changes: dict) -> None:
+        """A finished Txn's changes join the pending table."""
+        self._pending.update(changes)
+        icache = self._icache
+        for (db, key), v in changes.items():
+            if db == INODES:
+                ino = _U64.unpack(key)[0]
+                if v is _DEL:
+                    icache.pop(ino, None)
+                else:
+                    icache[ino] = v
+        self._ops += 1
+        if self._ops >= GROUP_OPS:
+            self.commit()
+        elif self._wake is not None and not self._wake.is_set():
+            self._wake.set()
+        if len(icache) > ICACHE_MAX:
+            for k in list(itertools.islice(icache, len(icache) - ICACHE_MAX // 2)):
+                del icache[k]
+
+    def _get(self, db: int, key: bytes):
+        """The current value: pending change, else LMDB (decoded for inodes and objects)."""
+        v = self._pending.get((db, key), _MISS)
+        if v is not _MISS:
+            return None if v is _DEL else v
+        with self.env.begin() as txn:
+            raw = txn.get(key, db=self._dbs[db])
+        if raw is None:
+            return None
+        if db == OBJECTS:
+            return _load_object(raw)
+        return bytes(raw)
+
     # id allocation: batches are committed before use, so ids are never reused
-    def new_id(self, kind: bytes, txn: lmdb.Transaction | None = None) -> int:
-        """A fresh id of ``kind`` (ino, oid, eid). Pass the open write txn if any."""
+    def new_id(self, kind: bytes, txn=None) -> int:
+        """A fresh id of ``kind`` (ino, oid, eid). A batch is reserved in its own LMDB
+        transaction, committed at once (never with the pending changes)."""
         pool = self._next.get(kind)
         if not pool or pool[0] >= pool[1]:
-            def reserve(t):
+            with self.env.begin(write=True) as t:
                 raw = t.get(b"next_" + kind, db=self.meta)
                 start = _U64.unpack(raw)[0] if raw else 1
                 t.put(b"next_" + kind, k64(start + _ID_BATCH), db=self.meta)
-                return start
-            if txn is not None:
-                start = reserve(txn)
-            else:
-                with self.env.begin(write=True) as t:
-                    start = reserve(t)
             pool = self._next[kind] = [start, start + _ID_BATCH]
         n = pool[0]
         pool[0] += 1
@@ -268,13 +373,26 @@ class Index:
 
     # reads -------------------------------------------------------------------
     def get_inode(self, ino: int) -> dict | None:
+        """The inode's record, shared: callers must not change it (a Txn gives copies)."""
+        rec = self._icache.get(ino)
+        if rec is not None:
+            return rec
+        key = k64(ino)
+        v = self._pending.get((INODES, key), _MISS)
+        if v is not _MISS:
+            return None if v is _DEL else v
         with self.env.begin() as txn:
-            raw = txn.get(k64(ino), db=self.inodes)
-        return _load_inode(raw) if raw is not None else None
+            raw = txn.get(key, db=self.inodes)
+        if raw is None:
+            return None
+        rec = self._icache[ino] = _load_inode(raw)
+        if len(self._icache) > ICACHE_MAX:
+            for k in list(itertools.islice(self._icache, ICACHE_MAX // 2)):
+                del self._icache[k]
+        return rec
 
     def lookup(self, parent: int, name: bytes) -> int | None:
-        with self.env.begin() as txn:
-            raw = txn.get(k64(parent) + name, db=self.dirents)
+        raw = self._get(DIRENTS, k64(parent) + name)
         return _U64x2.unpack(raw)[0] if raw is not None else None
 
     def resolve_prefix(self, base: list[bytes], paths: list[bytes], sealed: dict) -> list:
@@ -288,6 +406,7 @@ class Index:
         """
         out: list = []
         dirs: dict[bytes, int | None] = {}
+        self.commit()
         with self.env.begin() as txn:
             get = txn.get
             ino: int | None = ROOT_INO
@@ -331,6 +450,7 @@ class Index:
 
     def readdir(self, parent: int, after_eid: int) -> Iterator[tuple[int, bytes, int]]:
         """Yield (eid, name, child ino) in eid order, starting after ``after_eid``."""
+        self.commit()
         prefix = k64(parent)
         with self.env.begin() as txn:
             cur = txn.cursor(db=self.dirorder)
@@ -347,32 +467,35 @@ class Index:
                     yield eid, name, _U64x2.unpack(raw)[0]
 
     def has_children(self, parent: int) -> bool:
+        self.commit()
         prefix = k64(parent)
         with self.env.begin() as txn:
             cur = txn.cursor(db=self.dirents)
             return cur.set_range(prefix) and cur.key()[:8] == prefix
 
     def get_object(self, oid: int) -> dict | None:
-        with self.env.begin() as txn:
-            raw = txn.get(k64(oid), db=self.objects)
-        return _load_object(raw) if raw is not None else None
+        return self._get(OBJECTS, k64(oid))
 
     def iter_objects(self) -> Iterator[tuple[int, dict]]:
+        self.commit()
         with self.env.begin() as txn:
             for k, v in txn.cursor(db=self.objects):
                 yield _U64.unpack(k)[0], _load_object(v)
 
     def iter_inodes(self) -> Iterator[tuple[int, dict]]:
+        self.commit()
         with self.env.begin() as txn:
             for k, v in txn.cursor(db=self.inodes):
                 yield _U64.unpack(k)[0], _load_inode(v)
 
     def iter_dirents(self) -> Iterator[tuple[int, bytes, int]]:
+        self.commit()
         with self.env.begin() as txn:
             for k, v in txn.cursor(db=self.dirents):
                 yield _U64.unpack(k[:8])[0], bytes(k[8:]), _U64x2.unpack(v)[0]
 
     def counts(self) -> dict[str, int]:
+        self.commit()
         with self.env.begin() as txn:
             return {"inodes": txn.stat(self.inodes)["entries"], "objects": txn.stat(self.objects)["entries"]}
 
@@ -383,68 +506,93 @@ class Index:
 
 
 class Txn:
-    """One LMDB write transaction. Commits on clean exit, aborts on exception."""
+    """One namespace operation: reads see the pending table and this operation's own
+    changes; the changes join the pending table on clean exit and are dropped on an
+    exception. Records it returns are copies the caller may change and put back."""
+
+    __slots__ = ("ix", "w")
 
     def __init__(self, index: Index):
         self.ix = index
-        self.txn = index.env.begin(write=True)
+        self.w: dict[tuple[int, bytes], object] = {}
 
     def __enter__(self) -> "Txn":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.txn.commit()
-        else:
-            self.txn.abort()
-            self.ix._next.clear()   # an id batch reserved in this txn was not committed
+        if exc_type is None and self.w:
+            self.ix._apply(self.w)
+
+    def _get(self, db: int, key: bytes):
+        v = self.w.get((db, key), _MISS)
+        if v is _MISS:
+            return self.ix._get(db, key)
+        return None if v is _DEL else v
 
     def new_id(self, kind: bytes) -> int:
-        return self.ix.new_id(kind, self.txn)
+        return self.ix.new_id(kind)
 
     def get_inode(self, ino: int) -> dict | None:
-        raw = self.txn.get(k64(ino), db=self.ix.inodes)
-        return _load_inode(raw) if raw is not None else None
+        v = self.w.get((INODES, k64(ino)), _MISS)
+        rec = self.ix.get_inode(ino) if v is _MISS else (None if v is _DEL else v)
+        if rec is None:
+            return None
+        rec = dict(rec)
+        rec["xattrs"] = dict(rec["xattrs"])
+        return rec
 
     def put_inode(self, ino: int, rec: dict) -> None:
-        self.txn.put(k64(ino), _dumps(rec), db=self.ix.inodes)
+        self.w[(INODES, k64(ino))] = rec
 
     def del_inode(self, ino: int) -> None:
-        self.txn.delete(k64(ino), db=self.ix.inodes)
+        self.w[(INODES, k64(ino))] = _DEL
 
     def lookup(self, parent: int, name: bytes) -> int | None:
-        raw = self.txn.get(k64(parent) + name, db=self.ix.dirents)
+        raw = self._get(DIRENTS, k64(parent) + name)
         return _U64x2.unpack(raw)[0] if raw is not None else None
 
     def link(self, parent: int, name: bytes, child: int) -> None:
-        old = self.txn.get(k64(parent) + name, db=self.ix.dirents)
+        p = k64(parent)
+        old = self._get(DIRENTS, p + name)
         if old is not None:
-            self.txn.delete(k64(parent) + k64(_U64x2.unpack(old)[1]), db=self.ix.dirorder)
-        eid = self.ix.new_id(b"eid", self.txn)
-        self.txn.put(k64(parent) + name, _U64x2.pack(child, eid), db=self.ix.dirents)
-        self.txn.put(k64(parent) + k64(eid), name, db=self.ix.dirorder)
+            self.w[(DIRORDER, p + k64(_U64x2.unpack(old)[1]))] = _DEL
+        eid = self.ix.new_id(b"eid")
+        self.w[(DIRENTS, p + name)] = _U64x2.pack(child, eid)
+        self.w[(DIRORDER, p + k64(eid))] = name
 
     def unlink(self, parent: int, name: bytes) -> None:
-        raw = self.txn.get(k64(parent) + name, db=self.ix.dirents)
+        p = k64(parent)
+        raw = self._get(DIRENTS, p + name)
         if raw is None:
             return
-        self.txn.delete(k64(parent) + name, db=self.ix.dirents)
-        self.txn.delete(k64(parent) + k64(_U64x2.unpack(raw)[1]), db=self.ix.dirorder)
+        self.w[(DIRENTS, p + name)] = _DEL
+        self.w[(DIRORDER, p + k64(_U64x2.unpack(raw)[1]))] = _DEL
 
     def has_children(self, parent: int) -> bool:
         prefix = k64(parent)
-        cur = self.txn.cursor(db=self.ix.dirents)
-        return cur.set_range(prefix) and cur.key()[:8] == prefix
+        for (db, key), v in self.w.items():
+            if db == DIRENTS and key[:8] == prefix and v is not _DEL:
+                return True
+        self.ix.commit()            # earlier operations only: this one's changes stay here
+        with self.ix.env.begin() as t:
+            cur = t.cursor(db=self.ix.dirents)
+            if not cur.set_range(prefix):
+                return False
+            for key in cur.iternext(values=False):
+                if key[:8] != prefix:
+                    return False
+                if self.w.get((DIRENTS, bytes(key))) is not _DEL:
+                    return True
+        return False
 
     def put_object(self, oid: int, rec: dict) -> None:
-        self.txn.put(k64(oid), _dumps(rec), db=self.ix.objects)
+        self.w[(OBJECTS, k64(oid))] = rec
 
     def get_object(self, oid: int) -> dict | None:
-        raw = self.txn.get(k64(oid), db=self.ix.objects)
-        return _load_object(raw) if raw is not None else None
+        return self._get(OBJECTS, k64(oid))
 
     def del_object(self, oid: int) -> None:
-        self.txn.delete(k64(oid), db=self.ix.objects)
+        self.w[(OBJECTS, k64(oid))] = _DEL
 
 
 def _now_ns() -> int:

@@ -205,6 +205,8 @@ class ObjectStore:
         """Free the copies of a dropped object unless a reader still holds it."""
         if not obj.dead or obj.refs > 0:
             return
+        if any(not self._tier(name).volatile for name in obj.place):
+            self.index.commit()         # the drop is in LMDB before a durable copy goes
         place, obj.place = obj.place, {}
         for name, loc in place.items():
             tier = self._tier(name)
@@ -511,6 +513,8 @@ class ObjectStore:
                 txn.put_object(obj.oid, obj.record())
             if not keep:
                 self.counters[src.name].demotions += 1
+                if not src.volatile:
+                    self.index.commit()     # the new placement is in LMDB before this copy goes
                 await src.delete(obj.oid, loc)
         finally:
             obj.busy = False
@@ -557,15 +561,25 @@ class ObjectStore:
         todo = sorted((o for o in self.objs.values() if o.size and set(o.place) == {self.ram.name}),
                       key=lambda o: o.atime)
         lost = 0
-        for n, obj in enumerate(todo):
-            if not obj.dead and set(obj.place) == {self.ram.name}:
-                try:
-                    await self._write_down(obj)
-                except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
-                    lost += 1
-                    log.error("could not keep %s across the restart: %s", obj.key or hex(obj.oid), e)
-            if progress:
-                progress(n + 1, len(todo))
+        lower = self.tiers[1:]
+        for t in lower:             # one sync of each tier at the end, not two per file
+            t.defer_sync = True
+        try:
+            for n, obj in enumerate(todo):
+                if not obj.dead and set(obj.place) == {self.ram.name}:
+                    try:
+                        await self._write_down(obj)
+                    except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
+                        lost += 1
+                        log.error("could not keep %s across the restart: %s", obj.key or hex(obj.oid), e)
+                if progress:
+                    progress(n + 1, len(todo))
+        finally:
+            for t in lower:
+                t.defer_sync = False
+            for t in lower:
+                if t.available:
+                    await t.sync_deferred()
         if lost:
             log.error("%d of %d RAM-only files could not be written to a durable tier and are lost",
                       lost, len(todo))
@@ -632,6 +646,7 @@ class ObjectStore:
         while True:
             await trio.sleep(5)
             self.flush_stats()
+            self.index.commit()
             await trio.to_thread.run_sync(self.index.sync)
 
     def flush_stats(self) -> None:

@@ -32,6 +32,7 @@ from kvfs.store.tier import ObjectInfo, Tier
 log = logging.getLogger(__name__)
 
 MAPPED_MIN = 1 << 20      # objects at least this big stay tmpfs files (mapped; fast path)
+SPARE_STAGING = 64        # emptied staging files kept for the next writes (no create/unlink each)
 
 
 def filesystem_of(path: str | Path) -> tuple[str, str, dict[str, str]]:
@@ -67,6 +68,7 @@ class RamTier(Tier):
         self._stale: set[int] = set()       # objects whose file went with a removed directory
         self.staged = 0                      # bytes held by write buffers (part of used)
         self._seq = itertools.count()
+        self._spare: list[tuple[str, int]] = []      # (name, fd) of empty staging files
 
     @property
     def dir(self) -> Path:
@@ -91,6 +93,8 @@ class RamTier(Tier):
         self._make_dir()
 
     def _close_dirs(self) -> None:
+        while self._spare:
+            os.close(self._spare.pop()[1])
         for d in (self.staging, self.home):
             if d is not None:
                 d.close()
@@ -157,8 +161,15 @@ class RamTier(Tier):
         return b""
 
     def adopt(self, info: ObjectInfo, staging: "Staging") -> bytes:
-        """Turn a RAM staging buffer into the object itself (no copy)."""
+        """Turn a RAM staging buffer into the object itself (no copy; a small object's bytes
+        are copied into memory and its emptied staging file is kept for the next write)."""
         assert not staging.spilled and staging.size == info.size
+        if info.size < MAPPED_MIN and self._can_recycle(staging):
+            self._maps[info.oid] = (os.pread(staging.fd, info.size, 0), info.size)
+            self.objects += 1
+            self.staged -= staging.size
+            self._recycle(staging)
+            return b""
         try:
             os.rename(staging.name, f"{info.oid:016x}", src_dir_fd=staging.dir.fd, dst_dir_fd=self.home.fd)
         except OSError as e:
@@ -207,8 +218,21 @@ class RamTier(Tier):
             return None
         return {"path": self._path(oid), "offset": 0, "direct": False}
 
+    def _can_recycle(self, staging: "Staging") -> bool:
+        return not staging.spilled and staging.dir is self.staging and len(self._spare) < SPARE_STAGING
+
+    def _recycle(self, staging: "Staging") -> None:
+        """Keep the staging file, emptied, for the next ``new_staging`` (accounting is the caller's)."""
+        if staging.size:
+            os.ftruncate(staging.fd, 0)
+        self._spare.append((staging.name, staging.fd))
+        staging.fd, staging.size = -1, 0
+
     def new_staging(self) -> "Staging":
         self._ensure_dir()
+        if self._spare:
+            name, fd = self._spare.pop()
+            return Staging(self, self.staging, name, fd)
         return Staging(self, self.staging, f"w{next(self._seq):x}")
 
 
@@ -222,11 +246,11 @@ def _unlink(where: Dir, name: str) -> None:
 class Staging:
     """A growable write buffer: a tmpfs file, or a file on NVMe once spilled."""
 
-    def __init__(self, ram: RamTier, where: Dir, name: str):
+    def __init__(self, ram: RamTier, where: Dir, name: str, fd: int = -1):
         self.ram = ram
         self.dir = where                # the directory holding the buffer (by descriptor)
         self.name = name
-        self.fd = safedir.create_file(where.fd, name)
+        self.fd = fd if fd >= 0 else safedir.create_file(where.fd, name)   # an empty file
         self.size = 0
         self.spilled = False
         self._spilling: trio.Event | None = None    # set while spill copies: changes wait
@@ -331,6 +355,12 @@ class Staging:
         if not self.spilled:
             self.ram.used -= self.size
             self.ram.staged -= self.size
+        if self.ram._can_recycle(self):
+            try:
+                self.ram._recycle(self)
+                return
+            except OSError:
+                pass
         os.close(self.fd)
         self.fd = -1
         try:

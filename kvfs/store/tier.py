@@ -52,6 +52,14 @@ class Tier(abc.ABC):
         """False while the tier cannot be reached (remote target down)."""
         return True
 
+    # Batched durability (the write-down at unmount): while ``defer_sync`` is set, a put
+    # may return before its bytes are on stable storage; ``sync_deferred`` makes every such
+    # put durable at once. Tiers without a cheaper batch keep syncing each put.
+    defer_sync: bool = False
+
+    async def sync_deferred(self) -> None:
+        """Make the puts done while ``defer_sync`` was set durable."""
+
     def free(self) -> int:
         return max(0, self.capacity - self.used)
 

@@ -1,0 +1,140 @@
+"""Scale of kvfs's metadata: mount time, daemon memory and lookup/stat latency against file count.
+
+    python benchmarks/metadata_scale.py [--counts 10000,100000] [--dirs 4096] [--dir DIR] [--json FILE]
+
+For each count N: a fresh state directory is filled with N empty files in ``--dirs`` directories
+through the store itself (``kvfs.store.cache.Cache``, in process: the same index operations a
+mount makes, without N FUSE round trips), then ``kvfs mount`` (the CLI, until ready) serves it.
+Measured on the mount: mount-until-ready seconds, the daemon's RSS after mounting and after the
+stats, and per-file latency of ``os.stat`` over a random sample of the files: **cold** (the
+kernel has no entry: a LOOKUP answered by the daemon), **warm** (the same names again: the
+kernel's cache) and **miss** (a name that does not exist: a LOOKUP the daemon answers with a
+negative entry). Flat latency from the smallest to the largest count means the daemon's lookup
+does not grow with the number of files. This VM is shared and noisy: compare within a run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import shutil
+import stat as statmod
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from kvfs.bench import BenchMount  # noqa: E402
+from kvfs.config import Config  # noqa: E402
+from kvfs.daemon import build_store  # noqa: E402
+from kvfs.store.cache import Cache  # noqa: E402
+from kvfs.store.index import ROOT_INO, Index  # noqa: E402
+from kvfs.store.nvme import NvmeTier  # noqa: E402
+from kvfs.store.ram import RamTier  # noqa: E402
+
+log = logging.getLogger("metadata_scale")
+
+
+def file_names(count: int, dirs: int) -> list[tuple[str, str]]:
+    return [(f"{i % dirs:04x}", f"{i:08d}.bin") for i in range(count)]
+
+
+async def populate(root: Path, count: int, dirs: int, progress) -> float:
+    """``count`` empty sealed files under ``dirs`` directories in the state of a BenchMount
+    at ``root`` (state/ and nvme/ as it lays them out); returns seconds."""
+    index = Index(root / "state")
+    tiers = [RamTier(64 << 20, "/dev/shm", index.instance_id), NvmeTier(1 << 30, root / "nvme")]
+    for t in tiers:
+        await t.open()
+    cache = Cache(index, build_store(Config(), index, tiers), tiers[1].staging_dir)
+    await cache.start()
+    t0 = time.perf_counter()
+    try:
+        dino = {}
+        for d in range(min(dirs, count)):
+            dino[f"{d:04x}"], _ = cache.ns.make(ROOT_INO, f"{d:04x}".encode(), statmod.S_IFDIR | 0o755,
+                                                os.getuid(), os.getgid())
+        for i, (d, name) in enumerate(file_names(count, dirs)):
+            fh, _, _ = await cache.create(dino[d], name.encode(), 0o644, os.getuid(), os.getgid())
+            await cache.release(fh)
+            if i % 20000 == 19999:
+                progress(f"{count}: {i + 1} files")
+    finally:
+        for t in tiers:
+            await t.close()
+        index.close()
+    return time.perf_counter() - t0
+
+
+def _stat_us(paths: list[str], missing: bool = False) -> float:
+    t0 = time.perf_counter()
+    for p in paths:
+        try:
+            os.stat(p)
+        except FileNotFoundError:
+            if not missing:
+                raise
+    return (time.perf_counter() - t0) / len(paths) * 1e6
+
+
+def measure(base: Path, count: int, dirs: int, sample: int, progress) -> dict:
+    root = base / f"scale-{count}"
+    shutil.rmtree(root, ignore_errors=True)
+    m = BenchMount(root, ram=256 << 20, nvme_size=4 << 30)
+    out: dict = {"files": count, "dirs": min(dirs, count)}
+    try:
+        out["populate_s"] = round(trio.run(populate, root, count, dirs, progress), 2)
+        progress(f"{count}: mounting")
+        out["mount_s"] = round(m.mount(), 3)
+        out["rss_mounted"] = m.memory().get("VmRSS")
+        names = random.Random(count).sample(file_names(count, dirs), min(sample, count))
+        paths = [str(m.path / d / n) for d, n in names]
+        out["cold_us"] = round(_stat_us(paths), 1)
+        out["warm_us"] = round(_stat_us(paths), 1)
+        out["miss_us"] = round(_stat_us([p + ".missing" for p in paths], missing=True), 1)
+        out["rss_after"] = m.memory().get("VmRSS")
+        m.umount()
+    finally:
+        m.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| files | directories | mount s | RSS mounted | RSS after stats | lookup (cold stat) µs "
+           "| warm stat µs | miss µs |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['files']:,} | {r['dirs']:,} | {r['mount_s']} | {r['rss_mounted'] >> 20} MiB | "
+                   f"{r['rss_after'] >> 20} MiB | {r['cold_us']} | {r['warm_us']} | {r['miss_us']} |")
+    if len(rows) > 1 and rows[0]["cold_us"]:
+        out += ["", f"lookup latency at {rows[-1]['files']:,} / at {rows[0]['files']:,} files: "
+                f"{rows[-1]['cold_us'] / rows[0]['cold_us']:.2f}×"]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--counts", default="10000,100000", help="comma-separated file counts")
+    p.add_argument("--dirs", type=int, default=4096)
+    p.add_argument("--sample", type=int, default=5000, help="files stat()ed per count")
+    p.add_argument("--dir", default=".kvfs-bench", help="scratch directory")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    rows = [measure(Path(a.dir).resolve(), int(c), a.dirs, a.sample, lambda s: log.info("%s", s))
+            for c in a.counts.split(",")]
+    print(table(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

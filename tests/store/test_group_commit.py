@@ -1,0 +1,151 @@
+"""Group commits of the index: operations are served from memory at once and reach LMDB
+together, in one write transaction; a durable copy is freed only after the commit that
+dropped its record; fsync commits. Real LMDB, real tiers, no kernel."""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+import trio
+
+from kvfs.errors import NamespaceError
+from kvfs.store.index import ROOT_INO, k64
+from storekit import open_cache
+
+DIR = stat.S_IFDIR | 0o755
+FILE = stat.S_IFREG | 0o644
+
+
+def in_lmdb(index, db, key: bytes) -> bool:
+    """Whether ``key`` is in LMDB itself (what a kill -9 leaves), pending changes aside."""
+    with index.env.begin() as txn:
+        return txn.get(key, db=db) is not None
+
+
+async def write_file(cache, parent: int, name: bytes, data: bytes, *, fsync: bool = False) -> int:
+    fh, ino, _ = await cache.create(parent, name, 0o644, 0, 0)
+    await cache.write(fh, 0, data)
+    if fsync:
+        await cache.fsync(fh)
+    await cache.release(fh)
+    return ino
+
+
+def test_operations_are_served_from_memory_and_committed_in_one_transaction(tmp_path):
+    async def main():
+        async with open_cache(tmp_path) as cache:
+            ix, ns = cache.index, cache.ns
+            ix.commit()
+            before = ix.commits
+            d, _ = ns.make(ROOT_INO, b"d", DIR, 0, 0)
+            files = [ns.make(d, f"f{i}".encode(), FILE, 0, 0, oid=None)[0] for i in range(20)]
+            ns.rename(d, b"f0", d, b"g0", 0, cache.is_open)
+            assert ix.pending == 22
+            assert ns.lookup(d, b"g0") == files[0] and ns.inode(files[0])["name"] == b"g0"
+            assert not in_lmdb(ix, ix.dirents, k64(d) + b"g0")
+            assert not in_lmdb(ix, ix.inodes, k64(files[5]))
+            ix.commit()
+            assert ix.commits == before + 1 and ix.pending == 0
+            assert in_lmdb(ix, ix.dirents, k64(d) + b"g0") and not in_lmdb(ix, ix.dirents, k64(d) + b"f0")
+            assert all(in_lmdb(ix, ix.inodes, k64(f)) for f in files)
+    trio.run(main)
+
+
+def test_a_failed_operation_leaves_nothing_pending(tmp_path):
+    async def main():
+        async with open_cache(tmp_path) as cache:
+            ix, ns = cache.index, cache.ns
+            d, _ = ns.make(ROOT_INO, b"d", DIR, 0, 0)
+            f, _ = ns.make(d, b"f", FILE, 0, 0, oid=None)
+            ix.commit()
+            with pytest.raises(NamespaceError) as e:
+                ns.make(d, b"f", FILE, 0, 0, oid=None)
+            assert e.value.errno == errno.EEXIST
+            with pytest.raises(NamespaceError) as e:
+                ns.rename(d, b"f", f, b"x", 0, cache.is_open)      # into a file
+            assert e.value.errno == errno.ENOTDIR
+            assert ix.pending == 0
+            assert ns.lookup(d, b"f") == f
+    trio.run(main)
+
+
+def test_range_reads_and_rmdir_see_the_pending_changes(tmp_path):
+    async def main():
+        async with open_cache(tmp_path) as cache:
+            ix, ns = cache.index, cache.ns
+            d, _ = ns.make(ROOT_INO, b"d", DIR, 0, 0)
+            ns.make(d, b"a", FILE, 0, 0, oid=None)
+            ns.make(d, b"b", FILE, 0, 0, oid=None)
+            assert [n for _, n, _ in ix.readdir(d, 0)] == [b"a", b"b"]
+            ns.make(d, b"c", FILE, 0, 0, oid=None)               # pending again
+            with pytest.raises(NamespaceError) as e:
+                ns.rmdir(ROOT_INO, b"d")
+            assert e.value.errno == errno.ENOTEMPTY
+            for n in (b"a", b"b", b"c"):
+                await cache.unlink(d, n)
+            ns.rmdir(ROOT_INO, b"d")                                 # empty, though not committed
+            assert ix.pending and [n for _, n, _ in ix.readdir(ROOT_INO, 0)] == []
+            assert ix.counts()["inodes"] == 1 and ix.pending == 0
+    trio.run(main)
+
+
+def test_a_durable_copy_is_freed_only_after_the_commit_that_dropped_it(tmp_path):
+    """Unlink and rename over a file whose bytes are on NVMe: when its copy is deleted, LMDB
+    no longer has the record (a kill -9 then finds the file absent, never unreadable)."""
+    async def main():
+        async with open_cache(tmp_path) as cache:
+            ix, store = cache.index, cache.store
+            nvme = store.tiers[1]
+            seen = []
+            real_delete = nvme.delete
+
+            async def delete(oid, loc):
+                seen.append((oid, in_lmdb(ix, ix.objects, k64(oid))))
+                await real_delete(oid, loc)
+            nvme.delete = delete
+            victims = []
+            for name in (b"gone", b"over"):
+                ino = await write_file(cache, ROOT_INO, name, os.urandom(70_000))
+                obj = cache.ns.sealed[ino]
+                await store.demote(obj, 0)
+                assert set(obj.place) == {"nvme"}
+                victims.append(obj.oid)
+            ix.commit()
+            await cache.unlink(ROOT_INO, b"gone")
+            await write_file(cache, ROOT_INO, b"new", b"x" * 10)
+            await cache.rename(ROOT_INO, b"new", ROOT_INO, b"over", 0)
+            assert seen == [(victims[0], False), (victims[1], False)]
+    trio.run(main)
+
+
+def test_fsync_puts_the_sealed_record_in_lmdb(tmp_path):
+    async def main():
+        async with open_cache(tmp_path) as cache:
+            ix = cache.index
+            ino = await write_file(cache, ROOT_INO, b"f", b"y" * 5000, fsync=True)
+            oid = cache.ns.sealed[ino].oid
+            assert ix.pending == 0
+            assert in_lmdb(ix, ix.objects, k64(oid)) and in_lmdb(ix, ix.dirents, k64(ROOT_INO) + b"f")
+            with ix.env.begin() as txn:
+                from kvfs.store.records import decode_inode
+                assert decode_inode(txn.get(k64(ino), db=ix.inodes))["oid"] == oid
+    trio.run(main)
+
+
+def test_reopen_after_close_keeps_every_operation(tmp_path):
+    async def main():
+        async with open_cache(tmp_path) as cache:
+            for i in range(50):
+                await write_file(cache, ROOT_INO, f"f{i}".encode(), bytes([i]) * 3000)
+            assert cache.index.pending
+            await cache.store.write_down_volatile()      # the unmount's write-down (one sync)
+        async with open_cache(tmp_path) as cache:
+            names = sorted(n for _, n, _ in cache.index.readdir(ROOT_INO, 0))
+            assert names == sorted(f"f{i}".encode() for i in range(50))
+            for i in range(50):
+                fh = await cache.open(cache.ns.lookup(ROOT_INO, f"f{i}".encode()), os.O_RDONLY)
+                assert bytes(await cache.read(fh, 0, 4000)) == bytes([i]) * 3000
+                await cache.release(fh)
+    trio.run(main)

@@ -25,7 +25,7 @@ fast path: read it through the mount). The leased objects stay where they are, c
 open, until the next request on the same descriptor, its close, or the ttl.
 
 ``events`` streams KV events (kvfs.events) as JSON lines from the moment it is opened; a read
-waits until there is one. Only root and the daemon's user may open it (event paths name every
+waits until there is one, at most EVENT_WAIT seconds, then answers ``{"event": "idle"}``. Only root and the daemon's user may open it (event paths name every
 tenant's files), and at most EVENT_READERS descriptors at once (each waiting read holds one of
 the FUSE session's worker tasks): EBUSY past that.
 """
@@ -40,6 +40,7 @@ import stat
 import time
 
 import pyfuse3
+import trio
 
 from kvfs.store.cache import LEASE_TTL, LEASE_TTL_MAX, ROOT, Cred
 
@@ -52,6 +53,12 @@ LEASE = CTRL_DIR + 3
 EVENTS = CTRL_DIR + 4
 FILES = {b"stats": STATS, b"lookup": LOOKUP, b"lease": LEASE, b"events": EVENTS}
 EVENT_READERS = 8
+EVENT_WAIT = 1.0        # seconds a read of .kvfs/events waits before it answers an idle line
+
+
+def idle_line(size: int) -> bytes:
+    """What a read of ``.kvfs/events`` gets when nothing happened for EVENT_WAIT seconds."""
+    return _json({"event": "idle", "time": time.time()})[:size]
 CONTROL_NAME_B = b".kvfs"
 _MAX_REQUEST = 16 << 20
 
@@ -167,6 +174,10 @@ class Control:
     def stats_json(self) -> bytes:
         doc = dict(self.describe())
         doc.update(self.cache.statistics())
+        tel = self.telemetry.snapshot()
+        for key in ("namespaces", "admission_dropped", "deadline_exceeded", "events"):
+            doc[key] = tel[key]
+        doc["uptime"] = time.time() - self.telemetry.started
         return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
     def open(self, ino: int, flags: int, cred: Cred = ROOT) -> ControlHandle:
@@ -206,8 +217,13 @@ class Control:
 
     async def read(self, h: ControlHandle, off: int, size: int) -> bytes:
         if h.events is not None:
-            while not h.events.ready() and not h.events.closed:
-                await h.events.wakeup.wait()
+            # never wait long: once a FUSE request is in the daemon's hands the kernel waits
+            # for its answer even if the reader is killed (pyfuse3 ignores interrupts)
+            with trio.move_on_after(EVENT_WAIT):
+                while not h.events.ready() and not h.events.closed:
+                    await h.events.wakeup.wait()
+            if not h.events.ready():
+                return b"" if h.events.closed else idle_line(size)
             return h.events.take(size)
         if h.answer is None and h.ino in (LOOKUP, LEASE):
             raw, h.request = bytes(h.request), bytearray()

@@ -74,6 +74,7 @@ class Config:
     metrics: str = ""                  # HOST:PORT of the Prometheus endpoint ("" = off)
     admit_after: int | dict = 1        # uses before a tier takes an object: N, or {tier = N}
     read_deadline: float = 2.0         # seconds a read may wait on a lower tier (0 = no limit)
+    events_queue: int = 4096           # events a .kvfs/events reader may lag before it loses some
     debug: bool = False
     foreground: bool = False
 
@@ -137,6 +138,8 @@ class Config:
             from kvfs.metrics import parse_address
             parse_address(self.metrics)
         self.admission()
+        if not isinstance(self.events_queue, int) or not 1 <= self.events_queue <= 1 << 20:
+            raise ConfigError("events_queue must be an integer in [1, 1048576]")
         if not isinstance(self.read_deadline, (int, float)) or not 0 <= self.read_deadline <= 3600:
             raise ConfigError("read_deadline must be a number of seconds in [0, 3600] (0: no deadline)")
         self.check_shm_dir()

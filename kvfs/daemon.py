@@ -145,6 +145,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         tiers[1].bind(index.instance_id, cfg.state_dir, bound=index.get_meta(b"nvme_bound") is not None)
         index.put_meta(b"nvme_bound", b"1")
         store = build_store(cfg, index, tiers)
+        store.events.queue_limit = cfg.events_queue
         cache = Cache(index, store, tiers[1].staging_dir)
         recovered = await cache.start()
         served = {"metrics": None}

@@ -87,6 +87,7 @@ class EventHub:
         self.emitted = {k: 0 for k in KINDS}
         self.seq = 0
         self.lost = 0               # events dropped by readers that have since closed
+        self.queue_limit = QUEUE_EVENTS
         # (obj) -> (path, kv record or None); set by the cache (it knows names)
         self.describe = lambda obj: (getattr(obj, "key", ""), None)
 
@@ -94,8 +95,8 @@ class EventHub:
     def active(self) -> bool:
         return bool(self.subscribers)
 
-    def subscribe(self, limit: int = QUEUE_EVENTS) -> Subscriber:
-        s = Subscriber(limit)
+    def subscribe(self) -> Subscriber:
+        s = Subscriber(self.queue_limit)
         self.subscribers.add(s)
         return s
 

@@ -43,11 +43,25 @@ def scrape(addr: str) -> dict:
     return out
 
 
+def _read_direct(path: Path, buf: mmap.mmap) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except FileNotFoundError:
+        return
+    try:
+        os.preadv(fd, [buf], 0)
+    finally:
+        os.close(fd)
+
+
 def workload(root: Path, stop: threading.Event) -> None:
-    """Three namespaces: a hot set re-read with O_DIRECT, a stream of new blocks, misses."""
+    """Three namespaces. Blocks of the two model namespaces are read again right after they
+    are written (a shared prefix reused: admitted to NVMe) and at random later (hot and cold
+    reads, NVMe hits, promotions); ``kvfs_admit`` blocks are never read (dropped from RAM by
+    ``admit_after = 2``). Each step also checks a block that does not exist."""
     rnd = random.Random(7)
     buf = mmap.mmap(-1, MiB)
-    hot = []
+    written: list[Path] = []
     n = 0
     while not stop.is_set():
         ns = rnd.choice(["llama-3-8b", "llama-3-8b", "qwen-2-7b", "kvfs_admit"])
@@ -57,17 +71,12 @@ def workload(root: Path, stop: threading.Event) -> None:
         with open(p.with_suffix(".tmp"), "wb") as f:
             f.write(rnd.randbytes(MiB))
         os.replace(p.with_suffix(".tmp"), p)
-        if ns != "kvfs_admit" and len(hot) < 12:
-            hot.append(p)
-        for q in rnd.sample(hot, min(3, len(hot))):
-            try:
-                fd = os.open(q, os.O_RDONLY | os.O_DIRECT)
-                try:
-                    os.preadv(fd, [buf], 0)
-                finally:
-                    os.close(fd)
-            except FileNotFoundError:
-                hot.remove(q)
+        if ns != "kvfs_admit":
+            _read_direct(p, buf)
+            written.append(p)
+            hot = written[-8:]
+            for q in rnd.sample(hot, min(2, len(hot))) + rnd.sample(written, min(2, len(written))):
+                _read_direct(q, buf)
         os.path.exists(root / ns / "ff" / f"missing{n}.kv")
         n += 1
         time.sleep(0.02)
@@ -193,6 +202,8 @@ def render(dash: dict, series, png: Path) -> None:
         unit = p["fieldConfig"]["defaults"]["unit"]
         if unit in fmt:
             ax.yaxis.set_major_formatter(fmt[unit])
+        if unit == "percentunit":
+            ax.set_ylim(0, 1.05)
         if ax.lines:
             ax.legend(fontsize=6.5, loc="upper left", facecolor="#181b1f", labelcolor="#d8d9da",
                       edgecolor="#2c3235", ncol=2)
@@ -217,7 +228,7 @@ def main() -> int:
     cfg.write_text("[admit_after]\nnvme = 2\n")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     subprocess.run([*KVFS, "mount", str(mnt), "--nvme", str(tmp / "nvme"), "--ram", "48MiB",
-                    "--nvme-size", "2GiB", "--metrics", "127.0.0.1:0", "--config", str(cfg)],
+                    "--nvme-size", "160MiB", "--metrics", "127.0.0.1:0", "--config", str(cfg)],
                    check=True, env=env)
     stop = threading.Event()
     try:

@@ -557,8 +557,8 @@ class ObjectStore:
             with self.index.write() as txn:
                 txn.put_object(obj.oid, obj.record())
             if not keep:
+                self.events.emit("demoted", obj, next(t.name for t in self.tiers[i + 1:] if t.name in obj.place))
                 self.counters[src.name].demotions += 1
-                self.events.emit("demoted", obj, self.top_tier(obj))
                 await src.delete(obj.oid, loc)
         finally:
             obj.busy = False

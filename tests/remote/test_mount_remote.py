@@ -193,7 +193,7 @@ def test_read_deadline_on_a_stalled_target(kvfs_mount, fresh_target, tmp_path):
     cfg = tmp_path / "kvfs.toml"
     cfg.write_text("read_deadline = 1.0\n")
     m = kvfs_mount(ram="32MiB", nvme_size="64MiB", remote=fresh_target.url + "?timeout=30&kato=60",
-                   config=cfg)
+                   config=cfg, metrics="127.0.0.1:0")
     files = {path_of(m.path, i): i for i in range(30)}
     for p, i in files.items():
         put(p, content(i))
@@ -221,3 +221,20 @@ def test_read_deadline_on_a_stalled_target(kvfs_mount, fresh_target, tmp_path):
         os.kill(fresh_target.pid, signal.SIGCONT)
     assert wait_for(lambda: direct_read() == content(files[victim]), 120, "the file to read back")
     buf.close()
+    metrics = _scrape(m)
+    assert metrics["kvfs_tier_read_deadline_exceeded_total", (("tier", "remote"),)] >= 1
+    assert metrics["kvfs_remote_connected", (("tier", "remote"),)] == 1
+    assert metrics["kvfs_remote_state", (("state", "connected"), ("tier", "remote"))] == 1
+    assert ("kvfs_remote_reconnects_total", (("tier", "remote"),)) in metrics
+    assert metrics["kvfs_tier_used_bytes", (("tier", "remote"),)] == m.stats()["tiers"]["remote"]["used"]
+    top = run_kvfs("top", m.path, "--once", "--interval", "0.1")
+    assert top.returncode == 0 and "remote" in top.stdout and "connected" in top.stdout, top.stdout
+
+
+def _scrape(m) -> dict:
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://{m.stats()['metrics']}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}

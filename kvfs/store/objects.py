@@ -557,7 +557,7 @@ class ObjectStore:
             with self.index.write() as txn:
                 txn.put_object(obj.oid, obj.record())
             if not keep:
-                self.events.emit("demoted", obj, next(t.name for t in self.tiers[i + 1:] if t.name in obj.place))
+                self.events.emit("demoted", obj, next((t.name for t in self.tiers[i + 1:] if t.name in obj.place), None))
                 self.counters[src.name].demotions += 1
                 await src.delete(obj.oid, loc)
         finally:

@@ -14,6 +14,7 @@ from kvfs.cli.bench_cmd import bench_cmd
 from kvfs.cli.fsck import fsck_cmd
 from kvfs.cli.inspect import ls_cmd, stat_cmd
 from kvfs.cli.mounting import mount_cmd, umount_cmd
+from kvfs.cli.quota import quota_cmd
 from kvfs.cli.top import events_cmd, top_cmd
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def main(verbose):
                         format="%(levelname)s %(name)s: %(message)s")
 
 
-for _cmd in (mount_cmd, umount_cmd, stat_cmd, ls_cmd, fsck_cmd, bench_cmd, top_cmd, events_cmd):
+for _cmd in (mount_cmd, umount_cmd, stat_cmd, ls_cmd, fsck_cmd, bench_cmd, top_cmd, events_cmd, quota_cmd):
     main.add_command(_cmd)
 
 

@@ -178,6 +178,9 @@ class Control:
         for key in ("namespaces", "admission_dropped", "deadline_exceeded", "events"):
             doc[key] = tel[key]
         doc["uptime"] = time.time() - self.telemetry.started
+        quotas = getattr(self.cache, "quotas", None)
+        if quotas is not None:
+            doc["quotas"] = quotas.statistics()
         return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
     def open(self, ino: int, flags: int, cred: Cred = ROOT) -> ControlHandle:

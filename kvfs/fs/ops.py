@@ -14,6 +14,7 @@ import pyfuse3
 from kvfs.errors import NamespaceError
 from kvfs.fs import control
 from kvfs.fs.errmap import translate
+from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
 from kvfs.store.cache import Cache
 from kvfs.store.index import ROOT_INO
 
@@ -127,6 +128,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.cache = cache
         self.control = control.Control(cache, describe)
         self._latency = cache.store.telemetry.latency     # kvfs.telemetry histograms
+        self.quotas = cache.quotas = Quotas(cache)          # kvfs.quota
         self._ctl: dict[int, control.ControlHandle] = {}
         self._next_ctl = 1 << 62
         self.notifier = Notifier()
@@ -384,6 +386,8 @@ class KvfsOperations(pyfuse3.Operations):
                 del self._page_key[ino]
         t0 = time.perf_counter()
         try:
+            if self.quotas.limits:
+                await self.quotas.admit_write(fh, off, len(buf))
             return await self.cache.write(fh, off, buf)
         finally:
             self._latency["write"].observe(time.perf_counter() - t0)
@@ -407,6 +411,7 @@ class KvfsOperations(pyfuse3.Operations):
             await self.control.release(h)      # closing a lease descriptor ends its lease
             return
         self._closed(fh)
+        self.quotas.forget_handle(fh)
         await self.cache.release(fh)
 
     # ---- xattrs -------------------------------------------------------------
@@ -414,12 +419,16 @@ class KvfsOperations(pyfuse3.Operations):
     async def getxattr(self, inode, name, ctx):
         if control.is_control(inode):
             raise pyfuse3.FUSEError(errno.ENODATA)
+        if name == QUOTA_XATTR:
+            return self.quotas.get_xattr(inode)
         return self.cache.get_xattr(inode, name)
 
     @translate
     async def setxattr(self, inode, name, value, ctx):
         if control.is_control(inode):
             raise pyfuse3.FUSEError(errno.EPERM)
+        if name == QUOTA_XATTR:
+            return self.quotas.set_xattr(inode, value, ctx.uid)
         self.cache.set_xattr(inode, name, value)
 
     @translate

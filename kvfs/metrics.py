@@ -57,6 +57,8 @@ def snapshot(cache) -> dict:
     store = cache.store
     doc = cache.statistics()
     doc["telemetry"] = store.telemetry.snapshot()
+    quotas = getattr(cache, "quotas", None)
+    doc["quotas"] = quotas.statistics() if quotas is not None else {"limits": {}, "evicted": 0, "refused": 0}
     doc["queues"] = {
         "promotion": store._promote_send.statistics().current_buffer_used,
         "moving": store._moving,
@@ -83,6 +85,7 @@ class KvfsCollector:
         yield from namespace_families(doc["telemetry"]["namespaces"])
         yield from latency_families(doc["telemetry"]["latency"])
         yield from state_families(doc)
+        yield from quota_families(doc["quotas"])
 
 
 def _gauge(name, doc, labels=(), samples=()):
@@ -173,6 +176,14 @@ def state_families(doc: dict):
                    ["event"], [((k,), v) for k, v in ev["emitted"].items()])
     yield _counter("kvfs_events_dropped", "Events lost by readers that fell behind.",
                    samples=[((), ev["dropped"])])
+
+
+def quota_families(q: dict):
+    yield _gauge("kvfs_namespace_quota_bytes", "Byte quota of a namespace (kvfs quota set).",
+                 ["namespace"], [((n,), row["limit"]) for n, row in q["limits"].items()])
+    yield _counter("kvfs_quota_evictions", "Files evicted to keep a namespace within its quota.",
+                   samples=[((), q["evicted"])])
+    yield _counter("kvfs_quota_refused_writes", "Writes refused with EDQUOT.", samples=[((), q["refused"])])
 
 
 class MetricsServer:

@@ -43,7 +43,7 @@ print(json.dumps(out))
 
 
 def test_a_tenant_past_its_quota_evicts_its_own_lru_then_gets_edquot(kvfs_mount, intruder):
-    m = kvfs_mount(allow_other=True)
+    m = kvfs_mount(allow_other=True, metrics="127.0.0.1:0")
     ta, tb = m.path / "tenant-a", m.path / "tenant-b"
     ta.mkdir()
     tb.mkdir()
@@ -70,6 +70,11 @@ def test_a_tenant_past_its_quota_evicts_its_own_lru_then_gets_edquot(kvfs_mount,
     assert st["limits"]["tenant-a"]["limit"] == 7 << 19
     assert st["limits"]["tenant-a"]["used"] <= 7 << 19
     assert st["refused"] >= 1
+    from test_mnt_ops import scrape
+    metrics = scrape(m)
+    assert metrics[("kvfs_namespace_quota_bytes", ("tenant-a",))] == 7 << 19
+    assert metrics[("kvfs_quota_evictions_total", ())] == st["evicted"]
+    assert metrics[("kvfs_quota_refused_writes_total", ())] == st["refused"]
     ls = run_kvfs("quota", "ls", m.path)
     assert ls.returncode == 0 and "tenant-a" in ls.stdout and "3.5 MiB" in ls.stdout
     m.remount()                                               # kept in the index

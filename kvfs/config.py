@@ -71,6 +71,10 @@ class Config:
     promote_window: float = 30.0       # seconds
     chunk_size: int = 1 << 20          # checksum and read granularity of lower tiers
     shm_dir: str = "/dev/shm"          # the RAM tier lives in shared memory here
+    metrics: str = ""                  # HOST:PORT of the Prometheus endpoint ("" = off)
+    admit_after: int | dict = 1        # uses before a tier takes an object: N, or {tier = N}
+    read_deadline: float = 2.0         # seconds a read may wait on a lower tier (0 = no limit)
+    events_queue: int = 4096           # events a .kvfs/events reader may lag before it loses some
     debug: bool = False
     foreground: bool = False
 
@@ -130,7 +134,29 @@ class Config:
             raise ConfigError("promote_hits must be at least 1")
         if self.chunk_size < 4096 or self.chunk_size % 4096:
             raise ConfigError("chunk_size must be a positive multiple of 4096")
+        if self.metrics:
+            from kvfs.metrics import parse_address
+            parse_address(self.metrics)
+        self.admission()
+        if not isinstance(self.events_queue, int) or not 1 <= self.events_queue <= 1 << 20:
+            raise ConfigError("events_queue must be an integer in [1, 1048576]")
+        if not isinstance(self.read_deadline, (int, float)) or not 0 <= self.read_deadline <= 3600:
+            raise ConfigError("read_deadline must be a number of seconds in [0, 3600] (0: no deadline)")
         self.check_shm_dir()
+
+    def admission(self) -> dict[str, int]:
+        """``admit_after`` per lower tier (``nvme``, ``remote``): uses (its write plus opens)
+        an object needs before that tier takes it. An integer applies to every lower tier."""
+        raw = self.admit_after
+        table = {"nvme": raw, "remote": raw} if isinstance(raw, int) and not isinstance(raw, bool) else raw
+        if not isinstance(table, dict):
+            raise ConfigError(f"admit_after must be an integer or a table of tier = integer, not {raw!r}")
+        for tier, n in table.items():
+            if tier not in ("nvme", "remote"):
+                raise ConfigError(f"admit_after: unknown tier {tier!r} (nvme or remote)")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ConfigError(f"admit_after.{tier} must be an integer >= 1, not {n!r}")
+        return dict(table)
 
     def check_shm_dir(self) -> dict[str, str]:
         """The RAM tier's directory must be an existing directory on tmpfs (memory, and what

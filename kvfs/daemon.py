@@ -126,7 +126,8 @@ def build_tiers(cfg: Config, index: Index, holder: str | None = None) -> list:
 def build_store(cfg: Config, index: Index, tiers: list) -> ObjectStore:
     return ObjectStore(index, tiers, chunk_size=cfg.chunk_size, high=cfg.high_watermark,
                        low=cfg.low_watermark, promote_hits=cfg.promote_hits,
-                       promote_window=cfg.promote_window)
+                       promote_window=cfg.promote_window, admit_after=cfg.admission(),
+                       read_deadline=float(cfg.read_deadline))
 
 
 async def serve(cfg: Config, ready: _Ready) -> None:
@@ -136,6 +137,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
     index = Index(cfg.state_dir, holder=holder)
     tiers = build_tiers(cfg, index, holder)
     opened = []
+    metrics = None
     try:
         for t in tiers:
             await t.open()
@@ -143,13 +145,19 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         tiers[1].bind(index.instance_id, cfg.state_dir, bound=index.get_meta(b"nvme_bound") is not None)
         index.put_meta(b"nvme_bound", b"1")
         store = build_store(cfg, index, tiers)
+        store.events.queue_limit = cfg.events_queue
         cache = Cache(index, store, tiers[1].staging_dir)
         recovered = await cache.start()
+        served = {"metrics": None}
         describe = lambda: {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
                             "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir),
                             "instance": index.instance_id,
-                            "recovered": recovered, "started": started}
+                            "recovered": recovered, "started": started, **served}
         ops = KvfsOperations(cache, describe)
+        if cfg.metrics:
+            from kvfs.metrics import MetricsServer
+            metrics = MetricsServer(cfg.metrics, cache, trio.lowlevel.current_trio_token())
+            served["metrics"] = metrics.address
         pyfuse3.init(ops, mountpoint, mount_options(cfg.allow_other))
         ops.mounted = True
         unmounted = False
@@ -162,7 +170,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                     nursery.start_soon(t.serve)
                 nursery.start_soon(cache.sweep_orphans)
                 nursery.start_soon(cache.serve_leases)
-                nursery.start_soon(_on_signals)
+                nursery.start_soon(_on_signals, cache.telemetry.events)
                 log.info("mounted %s in %.2fs (%s)", mountpoint, time.monotonic() - started,
                          ", ".join(f"{t.name} {t.capacity}" for t in tiers))
                 huge = cfg.check_shm_dir().get("huge", "never")
@@ -180,6 +188,8 @@ async def serve(cfg: Config, ready: _Ready) -> None:
             n = await store.write_down_volatile()
             log.info("wrote %d RAM-only objects down", n)
     finally:
+        if metrics is not None:
+            metrics.close()
         for t in reversed(opened):
             with contextlib.suppress(Exception):
                 await t.close()
@@ -187,10 +197,11 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         log.info("daemon exiting")
 
 
-async def _on_signals() -> None:
+async def _on_signals(events) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for sig in signals:
             log.info("signal %d: unmounting", sig)
+            events.close()          # a waiting .kvfs/events read must not hold the session
             pyfuse3.terminate()
             return
 

@@ -34,12 +34,13 @@ def helper(*args, kvfs_bin=None):
 def test_fake_mount_translates_fstab_options(kvfs_bin):
     res = helper("kvfs", "/mnt/kvfs", "-f", "-o",
                  "rw,ram=8GiB,nvme=/nvme/kvfs,nvme_size=1TiB,defaults,noauto,_netdev,nofail,"
-                 "user,x-systemd.automount,allow_other,volatile_ram,state=/var/lib/kvfs",
+                 "user,x-systemd.automount,allow_other,volatile_ram,state=/var/lib/kvfs,metrics=0.0.0.0:9108",
                  kvfs_bin=kvfs_bin)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == [
         str(kvfs_bin), "mount", "/mnt/kvfs", "--ram", "8GiB", "--nvme", "/nvme/kvfs",
-        "--nvme-size", "1TiB", "--allow-other", "--volatile-ram", "--state", "/var/lib/kvfs"]
+        "--nvme-size", "1TiB", "--allow-other", "--volatile-ram", "--state", "/var/lib/kvfs",
+        "--metrics", "0.0.0.0:9108"]
 
 
 @pytest.mark.parametrize("opts,needle,code", [

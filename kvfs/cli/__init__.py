@@ -1,4 +1,4 @@
-"""The ``kvfs`` command: mount, umount, stat, ls, fsck, bench (and ``remote`` when present).
+"""The ``kvfs`` command: mount, umount, stat, ls, top, events, fsck, bench (and ``remote``).
 
 Every error is one line on stderr (``kvfs: error: ...``) with a non-zero exit.
 """
@@ -14,6 +14,8 @@ from kvfs.cli.bench_cmd import bench_cmd
 from kvfs.cli.fsck import fsck_cmd
 from kvfs.cli.inspect import ls_cmd, stat_cmd
 from kvfs.cli.mounting import mount_cmd, umount_cmd
+from kvfs.cli.quota import quota_cmd
+from kvfs.cli.top import events_cmd, top_cmd
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ def main(verbose):
                         format="%(levelname)s %(name)s: %(message)s")
 
 
-for _cmd in (mount_cmd, umount_cmd, stat_cmd, ls_cmd, fsck_cmd, bench_cmd):
+for _cmd in (mount_cmd, umount_cmd, stat_cmd, ls_cmd, fsck_cmd, bench_cmd, top_cmd, events_cmd, quota_cmd):
     main.add_command(_cmd)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from kvfs.cli.common import KVFS_FSTYPES, fail, mount_fstype, pid_alive, read_stats, stderr, wait_until
+from kvfs.cli.common import KVFS_FSTYPES, CLIError, fail, mount_fstype, pid_alive, read_stats, stderr, wait_until
 from kvfs.config import Config
 from kvfs.errors import ConfigError
 
@@ -168,6 +168,9 @@ def size_option(name: str, help: str):
               help="Format the remote volume (destroys what is on it).")
 @click.option("--volatile-ram", is_flag=True, default=None,
               help="On clean unmount, do not write RAM-only objects down to NVMe.")
+@click.option("--metrics", metavar="HOST:PORT", default=None,
+              help="Serve Prometheus metrics at http://HOST:PORT/metrics (default off; "
+                   "PORT alone listens on 127.0.0.1).")
 @click.option("--debug", is_flag=True, default=None, help="Debug logging in the daemon.")
 @click.option("--foreground", "-f", is_flag=True, default=False,
               help="Stay attached: run the daemon in this process until unmounted.")
@@ -184,6 +187,12 @@ def mount_cmd(mountpoint, config_file, foreground, timeout, **flags):
     pid = spawn_daemon(cfg, timeout)
     log.info("kvfs mounted at %s (daemon pid %d)", cfg.mountpoint, pid)
     click.echo(f"kvfs mounted at {cfg.mountpoint} (pid {pid}, nvme {cfg.nvme}, state {cfg.state})")
+    if cfg.metrics:
+        try:
+            where = read_stats(cfg.mountpoint).get("metrics")
+        except CLIError:
+            where = None
+        click.echo(f"metrics at http://{where or cfg.metrics}/metrics")
 
 
 def _run_foreground(cfg: Config) -> None:

@@ -23,6 +23,11 @@ regular files (the first that is not ends the prefix), with the highest tier of 
 ``[tier, path, offset, size, xxh3_64 hex, direct]`` (its backing location) or ``null`` (no
 fast path: read it through the mount). The leased objects stay where they are, counted as
 open, until the next request on the same descriptor, its close, or the ttl.
+
+``events`` streams KV events (kvfs.events) as JSON lines from the moment it is opened; a read
+waits until there is one, at most EVENT_WAIT seconds, then answers ``{"event": "idle"}``. Only root and the daemon's user may open it (event paths name every
+tenant's files), and at most EVENT_READERS descriptors at once (each waiting read holds one of
+the FUSE session's worker tasks): EBUSY past that.
 """
 from __future__ import annotations
 
@@ -30,10 +35,12 @@ import errno
 import json
 import logging
 import math
+import os
 import stat
 import time
 
 import pyfuse3
+import trio
 
 from kvfs.store.cache import LEASE_TTL, LEASE_TTL_MAX, ROOT, Cred
 
@@ -43,7 +50,15 @@ CTRL_DIR = 0xFFFF_FFFF_FFFF_0000
 STATS = CTRL_DIR + 1
 LOOKUP = CTRL_DIR + 2
 LEASE = CTRL_DIR + 3
-FILES = {b"stats": STATS, b"lookup": LOOKUP, b"lease": LEASE}
+EVENTS = CTRL_DIR + 4
+FILES = {b"stats": STATS, b"lookup": LOOKUP, b"lease": LEASE, b"events": EVENTS}
+EVENT_READERS = 8
+EVENT_WAIT = 1.0        # seconds a read of .kvfs/events waits before it answers an idle line
+
+
+def idle_line(size: int) -> bytes:
+    """What a read of ``.kvfs/events`` gets when nothing happened for EVENT_WAIT seconds."""
+    return _json({"event": "idle", "time": time.time()})[:size]
 CONTROL_NAME_B = b".kvfs"
 _MAX_REQUEST = 16 << 20
 
@@ -62,6 +77,9 @@ def attrs(ino: int) -> pyfuse3.EntryAttributes:
         a.st_mode, a.st_nlink = stat.S_IFDIR | 0o555, 2
     elif ino == STATS:
         a.st_mode, a.st_nlink = stat.S_IFREG | 0o444, 1
+    elif ino == EVENTS:
+        a.st_mode, a.st_nlink = stat.S_IFREG | 0o400, 1
+        a.st_uid, a.st_gid = os.getuid(), os.getgid()
     else:
         a.st_mode, a.st_nlink = stat.S_IFREG | 0o666, 1
     a.st_size = 0
@@ -82,6 +100,7 @@ class ControlHandle:
         self.request = bytearray()
         self.answer: bytes | None = None
         self.lease: int | None = None      # the lease this descriptor holds (lease file)
+        self.events = None                 # its kvfs.events.Subscriber (events file)
 
 
 def caller(ctx) -> Cred:
@@ -145,6 +164,7 @@ class Control:
     def __init__(self, cache, describe):
         self.cache = cache
         self.describe = describe      # () -> dict of mount facts (pid, mountpoint, ...)
+        self.telemetry = cache.store.telemetry
 
     def lookup(self, name: bytes) -> pyfuse3.EntryAttributes:
         if name not in FILES:
@@ -154,6 +174,13 @@ class Control:
     def stats_json(self) -> bytes:
         doc = dict(self.describe())
         doc.update(self.cache.statistics())
+        tel = self.telemetry.snapshot()
+        for key in ("namespaces", "admission_dropped", "deadline_exceeded", "events"):
+            doc[key] = tel[key]
+        doc["uptime"] = time.time() - self.telemetry.started
+        quotas = getattr(self.cache, "quotas", None)
+        if quotas is not None:
+            doc["quotas"] = quotas.statistics()
         return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
     def open(self, ino: int, flags: int, cred: Cred = ROOT) -> ControlHandle:
@@ -164,6 +191,15 @@ class Control:
             if flags & 3:
                 raise pyfuse3.FUSEError(errno.EACCES)
             h.answer = self.stats_json()
+        elif ino == EVENTS:
+            hub = self.telemetry.events
+            if flags & 3:
+                raise pyfuse3.FUSEError(errno.EACCES)
+            if cred.uid not in (0, os.getuid()):
+                raise pyfuse3.FUSEError(errno.EACCES)
+            if len(hub.subscribers) >= EVENT_READERS:
+                raise pyfuse3.FUSEError(errno.EBUSY)
+            h.events = hub.subscribe()
         return h
 
     def _lookup_answer(self, groups, cred: Cred) -> dict:
@@ -172,10 +208,26 @@ class Control:
             got = self.cache.prefix_objects(paths, base, cred)
             objs += got
             if len(got) < len(paths):
+                self._misses(base, paths[len(got):])
                 break
         return self.cache.prefix_answer(objs)
 
+    def _misses(self, base: bytes, paths: list[bytes]) -> None:
+        """Count the paths past a prefix's end as misses of their namespaces."""
+        for p in paths:
+            full = (base + b"/" + p) if base else p
+            self.telemetry.miss(full.decode("utf-8", "surrogateescape"))
+
     async def read(self, h: ControlHandle, off: int, size: int) -> bytes:
+        if h.events is not None:
+            # never wait long: once a FUSE request is in the daemon's hands the kernel waits
+            # for its answer even if the reader is killed (pyfuse3 ignores interrupts)
+            with trio.move_on_after(EVENT_WAIT):
+                while not h.events.ready() and not h.events.closed:
+                    await h.events.wakeup.wait()
+            if not h.events.ready():
+                return b"" if h.events.closed else idle_line(size)
+            return h.events.take(size)
         if h.answer is None and h.ino in (LOOKUP, LEASE):
             raw, h.request = bytes(h.request), bytearray()
             groups, opts = parse_request(raw)
@@ -190,7 +242,11 @@ class Control:
                     if len(groups) > 1:
                         raise pyfuse3.FUSEError(errno.EINVAL)     # one base per lease
                     base, paths = groups[0] if groups else (b"", [])
+                    t0 = time.perf_counter()
                     h.lease, h.answer = self.cache.grant_lease(paths, base, ttl, h.cred)
+                    self.telemetry.latency["lease"].observe(time.perf_counter() - t0)
+                    prefix = int(h.answer.split(b",", 1)[0][len(b'{"prefix":'):])
+                    self._misses(base, paths[prefix:])
         return (h.answer or b"")[off:off + size]
 
     async def write(self, h: ControlHandle, off: int, buf: bytes) -> int:
@@ -207,6 +263,8 @@ class Control:
 
     async def release(self, h: ControlHandle) -> None:
         """Drop the lease this descriptor holds (a new request, close, or ``\\0release``)."""
+        if h.events is not None and h.ino == EVENTS:
+            self.telemetry.events.unsubscribe(h.events)
         if h.lease is not None:
             lid, h.lease = h.lease, None
             await self.cache.release_lease(lid)

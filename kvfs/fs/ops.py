@@ -7,12 +7,14 @@ import os
 import queue
 import stat
 import threading
+import time
 
 import pyfuse3
 
 from kvfs.errors import NamespaceError
 from kvfs.fs import control
 from kvfs.fs.errmap import translate
+from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
 from kvfs.store.cache import Cache
 from kvfs.store.index import ROOT_INO
 
@@ -125,6 +127,8 @@ class KvfsOperations(pyfuse3.Operations):
         super().__init__()
         self.cache = cache
         self.control = control.Control(cache, describe)
+        self._latency = cache.store.telemetry.latency     # kvfs.telemetry histograms
+        self.quotas = cache.quotas = Quotas(cache)          # kvfs.quota
         self._ctl: dict[int, control.ControlHandle] = {}
         self._next_ctl = 1 << 62
         self.notifier = Notifier()
@@ -188,13 +192,25 @@ class KvfsOperations(pyfuse3.Operations):
         elif name == b"..":
             ino = self.cache.ns.inode(parent_inode)["parent"]
         else:
+            t0 = time.perf_counter()
             try:
                 ino = self.cache.ns.lookup(parent_inode, name)
             except NamespaceError as e:
+                if e.errno == errno.ENOENT:
+                    self._missed(parent_inode, name)
                 if e.errno == errno.ENOENT and NEGATIVE_TIMEOUT > 0:
                     return _negative()
                 raise
+            finally:
+                self._latency["lookup"].observe(time.perf_counter() - t0)
         return _entry(ino, self.cache.getattr(ino))
+
+    def _missed(self, parent: int, name: bytes) -> None:
+        """A name looked up and not found: a miss of its namespace (the top-level directory)."""
+        if parent == ROOT_INO:
+            self.cache.telemetry.miss("/")
+        else:
+            self.cache.telemetry.miss(self.cache.ns.path_of(parent) + "/")
 
     @translate
     async def getattr(self, inode, ctx=None):
@@ -354,7 +370,11 @@ class KvfsOperations(pyfuse3.Operations):
     async def read(self, fh, off, size):
         if fh in self._ctl:
             return await self.control.read(self._ctl[fh], off, size)
-        return await self.cache.read(fh, off, size)
+        t0 = time.perf_counter()
+        try:
+            return await self.cache.read(fh, off, size)
+        finally:
+            self._latency["read"].observe(time.perf_counter() - t0)
 
     @translate
     async def write(self, fh, off, buf):
@@ -364,7 +384,13 @@ class KvfsOperations(pyfuse3.Operations):
             ino, key = self._fh_key.get(fh, (None, None))
             if self._page_key.get(ino) == key:
                 del self._page_key[ino]
-        return await self.cache.write(fh, off, buf)
+        t0 = time.perf_counter()
+        try:
+            if self.quotas.limits:
+                await self.quotas.admit_write(fh, off, len(buf))
+            return await self.cache.write(fh, off, buf)
+        finally:
+            self._latency["write"].observe(time.perf_counter() - t0)
 
     @translate
     async def flush(self, fh):
@@ -385,6 +411,7 @@ class KvfsOperations(pyfuse3.Operations):
             await self.control.release(h)      # closing a lease descriptor ends its lease
             return
         self._closed(fh)
+        self.quotas.forget_handle(fh)
         await self.cache.release(fh)
 
     # ---- xattrs -------------------------------------------------------------
@@ -392,12 +419,16 @@ class KvfsOperations(pyfuse3.Operations):
     async def getxattr(self, inode, name, ctx):
         if control.is_control(inode):
             raise pyfuse3.FUSEError(errno.ENODATA)
+        if name == QUOTA_XATTR:
+            return self.quotas.get_xattr(inode)
         return self.cache.get_xattr(inode, name)
 
     @translate
     async def setxattr(self, inode, name, value, ctx):
         if control.is_control(inode):
             raise pyfuse3.FUSEError(errno.EPERM)
+        if name == QUOTA_XATTR:
+            return self.quotas.set_xattr(inode, value, ctx.uid)
         self.cache.set_xattr(inode, name, value)
 
     @translate

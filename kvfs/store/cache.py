@@ -145,6 +145,8 @@ class Cache:
         self._lease_entries: dict[int, tuple[str, bytes, str]] = {}    # see lease_entry
         self._released: list[Obj] = []       # objects of leases dropped in sync code
         self._releasing = 0                  # releases in progress (a seal may be running)
+        self.telemetry = store.telemetry
+        self.telemetry.events.describe = self._describe
 
     # ---- startup ------------------------------------------------------------
     async def start(self) -> dict[str, int]:
@@ -453,6 +455,7 @@ class Cache:
         # would change a buffer being hashed, or start over from the old version); reads
         # keep reading the buffer
         done = ws.sealing = trio.Event()
+        t0 = time.perf_counter()
         try:
             kv = await self._peek_block_header(staging)
             key = self.ns.path_of(ws.ino)
@@ -466,6 +469,7 @@ class Cache:
             old, installed = self.ns.install(ws.ino, obj, kvrec, mtime=ws.mtime)
             ws.dirty = False
             if old is not None:
+                self.telemetry.events.emit("removed", old, None, path=key, kv=rec.get("kv"))
                 await self.store.release_space(old)
             if not installed:
                 await self.store.release_space(obj)
@@ -475,6 +479,8 @@ class Cache:
                 ws.base.refs -= 1
                 await self.store.release_space(ws.base)
             ws.base = obj
+            self.telemetry.latency["seal"].observe(time.perf_counter() - t0)
+            self.telemetry.events.emit("stored", obj, self.store.top_tier(obj), path=key, kv=kvrec or {})
         finally:
             ws.sealing = None
             done.set()
@@ -482,14 +488,39 @@ class Cache:
 
     # ---- namespace pass-throughs that free bytes ---------------------------
     async def unlink(self, parent: int, name: bytes) -> None:
+        gone = self._describe_name(parent, name)
         obj = self.ns.unlink(parent, name, self.is_open)
         if obj is not None:
+            self._removed(obj, gone)
             await self.store.release_space(obj)
 
     async def rename(self, op: int, old: bytes, np: int, new: bytes, flags: int) -> None:
+        gone = self._describe_name(np, new)
         obj = self.ns.rename(op, old, np, new, flags, self.is_open)
         if obj is not None:
+            self._removed(obj, gone)
             await self.store.release_space(obj)
+
+    # ---- KV events (kvfs.events): what a removed name was -----------------------
+    def _describe(self, obj: Obj) -> tuple[str, dict | None]:
+        rec = self.index.get_inode(obj.ino)
+        if rec is None or rec.get("oid") != obj.oid:
+            return obj.key, None
+        return self.ns.path_of(obj.ino), rec.get("kv")
+
+    def _describe_name(self, parent: int, name: bytes) -> tuple[str, dict | None] | None:
+        """Path and KV record of ``parent/name`` while it still exists (only with readers)."""
+        if not self.telemetry.events.active:
+            return None
+        ino = self.index.lookup(parent, name)
+        rec = self.index.get_inode(ino) if ino is not None else None
+        if rec is None:
+            return None
+        return self.ns.path_of(ino), rec.get("kv")
+
+    def _removed(self, obj: Obj, gone: tuple[str, dict | None] | None) -> None:
+        path, kv = gone if gone is not None else (obj.key, None)
+        self.telemetry.events.emit("removed", obj, None, path=path, kv=kv or {})
 
     # ---- xattrs -----------------------------------------------------------------
     def _sealed(self, ino: int) -> Obj | None:

@@ -25,6 +25,7 @@ from kvfs.store import checksum
 from kvfs.store.index import Index, Txn
 from kvfs.store.ram import RamTier, Staging
 from kvfs.store.tier import ObjectInfo, Tier
+from kvfs.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ class TierCounters:
 
 class ObjectStore:
     def __init__(self, index: Index, tiers: list[Tier], *, chunk_size: int, high: float, low: float,
-                 promote_hits: int, promote_window: float):
+                 promote_hits: int, promote_window: float, admit_after: dict[str, int] | None = None,
+                 read_deadline: float = 0.0):
         assert isinstance(tiers[0], RamTier)
         self.index = index
         self.tiers = tiers
@@ -94,6 +96,10 @@ class ObjectStore:
         self.objs: dict[int, Obj] = {}
         self.lru: dict[str, collections.OrderedDict[int, None]] = {t.name: collections.OrderedDict() for t in tiers}
         self.counters = {t.name: TierCounters() for t in tiers}
+        self.telemetry = Telemetry()     # histograms, namespaces, events (kvfs.telemetry)
+        self.events = self.telemetry.events
+        self.admit_after = dict(admit_after or {})   # tier -> uses before an object may go there
+        self.read_deadline = read_deadline           # seconds a lower-tier read may take (0: none)
         # set by the namespace: drop the object's name and record in this txn
         self.on_lost: Callable[[Txn, Obj], None] = lambda txn, obj: None
         self.may_evict: Callable[[Obj], bool] = lambda obj: True
@@ -124,6 +130,7 @@ class ObjectStore:
 
     def _adopt(self, obj: Obj) -> None:
         self.objs[obj.oid] = obj
+        self.telemetry.adopt(obj.size, obj.key)
         for name in obj.place:
             self.lru[name][obj.oid] = None
 
@@ -196,7 +203,8 @@ class ObjectStore:
 
     def _forget(self, obj: Obj) -> None:
         obj.dead = True
-        self.objs.pop(obj.oid, None)
+        if self.objs.pop(obj.oid, None) is not None:
+            self.telemetry.forget(obj.size, obj.key)
         self._dirty.discard(obj.oid)
         for name in obj.place:
             self.lru[name].pop(obj.oid, None)
@@ -217,6 +225,14 @@ class ObjectStore:
         for k in [k for k in self._chunks if k[0] == obj.oid]:
             del self._chunks[k]
 
+    def _rekey(self, obj: Obj) -> None:
+        """Refresh ``obj.key`` (its current path) before it is written to a tier."""
+        key = self.key_of(obj)
+        if key != obj.key:
+            if not obj.dead:
+                self.telemetry.rekey(obj.size, obj.key, key)
+            obj.key = key
+
     def _tier(self, name: str) -> Tier:
         return next(t for t in self.tiers if t.name == name)
 
@@ -232,6 +248,7 @@ class ObjectStore:
         now = time.time()
         obj.hits += 1
         obj.atime = now
+        self.telemetry.hit(obj.key)
         self._dirty.add(obj.oid)
         for t in self.tiers:
             if t.name in obj.place:
@@ -267,13 +284,27 @@ class ObjectStore:
         # read ahead: the next chunk alongside this one, the one after once this is in
         # (a first read is not slowed by more than one competing fetch)
         self._read_ahead(obj, tier, last + 1)
-        parts = [await self._chunk(obj, tier, i) for i in range(first, last + 1)]
+        parts = await self._chunks_within_deadline(obj, tier, first, last)
         for i in range(last + 2, last + 1 + _READ_AHEAD):
             self._read_ahead(obj, tier, i)
         lo = offset - first * cs
         if len(parts) == 1:
             return memoryview(parts[0])[lo:lo + end - offset]
         return b"".join(parts)[lo:lo + end - offset]
+
+    async def _chunks_within_deadline(self, obj: Obj, tier: Tier, first: int, last: int) -> list[bytes]:
+        """Chunks ``first..last`` of ``obj`` from ``tier``; a read that takes longer than
+        ``read_deadline`` (a stalled remote target, a hung disk) fails with TierUnavailable
+        (EIO) and counts ``deadline_exceeded``. Only a tier whose reads can be cancelled
+        (the remote tier's sockets) is cut short; a read in a worker thread runs to its end."""
+        if not self.read_deadline:
+            return [await self._chunk(obj, tier, i) for i in range(first, last + 1)]
+        with trio.move_on_after(self.read_deadline):
+            return [await self._chunk(obj, tier, i) for i in range(first, last + 1)]
+        self.telemetry.deadline(tier.name)
+        log.warning("read of %s (object %x) from %s passed its %.1f s deadline", obj.key, obj.oid,
+                    tier.name, self.read_deadline)
+        raise TierUnavailable(f"read of object {obj.oid:x} from {tier.name} passed its deadline")
 
     def _serving_tier(self, obj: Obj) -> Tier:
         for t in self.tiers[1:]:
@@ -347,6 +378,7 @@ class ObjectStore:
             c.checksum_failures += 1
             log.error("checksum mismatch: object %x chunk %d on %s (%s)", obj.oid, idx, tier.name, obj.key)
             obj.corrupt = True
+            self.events.emit("removed", obj, None)
             await self.lose(obj)
             raise CorruptObject(f"object {obj.oid:x} chunk {idx} failed its checksum on {tier.name}")
         c.bytes_read += want
@@ -370,6 +402,7 @@ class ObjectStore:
                 raise NoSuchObject(f"object {obj.oid:x} left tier {tier.name} while it was read")
             self.counters[tier.name].checksum_failures += 1
             obj.corrupt = True
+            self.events.emit("removed", obj, None)
             await self.lose(obj)
             raise CorruptObject(f"object {obj.oid:x} failed its checksum on {tier.name}")
         return memoryview(data)
@@ -425,12 +458,25 @@ class ObjectStore:
 
     async def _make_way(self, victim: Obj, i: int, evict_ok: bool) -> None:
         """Move ``victim`` off tier ``i``: demote it, drop a copy that also lives below, or evict it."""
-        if i < self._lowest() or self._copy_below(victim, i):
+        if (evict_ok and not victim.pinned and not self._copy_below(victim, i)
+                and self.may_evict(victim) and not self.admitted(victim, i)):
+            await self.evict(victim)
+        elif i < self._lowest() or self._copy_below(victim, i):
             await self.demote(victim, i, evict_ok=evict_ok)
         elif evict_ok:
             await self.evict(victim)
         else:
             raise TierFull(f"{self.tiers[i].name} tier is full and a lower tier is unavailable")
+
+    def admitted(self, obj: Obj, i: int) -> bool:
+        """May ``obj`` be demoted off tier ``i``? Each tier may ask for ``admit_after`` uses
+        (its write plus its opens) before it takes an object (default 1: everything); one
+        that the next reachable tier would not admit is dropped instead, counted per tier."""
+        below = next((t for t in self.tiers[i + 1:] if t.available), None)
+        if below is None or 1 + obj.hits >= self.admit_after.get(below.name, 1):
+            return True
+        self.telemetry.not_admitted(below.name)
+        return False
 
     async def make_room(self, i: int, need: int, *, evict_ok: bool = True) -> None:
         """Demote (or, on the lowest reachable tier, evict) until tier ``i`` has ``need`` bytes free.
@@ -469,6 +515,7 @@ class ObjectStore:
         log.debug("evicting %x (%s)", obj.oid, obj.key)
         for name in obj.place:
             self.counters[name].evictions += 1
+        self.events.emit("evicted", obj, None)
         await self.lose(obj)
 
     async def demote(self, obj: Obj, i: int, *, evict_ok: bool = True) -> None:
@@ -487,7 +534,7 @@ class ObjectStore:
                 await self.make_room(j, dst.footprint(obj.size), evict_ok=evict_ok)
                 if obj.dead:                   # dropped while room was made
                     return
-                obj.key = self.key_of(obj)
+                self._rekey(obj)
                 data = await self.read_all(obj)
                 if obj.dead:
                     return
@@ -512,6 +559,7 @@ class ObjectStore:
             with self.index.write() as txn:
                 txn.put_object(obj.oid, obj.record())
             if not keep:
+                self.events.emit("demoted", obj, next((t.name for t in self.tiers[i + 1:] if t.name in obj.place), None))
                 self.counters[src.name].demotions += 1
                 if not src.volatile:
                     self.index.commit()     # the new placement is in LMDB before this copy goes
@@ -541,6 +589,7 @@ class ObjectStore:
             self.lru[self.ram.name][obj.oid] = None
             src = self.top_tier_below_ram(obj)
             self.counters[src].promotions += 1
+            self.events.emit("promoted", obj, self.ram.name)
             # RAM copies are volatile: the index keeps only durable placements
         except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
             log.debug("promotion of %x skipped: %s", obj.oid, e)
@@ -587,7 +636,7 @@ class ObjectStore:
 
     async def _write_down(self, obj: Obj) -> None:
         """Put ``obj`` on the first durable tier that takes it (trying each in turn)."""
-        obj.key = self.key_of(obj)
+        self._rekey(obj)
         data = await self.read_all(obj)
         errors = []
         for i in range(1, len(self.tiers)):

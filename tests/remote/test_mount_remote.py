@@ -182,3 +182,66 @@ def test_forty_files_on_remote_target_killed_and_restarted(kvfs_mount, fresh_tar
     assert remote_state(m)["reconnects"] >= 1
     for p, i in files.items():
         assert read_outcome(p) == content(i), p
+
+
+def test_read_deadline_on_a_stalled_target(kvfs_mount, fresh_target, tmp_path):
+    """``read_deadline = 1`` with a 30 s command timeout: a read of a remote file while the
+    target is stopped (SIGSTOP) fails with EIO on the deadline, counted per tier; after
+    SIGCONT the same file reads back intact."""
+    import mmap
+    import signal
+    cfg = tmp_path / "kvfs.toml"
+    cfg.write_text("read_deadline = 1.0\n")
+    m = kvfs_mount(ram="32MiB", nvme_size="64MiB", remote=fresh_target.url + "?timeout=30&kato=60",
+                   config=cfg, metrics="127.0.0.1:0")
+    files = {path_of(m.path, i): i for i in range(30)}
+    for p, i in files.items():
+        put(p, content(i))
+    wait_for(lambda: settled(m) and any(tier_of(p) == "remote" for p in files), 120,
+             "files on the remote tier")
+    victim = next(p for p in files if tier_of(p) == "remote")
+    buf = mmap.mmap(-1, 4 * MiB)
+
+    def direct_read() -> bytes:
+        fd = os.open(victim, os.O_RDONLY | os.O_DIRECT)     # past the kernel's page cache
+        try:
+            return bytes(buf[:os.preadv(fd, [buf], 0)])
+        finally:
+            os.close(fd)
+
+    os.kill(fresh_target.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(OSError) as e:
+            direct_read()
+        assert e.value.errno == errno.EIO
+        st = m.stats()
+        assert st["deadline_exceeded"].get("remote", 0) >= 1
+        assert st["tiers"]["remote"]["state"] == "connected"      # the deadline, not the timeout
+    finally:
+        os.kill(fresh_target.pid, signal.SIGCONT)
+    def intact() -> bool:
+        try:
+            return direct_read() == content(files[victim])
+        except OSError as e:          # the resumed VM may still miss a deadline or two
+            assert e.errno == errno.EIO
+            return False
+
+    assert wait_for(intact, 120, "the file to read back")
+    buf.close()
+    metrics = _scrape(m)
+    assert metrics["kvfs_tier_read_deadline_exceeded_total", (("tier", "remote"),)] >= 1
+    assert metrics["kvfs_remote_connected", (("tier", "remote"),)] == 1
+    assert metrics["kvfs_remote_state", (("state", "connected"), ("tier", "remote"))] == 1
+    assert ("kvfs_remote_reconnects_total", (("tier", "remote"),)) in metrics
+    assert metrics["kvfs_tier_used_bytes", (("tier", "remote"),)] == m.stats()["tiers"]["remote"]["used"]
+    top = run_kvfs("top", m.path, "--once", "--interval", "0.1")
+    assert top.returncode == 0 and "remote" in top.stdout and "connected" in top.stdout, top.stdout
+
+
+def _scrape(m) -> dict:
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://{m.stats()['metrics']}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}

@@ -1,0 +1,94 @@
+"""Namespace quotas with two real users: root sets them, a tenant's writes past its quota evict
+its own least recently used files, then get EDQUOT; another namespace is not touched."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+from mounthelp import content, read, run_kvfs
+
+from conftest import reachable
+
+pytestmark = pytest.mark.mount
+
+MB = 1_000_000
+
+# as the tenant: write files (name, size) in order, reading one back in between; print errnos
+TENANT = r"""
+import json, os, sys
+d, plan = sys.argv[1], json.loads(sys.argv[2])
+out = {}
+for step in plan:
+    if step[0] == "read":
+        with open(os.path.join(d, step[1]), "rb") as f:
+            f.read()
+        continue
+    name, size = step
+    try:
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(bytes([len(name)]) * size)
+        out[name] = 0
+    except OSError as e:
+        out[name] = e.errno
+try:
+    os.setxattr(d, "user.kvfs.quota", b"1GiB")
+    out["setxattr"] = 0
+except OSError as e:
+    out["setxattr"] = e.errno
+print(json.dumps(out))
+"""
+
+
+def test_a_tenant_past_its_quota_evicts_its_own_lru_then_gets_edquot(kvfs_mount, intruder):
+    m = kvfs_mount(allow_other=True, metrics="127.0.0.1:0")
+    ta, tb = m.path / "tenant-a", m.path / "tenant-b"
+    ta.mkdir()
+    tb.mkdir()
+    os.chown(ta, intruder.uid, intruder.gid)
+    res = run_kvfs("quota", "set", m.path, "tenant-a", "3.5MiB")
+    assert res.returncode == 0, res.stderr
+    (tb / "other").write_bytes(content("other", 5 * MB))        # no quota there
+    plan = [["f0", MB], ["f1", MB], ["f2", MB], ["read", "f0"], ["f3", MB]]
+    with reachable(m.path):
+        got = json.loads(intruder.run(TENANT, ta, json.dumps(plan)).stdout)
+    assert got["f0"] == got["f1"] == got["f2"] == got["f3"] == 0
+    assert got["setxattr"] == errno.EPERM                     # only root sets quotas
+    assert sorted(p.name for p in ta.iterdir()) == ["f0", "f2", "f3"]   # f1: least recently used
+    for n in ("f0", "f2", "f3"):
+        assert read(ta / n) == bytes([2]) * MB, n
+    st = m.stats()["quotas"]
+    assert st["evicted"] == 1 and st["refused"] == 0
+    # a file larger than the quota: the tenant's other files go first, then EDQUOT
+    with reachable(m.path):
+        got = json.loads(intruder.run(TENANT, ta, json.dumps([["big", 4 * MB]])).stdout)
+    assert got["big"] == errno.EDQUOT
+    assert read(tb / "other") == content("other", 5 * MB)     # another namespace: untouched
+    st = m.stats()["quotas"]
+    assert st["limits"]["tenant-a"]["limit"] == 7 << 19
+    assert st["limits"]["tenant-a"]["used"] <= 7 << 19
+    assert st["refused"] >= 1
+    from test_mnt_ops import scrape
+    metrics = scrape(m)
+    assert metrics[("kvfs_namespace_quota_bytes", ("tenant-a",))] == 7 << 19
+    assert metrics[("kvfs_quota_evictions_total", ())] == st["evicted"]
+    assert metrics[("kvfs_quota_refused_writes_total", ())] == st["refused"]
+    ls = run_kvfs("quota", "ls", m.path)
+    assert ls.returncode == 0 and "tenant-a" in ls.stdout and "3.5 MiB" in ls.stdout
+    m.remount()                                               # kept in the index
+    assert os.getxattr(ta, "user.kvfs.quota") == str(7 << 19).encode()
+    assert run_kvfs("quota", "rm", m.path, "tenant-a").returncode == 0
+    with pytest.raises(OSError) as e:
+        os.getxattr(ta, "user.kvfs.quota")
+    assert e.value.errno == errno.ENODATA
+
+
+def test_quota_errors_are_one_line(kvfs_mount):
+    m = kvfs_mount()
+    (m.path / "ns" / "sub").mkdir(parents=True)
+    for args, word in ((("ns/sub", "1MiB"), "top-level directory"), (("ns", "10%"), "percentage"),
+                       (("missing", "1MiB"), "no such directory")):
+        res = run_kvfs("quota", "set", m.path, *args)
+        assert res.returncode != 0 and word in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr

@@ -100,3 +100,19 @@ def d(mnt, request) -> Path:
     p = mnt.path / request.node.name.replace("[", "_").replace("]", "_")
     p.mkdir()
     return p
+
+
+def scrape(m) -> dict:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    """``{(name, (label values sorted by label name)): value}`` of the daemon's /metrics."""
+    addr = m.stats()["metrics"]
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=30) as r:
+        assert r.status == 200
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(v for _, v in sorted(s.labels.items())))] = s.value
+    return out

@@ -18,25 +18,12 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mounthelp import MiB, content, put, read, run_kvfs, wait_for
+from mounthelp import MiB, content, put, read, run_kvfs, scrape, wait_for
 
 from conftest import _env, kvfs_command
 from kvfs.kv.format import build_header
 
 pytestmark = pytest.mark.mount
-
-
-def scrape(m) -> dict:
-    """``{(name, (label values sorted by label name)): value}`` of the daemon's /metrics."""
-    addr = m.stats()["metrics"]
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=30) as r:
-        assert r.status == 200
-        text = r.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(v for _, v in sorted(s.labels.items())))] = s.value
-    return out
 
 
 def settled(m) -> dict:

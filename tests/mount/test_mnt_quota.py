@@ -70,7 +70,7 @@ def test_a_tenant_past_its_quota_evicts_its_own_lru_then_gets_edquot(kvfs_mount,
     assert st["limits"]["tenant-a"]["limit"] == 7 << 19
     assert st["limits"]["tenant-a"]["used"] <= 7 << 19
     assert st["refused"] >= 1
-    from test_mnt_ops import scrape
+    from mounthelp import scrape
     metrics = scrape(m)
     assert metrics[("kvfs_namespace_quota_bytes", ("tenant-a",))] == 7 << 19
     assert metrics[("kvfs_quota_evictions_total", ())] == st["evicted"]

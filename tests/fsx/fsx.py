@@ -30,7 +30,9 @@ Crash phases (``Exerciser.pause``/``verify_after_crash``): the parent waits unti
 has processed every FUSE_RELEASE (asynchronous in the kernel: see ``Exerciser.pause``), then
 kill -9s the daemon and remounts; then every file must hold exactly its last sealed version (the
 reference content when no writer had it open, else its content when the write session began
-or when its only writer called fsync/msync, which seal) or be absent. The reference is then set to what kvfs kept.
+or when its only writer called fsync/msync or closed another descriptor of the same open file —
+Python's mmap closes the dup it maps — which seal) or be absent. The reference is then set to
+what kvfs kept. ``FSX_HISTORY=N`` in the environment shows N earlier checks per mismatch.
 
 Run it from the command line on a mount you made yourself::
 
@@ -93,7 +95,7 @@ class Config:
     max_open: int = 4            # descriptors per worker
     exclude: tuple = ()          # op kinds left out of the random choice
     max_mismatches: int = 200    # a worker stops after this many (they cascade once sides diverge)
-    history: int = 0             # > 0: each mismatch lists up to this many earlier checks of its file
+    history: int = int(os.environ.get("FSX_HISTORY", "0"))  # > 0: each mismatch lists this many earlier checks of its file
     posix: bool = False          # model plain POSIX (no old versions): to check the exerciser on two POSIX dirs
 
 
@@ -579,6 +581,17 @@ class Worker:
         size = self._map_len(h)
         if size is None:
             return True
+        try:
+            return self._mmap_io(h, size, write)
+        finally:
+            # Python's mmap.mmap dup()s the descriptor and closes the dup when the mapping is
+            # closed (or at once if mmap(2) fails): that close(2) is a FUSE_FLUSH of the same
+            # handle, and a flush by the only writer seals (docs/design.md, "Write path") — a
+            # version a kill -9 may leave, even though the descriptor itself stays open
+            if h.acc != os.O_RDONLY:
+                self.synced(h)
+
+    def _mmap_io(self, h: Handle, size: int, write: bool):
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
         rk = _call(mmap.mmap, h.kfd, size, mmap.MAP_SHARED, prot)
         if not rk[0] and rk[1] == errno.ENODEV and h.maybe_direct_io:

@@ -435,14 +435,14 @@ def test_fallocate_is_refused_and_posix_fallocate_emulated(d):
     try:
         for mode in (0, 1):                       # 0: allocate and extend; 1: FALLOC_FL_KEEP_SIZE
             assert errno_of(fallocate, fd, mode, 0, 65536) == errno.EOPNOTSUPP
-        os.posixfallocate(fd, 0, 20000)          # the emulation: reads, then writes, each block
+        os.posix_fallocate(fd, 0, 20000)          # the emulation: reads, then writes, each block
         assert os.fstat(fd).st_size == 20000
     finally:
         os.close(fd)
     assert read(p) == b"a" * 5000 + bytes(15000)
     fd = os.open(p, os.O_WRONLY)
     try:
-        os.posixfallocate(fd, 30000, 5000)       # past the end: no byte to read first
+        os.posix_fallocate(fd, 30000, 5000)       # past the end: no byte to read first
         assert os.fstat(fd).st_size == 35000
         assert errno_of(os.posix_fallocate, fd, 0, 100) == errno.EBADF   # over existing bytes
     finally:

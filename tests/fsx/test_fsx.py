@@ -1,10 +1,9 @@
 """The fsx-style exerciser (tests/fsx/fsx.py) against real kvfs mounts with tiny tiers.
 
-Default run: a few thousand operations (no crash phase), 1 and 2 processes, RAM 4 MiB and NVMe 16 MiB so
-demotion and eviction run during the sequence; every difference from the reference directory
-fails except the documented ones (see fsx.py). Operation kinds with bugs known and being
-fixed elsewhere (``fsx.KNOWN_BROKEN``: now only documented limits) are left out of the
-default run until those fixes are merged; the slow runs exercise every kind.
+Default run: 1500 operations with 1 process, and with 2 processes in 2 phases with a kill -9
+and remount between them; RAM 4 MiB and NVMe 16 MiB so demotion and eviction run during the
+sequence; every operation kind; every difference from the reference directory fails except
+the documented ones (see fsx.py).
 
 Slow runs (``make test-slow``): at least 1M operations in all, across seeds and process
 counts, in phases with kill -9 of the daemon and a remount between them; after each kill

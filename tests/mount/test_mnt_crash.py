@@ -30,27 +30,32 @@ def _map_and_unmap(fd: int) -> None:
     m.close()
 
 
-@pytest.mark.parametrize("closer", [_close_a_dup, _map_and_unmap], ids=["dup", "mmap"])
-def test_close_of_another_descriptor_of_the_only_writer_seals_what_kill9_keeps(kvfs_mount, closer):
-    # RAM smaller than the file: its buffers spill to NVMe and its sealed versions live there,
-    # so they survive a kill -9 (a RAM-only object would be dropped at recovery)
+def test_close_of_another_descriptor_of_the_only_writer_seals_what_kill9_keeps(kvfs_mount):
+    # RAM smaller than the files: their buffers spill to NVMe and their sealed versions live
+    # there, so they survive a kill -9 (a RAM-only object would be dropped at recovery)
     m = kvfs_mount(ram="4MiB", nvme_size="64MiB")
-    f = m.path / "f"
-    a, b, c = content("a", 6 * MiB), content("b", 64 << 10), content("c", 64 << 10)
-    f.write_bytes(a)
-    wait_for(lambda: os.getxattr(f, "user.kvfs.tier") == b"nvme", 60, "version a on NVMe")
-    fd = os.open(f, os.O_RDWR)
+    closers = {"dup": _close_a_dup, "mmap": _map_and_unmap}
+    a = content("a", 6 * MiB)
+    want, fds = {}, []
+    for name in closers:
+        (m.path / name).write_bytes(a)
+        wait_for(lambda: os.getxattr(m.path / name, "user.kvfs.tier") == b"nvme", 60, f"{name} on NVMe")
     try:
-        os.pwrite(fd, b, 1 * MiB)
-        closer(fd)                       # a FUSE_FLUSH of the only writer: seals a + b
-        os.pwrite(fd, c, 3 * MiB)        # never sealed
-        with_b = bytearray(a)
-        with_b[1 * MiB:1 * MiB + len(b)] = b
+        for name, closer in closers.items():
+            fd = os.open(m.path / name, os.O_RDWR)
+            fds.append(fd)
+            b = content("b" + name, 64 << 10)
+            os.pwrite(fd, b, 1 * MiB)
+            closer(fd)                               # a FUSE_FLUSH of the only writer: seals a + b
+            os.pwrite(fd, content("c", 64 << 10), 3 * MiB)     # never sealed
+            want[name] = a[:1 * MiB] + b + a[1 * MiB + len(b):]
         m.kill9()
     finally:
-        with contextlib.suppress(OSError):   # after the kill: ENOTCONN (the fd is freed anyway)
-            os.close(fd)
+        for fd in fds:
+            with contextlib.suppress(OSError):       # after the kill: ENOTCONN (freed anyway)
+                os.close(fd)
     m.mount()
-    got = read(f)
-    assert got != a, "the flush of the other descriptor did not seal"
-    assert got == bytes(with_b), "after kill -9 the file is not its last sealed version"
+    for name in closers:
+        got = read(m.path / name)
+        assert got != a, f"{name}: the flush of the other descriptor did not seal"
+        assert got == want[name], f"{name}: after kill -9 the file is not its last sealed version"

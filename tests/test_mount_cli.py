@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -241,11 +242,12 @@ def test_umount_lazy_when_the_dead_mount_answers_enotconn(kvfs_mount, kvfs_cli):
     m.pid = None
 
 
-def test_ls_recursive_on_a_3000_deep_tree(kvfs_mount, kvfs_cli):
-    """Issue 11 item 12: ``kvfs ls -R`` walks a tree deeper than Python's recursion limit and
-    than PATH_MAX (3000 levels of ``d``: a 6000-character path)."""
+def test_ls_recursive_on_a_2100_deep_tree(kvfs_mount, kvfs_cli):
+    """Issue 11 item 12: ``kvfs ls -R`` walks a tree deeper than Python's recursion limit (1000)
+    and than PATH_MAX (2100 levels of ``d``: a 4200-character path)."""
     m = kvfs_mount()
-    depth = 3000
+    depth = 2100
+    assert depth > sys.getrecursionlimit() and 2 * depth > os.pathconf("/", "PC_PATH_MAX")
     fd = os.open(m.path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for _ in range(depth):                    # relative to the parent's fd: no PATH_MAX

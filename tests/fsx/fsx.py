@@ -25,12 +25,17 @@ The reference models kvfs's documented semantics where they are not POSIX (docs/
   as open, so ENODEV is accepted for any inode that had another handle open or closed before.
 * kvfs's own read-only ``user.kvfs.*`` attributes are left out of xattr lists.
 * O_DIRECT: if the reference filesystem refuses it, the reference does the same I/O buffered.
+* ``posix_fallocate``: kvfs has no FALLOCATE (pyfuse3 3.5), so glibc emulates it; where the
+  emulation gives EBADF (O_APPEND; O_WRONLY over existing bytes) kvfs must give exactly that
+  and the reference does nothing (counted as ``fallocate_ebadf``).
 
 Crash phases (``Exerciser.pause``/``verify_after_crash``): the parent waits until the daemon
 has processed every FUSE_RELEASE (asynchronous in the kernel: see ``Exerciser.pause``), then
 kill -9s the daemon and remounts; then every file must hold exactly its last sealed version (the
 reference content when no writer had it open, else its content when the write session began
-or when its only writer called fsync/msync, which seal) or be absent. The reference is then set to what kvfs kept.
+or when its only writer called fsync/msync or closed another descriptor of the same open file —
+Python's mmap closes the dup it maps — which seal) or be absent. The reference is then set to
+what kvfs kept. ``FSX_HISTORY=N`` in the environment shows N earlier checks per mismatch.
 
 Run it from the command line on a mount you made yourself::
 
@@ -59,18 +64,16 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Operation kinds with bugs known and being fixed elsewhere (issue 11). Each kind stays in the
 # exerciser and runs by default; a run (the default-suite test) may exclude these until the
 # fixes are merged. The integrator empties this set after merging them.
-KNOWN_BROKEN = {
-    # a documented limit, not a bug being fixed (docs/design.md): pyfuse3 3.5 has no FALLOCATE
-    # handler, so glibc emulates posix_fallocate, which gives EBADF on O_APPEND descriptors and
-    # on O_WRONLY ones over existing bytes
-    "fallocate_wronly",
-}
+# Operation kinds a run may leave out (``--exclude-known-broken``) while bugs in them are being
+# fixed. Empty: every issue-11 bug is fixed, and the one documented limit (fallocate) is
+# modelled (``Worker._fallocate``).
+KNOWN_BROKEN: set = set()
 
 ALL_KINDS = [
     "open", "close", "pread", "pwrite", "append", "ftruncate", "truncate", "rename", "unlink",
     "stat", "fstat", "readdir", "mmap_read", "mmap_write", "fallocate", "xattr", "utime",
     "fsync", "odirect", "read_file", "bulk_write",
-    # variants that reach code paths with known bugs (see KNOWN_BROKEN)
+    # variants that reach the code paths of the issue-11 bugs (and the fallocate limit)
     "mmap_write_append", "readdir_while_writing", "old_version_reader", "unlink_while_open",
     "utime_while_writing", "fallocate_wronly", "rdonly_creat",
 ]
@@ -93,7 +96,7 @@ class Config:
     max_open: int = 4            # descriptors per worker
     exclude: tuple = ()          # op kinds left out of the random choice
     max_mismatches: int = 200    # a worker stops after this many (they cascade once sides diverge)
-    history: int = 0             # > 0: each mismatch lists up to this many earlier checks of its file
+    history: int = int(os.environ.get("FSX_HISTORY", "0"))  # > 0: each mismatch lists this many earlier checks of its file
     posix: bool = False          # model plain POSIX (no old versions): to check the exerciser on two POSIX dirs
 
 
@@ -348,7 +351,7 @@ class Worker:
             if not creat:
                 return True
             if "creat_enoent_evicted" in self.cfg.exclude:
-                # the known race (see KNOWN_BROKEN): the kernel still had the evicted name's
+                # a race fixed in issue 11: the kernel still had the evicted name's
                 # dentry, sent OPEN (not CREATE), and the daemon answered ENOENT
                 self.counts["creat_enoent_evicted"] += 1
                 return True
@@ -579,6 +582,17 @@ class Worker:
         size = self._map_len(h)
         if size is None:
             return True
+        try:
+            return self._mmap_io(h, size, write)
+        finally:
+            # Python's mmap.mmap dup()s the descriptor and closes the dup when the mapping is
+            # closed (or at once if mmap(2) fails): that close(2) is a FUSE_FLUSH of the same
+            # handle, and a flush by the only writer seals (docs/design.md, "Write path") — a
+            # version a kill -9 may leave, even though the descriptor itself stays open
+            if h.acc != os.O_RDONLY:
+                self.synced(h)
+
+    def _mmap_io(self, h: Handle, size: int, write: bool):
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
         rk = _call(mmap.mmap, h.kfd, size, mmap.MAP_SHARED, prot)
         if not rk[0] and rk[1] == errno.ENODEV and h.maybe_direct_io:
@@ -632,9 +646,27 @@ class Worker:
 
     def _fallocate(self, h: Handle) -> None:
         off, ln = self.rng.randrange(0, self.cfg.max_size), self.rng.randrange(1, self.cfg.max_io)
-        self.check(f"posix_fallocate({h.name}, {off}, {ln})",
-                   _call(os.posix_fallocate, h.kfd, off, ln), _call(os.posix_fallocate, h.rfd, off, ln))
+        what = f"posix_fallocate({h.name}, {off}, {ln})"
+        if not self.cfg.posix and self._fallocate_ebadf(h, off, ln):
+            # documented (docs/design.md): no FUSE_FALLOCATE, so glibc emulates posix_fallocate,
+            # which refuses O_APPEND descriptors and reads (EBADF on O_WRONLY) before writing
+            # over existing bytes; nothing is written, so the reference does nothing
+            self.check(what, _call(os.posix_fallocate, h.kfd, off, ln), (False, errno.EBADF))
+            self.counts["fallocate_ebadf"] += 1
+        else:
+            self.check(what, _call(os.posix_fallocate, h.kfd, off, ln), _call(os.posix_fallocate, h.rfd, off, ln))
         self.cmp_fsize(h, "fallocate")
+
+    def _fallocate_ebadf(self, h: Handle, off: int, ln: int) -> bool:
+        """glibc's emulation: EBADF for O_APPEND; for O_WRONLY when its first one-byte probe
+        (at ``off + (ln - 1) % step``, step = the block size capped at 4096) is inside the file."""
+        if h.append:
+            return True
+        if h.acc != os.O_WRONLY:
+            return False
+        bsize = os.fstatvfs(h.kfd).f_bsize
+        step = 512 if bsize == 0 else min(bsize, 4096)
+        return off + (ln - 1) % step < os.fstat(h.rfd).st_size
 
     def op_fallocate(self):
         h = self.pick_handle(lambda h: h.acc == os.O_RDWR and not h.append)
@@ -734,7 +766,10 @@ class Worker:
             got = bytes(mv[:rk[1]]) if rk[0] else None
             rr = _call(os.preadv, h.rfd, [mv], off)
             want = bytes(mv[:rr[1]]) if rr[0] else None
-            if self.check(f"O_DIRECT pread({h.name}, {ln}, {off})", (rk[0], None if rk[0] else rk[1]),
+            if self.in_place_old(h):             # the documented one-size-per-inode limit
+                self.old_bytes(f"O_DIRECT pread old version ({h.name}, {ln}, {off})",
+                               (rk[0], got if rk[0] else rk[1]), want or b"")
+            elif self.check(f"O_DIRECT pread({h.name}, {ln}, {off})", (rk[0], None if rk[0] else rk[1]),
                           (rr[0], None if rr[0] else rr[1])) and rk[0] and got != want:
                 self.fail(f"O_DIRECT pread({h.name}, {ln}, {off}): {len(got)} vs {len(want)} bytes, differ")
         else:

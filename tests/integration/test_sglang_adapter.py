@@ -153,7 +153,9 @@ def test_nvme_tier_pages_and_checksum(sg, kvfs_mount, opened):
     assert ctl.on_thread(ctl.prefetch, "r", keys, _indices(pool, n, n)) == n
     assert _read_back(pool, n, n) == want
     assert backend.statistics().lease_fallbacks == 0
-    # damage the backing file of a page that sits in the RAM tier (shared memory)
+    # damage the backing file of a page that sits in the RAM tier (shared memory), once the
+    # promotions the prefetch may have started are done (a demotion would free that copy)
+    wait_for(lambda: m.stats()["settled"], 120, "promotion and demotion to settle")
     ram_key = next(k for k in reversed(keys)
                    if os.getxattr(Path(backend._store.dir) / f"{k}.bin", "user.kvfs.tier") == b"ram")
     fd = os.open(Path(backend._store.dir) / f"{ram_key}.bin", os.O_RDONLY)

@@ -69,6 +69,15 @@ def renameat2(old, new, flags: int) -> None:
         raise OSError(e, os.strerror(e))
 
 
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    """fallocate(2) itself, not glibc's posix_fallocate (which emulates it on EOPNOTSUPP)."""
+    fn = _libc.fallocate
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if fn(fd, mode, offset, length) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
 def stats_json(mount) -> dict:
     res = run_kvfs("stat", mount.path, "--json")
     assert res.returncode == 0, res.stderr

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from mounthelp import MiB, content, errno_of, open_mount, put, read, renameat2, RENAME_NOREPLACE
+from mounthelp import MiB, content, errno_of, fallocate, open_mount, put, read, renameat2, RENAME_NOREPLACE
 from mounthelp import d, mnt  # noqa: F401 - shared fixtures
 
 pytestmark = pytest.mark.mount
@@ -421,3 +421,35 @@ def test_fsync_and_flush_seal_errors_reach_caller(d):
     finally:
         os.close(fd)
     assert read(d / "f") == b"abcdef"
+
+
+# ---- fallocate (documented in docs/design.md) --------------------------------------------
+def test_fallocate_is_refused_and_posix_fallocate_emulated(d):
+    """pyfuse3 3.5 routes no FUSE_FALLOCATE (its fuse_lowlevel_ops leave .fallocate NULL, so
+    libfuse answers ENOSYS): fallocate(2) gives EOPNOTSUPP, every mode; glibc's posix_fallocate
+    then writes a byte per block itself: it extends O_RDWR files and growing O_WRONLY ones, and
+    fails with EBADF on O_APPEND descriptors and on O_WRONLY ones over existing bytes."""
+    p = d / "f"
+    put(p, b"a" * 5000)
+    fd = os.open(p, os.O_RDWR)
+    try:
+        for mode in (0, 1):                       # 0: allocate and extend; 1: FALLOC_FL_KEEP_SIZE
+            assert errno_of(fallocate, fd, mode, 0, 65536) == errno.EOPNOTSUPP
+        os.posix_fallocate(fd, 0, 20000)          # the emulation: reads, then writes, each block
+        assert os.fstat(fd).st_size == 20000
+    finally:
+        os.close(fd)
+    assert read(p) == b"a" * 5000 + bytes(15000)
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        os.posix_fallocate(fd, 30000, 5000)       # past the end: no byte to read first
+        assert os.fstat(fd).st_size == 35000
+        assert errno_of(os.posix_fallocate, fd, 0, 100) == errno.EBADF   # over existing bytes
+    finally:
+        os.close(fd)
+    fd = os.open(p, os.O_RDWR | os.O_APPEND)
+    try:
+        assert errno_of(os.posix_fallocate, fd, 0, 50000) == errno.EBADF
+    finally:
+        os.close(fd)
+    assert read(p) == b"a" * 5000 + bytes(30000)

@@ -79,7 +79,7 @@ test-slow: setup
 # and load only their storage layers.
 KVFS_WHEEL_CACHE ?= $(HOME)/.cache/kvfs/wheels
 test-integration: setup
-	KVFS_WHEEL_CACHE=$(KVFS_WHEEL_CACHE) $(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
+	KVFS_WHEEL_CACHE=$(KVFS_WHEEL_CACHE) $(VENV)/bin/pytest -m 'not slow' tests/integration $(PYTEST_ARGS)
 
 bench: setup
 	$(PIP) install -q -e '.[bench]'

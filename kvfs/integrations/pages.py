@@ -12,7 +12,8 @@ runtimes need, each batched the way kvfs makes cheap:
   file order), and its whole-object xxh3_64 checked before the page counts as a hit; a page
   without a fast path (``null`` entry) is read through the mount (a *lease fallback*).
 * ``write(name, bufs)``: temp file, one ``writev``, ``rename`` -- through the mount, so the
-  daemon places, indexes and checksums it like any other file.
+  daemon places, indexes and checksums it like any other file. ``name`` may contain
+  subdirectories (created on first use).
 
 Failure policy (the runtime's worker thread must never see a kvfs exception): every error --
 a dead or unmounted daemon (ENOTCONN), a vanished file, a short read, a checksum mismatch, a
@@ -373,8 +374,15 @@ class PageStore:
         if self.require_kvfs:
             self._connect()             # never write under an unmounted mount point
         final = os.path.join(self.dir, name)
-        tmp = os.path.join(self.dir, f".{name}.{os.urandom(6).hex()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        sub, base = os.path.split(final)
+        tmp = os.path.join(sub, f".{base}.{os.urandom(6).hex()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:
+            if sub == self.dir:
+                raise
+            os.makedirs(sub, exist_ok=True)   # names with subdirectories (vLLM's fs layout)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             views = [memoryview(b).cast("B") for b in bufs]
             total = sum(len(v) for v in views)

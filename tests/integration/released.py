@@ -266,3 +266,70 @@ def _controller_class(pkg: Path, hs):
     for m in methods:
         setattr(Controller, m, ns[m])
     return Controller
+
+
+# -- vLLM -------------------------------------------------------------------------------
+VLLM_VERSION = "0.33.0"
+MSGSPEC_VERSION = "0.22.0"        # a dependency of vllm.v1.kv_hints (ReqContext's hints)
+_OFFLOADING = "vllm/distributed/kv_transfer/kv_connector/v1/offloading"
+VLLM_FILES = [
+    "vllm/envs.py", "vllm/logger.py", "vllm/logging_utils/", "vllm/v1/__init__.py", "vllm/v1/kv_hints/",
+    "vllm/v1/kv_offload/", "vllm/v1/metrics/", "vllm/v1/kv_cache_layout.py", f"{_OFFLOADING}/canonical_mapping.py",
+    # read (not imported) by the recipe test
+    f"{_OFFLOADING}/scheduler.py", "vllm/distributed/parallel_state.py", "vllm/engine/arg_utils.py", "vllm/distributed/kv_transfer/kv_connector/factory.py",
+    "vllm/config/kv_transfer.py",
+]
+# Packages whose __init__ pulls in the GPU/distributed stack: registered bare.
+_VLLM_BARE = ["vllm", "vllm.distributed", "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector",
+              "vllm.distributed.kv_transfer.kv_connector.v1", "vllm.distributed.kv_transfer.kv_connector.v1.offloading"]
+_vllm_lock = threading.Lock()
+
+
+def load_vllm(version: str = VLLM_VERSION) -> types.SimpleNamespace:
+    """Import vLLM's released offloading tier layer (``vllm.v1.kv_offload``: the secondary
+    tier interface, its async lookup manager, the tier factory, the ``fs`` tier and its file
+    mapper) from the wheel, as they are. Skipped: the ``__init__`` of ``vllm`` and of the
+    ``vllm.distributed`` packages (the GPU and distributed stack). From
+    ``parallel_state`` (the distributed stack), the logger's rank checks
+    (``is_global_first_rank``, ``is_local_first_rank``) are taken by name. ``canonical_mapping``
+    imports the CUDA-side KV cache interface; the one released function the file mapper uses
+    from it (``canonical_format_id``) is taken from the wheel's source by name, with the
+    released ``KVCacheLayout`` it reads."""
+    with _vllm_lock:
+        deps = unpack(wheel("msgspec", MSGSPEC_VERSION), ["msgspec/"])
+        if str(deps) not in sys.path:
+            sys.path.insert(0, str(deps))
+        root = unpack(wheel("vllm", version), VLLM_FILES)
+        pkg = root / "vllm"
+        if getattr(sys.modules.get("vllm"), "__path__", [None])[0] != str(pkg):
+            for name in _VLLM_BARE:
+                _package(name, root.joinpath(*name.split(".")))
+            import importlib
+            layout = importlib.import_module("vllm.v1.kv_cache_layout")
+            cm = types.ModuleType(_OFFLOADING.replace("/", ".") + ".canonical_mapping")
+            cm.__dict__.update(KVCacheLayout=layout.KVCacheLayout)
+            exec(_constant(root / f"{_OFFLOADING}/canonical_mapping.py", "CANONICAL_FORMAT_VERSION"), cm.__dict__)
+            released_defs(root / f"{_OFFLOADING}/canonical_mapping.py", ["canonical_format_id"], cm.__dict__)
+            sys.modules[cm.__name__] = cm
+            # the logger's once-per-rank check (single process: no world group)
+            ps = types.ModuleType("vllm.distributed.parallel_state")
+            ps.__dict__.update(torch=torch, envs=importlib.import_module("vllm.envs"), _WORLD=None)
+            released_defs(root / "vllm/distributed/parallel_state.py", ["is_global_first_rank", "is_local_first_rank"],
+                          ps.__dict__)
+            sys.modules[ps.__name__] = ps
+        import importlib
+        mods = dict(base="vllm.v1.kv_offload.base", config="vllm.v1.kv_offload.config",
+                    file_mapper="vllm.v1.kv_offload.file_mapper", tiering="vllm.v1.kv_offload.tiering.base",
+                    tier_factory="vllm.v1.kv_offload.tiering.factory", fs="vllm.v1.kv_offload.tiering.fs.manager",
+                    spec_factory="vllm.v1.kv_offload.factory")
+        mods = {k: importlib.import_module(m) for k, m in mods.items()}
+        return types.SimpleNamespace(root=root, pkg=pkg, version=version, **mods)
+
+
+def _constant(path: Path, name: str) -> str:
+    """The released module-level assignment ``name = ...`` of ``path``, as source."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.unparse(node)
+    raise RuntimeError(f"{path}: no {name}")

@@ -81,6 +81,17 @@ class PageStoreStats:
     reconnects: int
 
 
+@dataclasses.dataclass
+class LeaseHold:
+    """A lease kept on a descriptor of its own (see :meth:`PageStore.hold`): the daemon keeps
+    the leased pages where they are, and their backing files valid, until it is released
+    (or its ttl runs out)."""
+
+    client: LeaseClient | None     # None: a plain directory (nothing to pin)
+    backings: dict[str, Backing | None]   # leased pages -> fast path (None: read via the mount)
+    epoch: int
+
+
 def _cuts(segs: list[memoryview]) -> list[tuple[int, int, int]]:
     """Group ``segs`` into pieces of about PIECE bytes: ``(first, end, nbytes)``."""
     cuts, first, size = [], 0, 0
@@ -111,6 +122,7 @@ class PageStore:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._leases: list[LeaseClient] = []
+        self._spares: list[LeaseClient] = []   # lease descriptors free for the next hold
         self._lookup: PrefixLookup | None = None
         self._mount_root: str | None = None
         self._dev = -1
@@ -174,7 +186,8 @@ class PageStore:
         """Drop the control-file descriptors (after an error); the next call reconnects."""
         with self._lock:
             lk, self._lookup = self._lookup, None
-            leases, self._leases = self._leases, []
+            leases, self._leases = self._leases + self._spares, []
+            self._spares = []
             self._epoch += 1
             self._counts["reconnects"] += 1
         for c in ([lk] if lk is not None else []) + leases:
@@ -256,6 +269,96 @@ class PageStore:
             if len(names) == 1:
                 return 1
         return lk.prefix_rel(names)
+
+    # -- lookup-and-pin (LMCache's lookup_and_lock) ----------------------------------------
+    def hold(self, names: list[str]) -> tuple[int, LeaseHold | None]:
+        """How many leading ``names`` exist, found and pinned by one ``.kvfs/lease`` request on
+        a descriptor of this hold's own: the pages stay where they are until
+        :meth:`release_hold`. ``(0, None)`` on any failure."""
+        if not names:
+            return 0, None
+        k, held = 0, None
+        try:
+            with self._call():
+                lk = self._connect()
+                if not lk.one_call:             # plain directory: a stat per page, nothing to pin
+                    k = lk.prefix_rel(names)
+                    held = LeaseHold(None, dict.fromkeys(names[:k]), self._epoch)
+                else:
+                    client = self._spare()
+                    try:
+                        blocks = client.acquire(names)
+                    except BaseException:
+                        client.close()
+                        raise
+                    k = len(blocks)
+                    held = LeaseHold(client, dict(zip(names, blocks)), self._epoch)
+        except Exception as e:         # noqa: BLE001 -- any failure is a miss
+            self._failed("lookup", e, len(names))
+        self._count(lookups=1, lookup_hits=k, lookup_misses=len(names) - k)
+        return k, held
+
+    def _spare(self) -> LeaseClient:
+        """A lease descriptor nobody holds a lease on (reused after release_hold)."""
+        with self._lock:
+            if self._spares:
+                return self._spares.pop()
+        client = LeaseClient.open(self._mount_root, self.dir, ttl=self.lease_ttl)
+        if client is None:
+            raise OSError(errno.ENOTSUP, f"no .kvfs/lease under {self._mount_root}")
+        return client
+
+    def release_hold(self, held: LeaseHold | None) -> None:
+        """Give a hold's lease back (never raises: a lease the daemon cannot be told about
+        ends with its descriptor, or its ttl)."""
+        if held is None or held.client is None:
+            return
+        client, held.client = held.client, None
+        try:
+            client.release()
+            with self._lock:
+                if held.epoch == self._epoch and len(self._spares) < 64:
+                    self._spares.append(client)
+                    return
+        except OSError as e:
+            log.debug("lease release failed (%s): closing its descriptor", e)
+        try:
+            client.close()
+        except OSError:
+            pass
+
+    def read_held(self, held: LeaseHold | None, names: list[str], dests: list[list[memoryview]]) -> list[bool]:
+        """Read pages found by :meth:`hold` (their pinned backing files, beside FUSE; a page
+        without a fast path, or not in the hold, through the mount). One flag per page, each
+        page on its own (a failed page does not end the batch)."""
+        n = len(names)
+        ok = [False] * n
+        fallbacks = checksum_errors = 0
+        on_kvfs = held is not None and held.client is not None
+        backings = held.backings if held is not None else {}
+        try:
+            with self._call():
+                for i, name in enumerate(names):
+                    size = sum(len(s) for s in dests[i])
+                    b = backings.get(name)
+                    try:
+                        r = self._read_leased(b, name, dests[i], size) if b is not None and b.size == size else None
+                        if r is None:
+                            r = self._read_mount(name, dests[i], size)
+                            fallbacks += on_kvfs and r is not None
+                        ok[i] = r is not None
+                    except ChecksumMismatch as e:
+                        checksum_errors += 1
+                        self._failed("read", e, 1)
+                    except (FileNotFoundError, PageSizeError) as e:
+                        self._failed("read", e, 1)
+        except Exception as e:         # noqa: BLE001 -- any failure is a miss
+            self._failed("read", e, n)
+        got = sum(ok)
+        nbytes = sum(sum(len(s) for s in dests[i]) for i in range(n) if ok[i])
+        self._count(gets=n, hits=got, misses=n - got, bytes_read=nbytes, lease_fallbacks=fallbacks,
+                    checksum_errors=checksum_errors)
+        return ok
 
     # -- reads ----------------------------------------------------------------------------
     def read_into(self, names: list[str], dests: list[list[memoryview]]) -> list[bool]:
@@ -427,7 +530,8 @@ class PageStore:
     def close(self) -> None:
         with self._lock:
             lk, self._lookup = self._lookup, None
-            leases, self._leases = self._leases, []
+            leases, self._leases = self._leases + self._spares, []
+            self._spares = []
             self._epoch += 1
         for c in ([lk] if lk is not None else []) + leases:
             try:

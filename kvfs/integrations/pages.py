@@ -315,7 +315,8 @@ class PageStore:
             return
         client, held.client = held.client, None
         try:
-            client.release()
+            if any(True for _ in held.backings):   # an empty lease pins nothing: the next request
+                client.release()                   # on the descriptor ends it (no round trip now)
             with self._lock:
                 if held.epoch == self._epoch and len(self._spares) < 64:
                     self._spares.append(client)

@@ -14,7 +14,6 @@ import ast
 import json
 import os
 import re
-import select
 import shlex
 import threading
 from pathlib import Path
@@ -23,7 +22,8 @@ import pytest
 import torch
 
 from conftest import lazy_unmount, pid_alive, wait_for
-from integration.released import L1Object, load_lmcache, load_sglang, storage_config
+from integration.drivers import LmcacheController
+from integration.released import load_lmcache, load_sglang, storage_config
 
 pytestmark = pytest.mark.mount
 
@@ -59,59 +59,7 @@ def _adapter(lm, adapters, base, **params):
     a = lm.factory.create_l2_adapter_from_registry(_parse(lm, {**PLUGIN, "adapter_params": {
         "base_path": str(base), **params}}))
     adapters.append(a)
-    return Controller(lm, a)
-
-
-class Controller:
-    """LMCache's controller calls on one L2 adapter (store controller, prefetch controller),
-    with L1 objects in one CPU arena."""
-
-    def __init__(self, lm, adapter, arena_bytes: int = 64 * MIB):
-        self.lm, self.a = lm, adapter
-        self.arena = torch.zeros(arena_bytes, dtype=torch.uint8)
-        self.stored: dict = {}
-
-    def objs(self, n: int, size: int, first: int = 0) -> list[L1Object]:
-        return [L1Object(self.arena, (first + i) * size, size) for i in range(n)]
-
-    def _wait(self, fd: int, poll):
-        def ready():
-            r, _, _ = select.select([fd], [], [], 0.05)
-            if r:
-                self.lm.notifier.consume_fd(fd)
-            return poll()
-        return wait_for(lambda: (lambda v: (v,) if v is not None else None)(ready()), 60, "an L2 task")[0]
-
-    def store(self, keys, objs):
-        tid = self.a.submit_store_task(keys, objs)
-
-        def done():
-            self.stored.update(self.a.pop_completed_store_tasks())
-            return self.stored.pop(tid, None)
-        return self._wait(self.a.get_store_event_fd(), done)
-
-    def lookup(self, keys):
-        tid = self.a.submit_lookup_and_lock_task(keys, {})
-        return self._wait(self.a.get_lookup_and_lock_event_fd(), lambda: self.a.query_lookup_and_lock_result(tid))
-
-    def load(self, keys, objs):
-        tid = self.a.submit_load_task(keys, objs)
-        return self._wait(self.a.get_load_event_fd(), lambda: self.a.query_load_result(tid))
-
-    def prefetch(self, keys, objs) -> int:
-        """lookup_and_lock, load the locked prefix, unlock: how many objects loaded."""
-        n = self.lookup(keys).count_leading_ones()
-        if not n:
-            return 0
-        got = self.load(keys[:n], objs[:n])
-        self.a.submit_unlock(keys[:n])
-        return got.count_leading_ones()
-
-    def fill(self, objs, seed: int) -> list[bytes]:
-        g = torch.Generator().manual_seed(seed)
-        for o in objs:
-            o.raw_data.copy_(torch.randint(0, 256, (o.get_size(),), dtype=torch.uint8, generator=g))
-        return [o.raw_data.numpy().tobytes() for o in objs]
+    return LmcacheController(lm, a, wait_for)
 
 
 def _keys(lm, n, salt="a", model="org/Model-8B", rank=0, cache_salt=""):
@@ -182,7 +130,7 @@ def test_shares_a_directory_with_lmcaches_fs_adapter(lm, kvfs_mount, adapters):
     kv = _adapter(lm, adapters, base)
     fs_adapter = lm.factory.create_l2_adapter_from_registry(_parse(lm, {"type": "fs", "base_path": str(base)}))
     adapters.append(fs_adapter)
-    fs = Controller(lm, fs_adapter)
+    fs = LmcacheController(lm, fs_adapter, wait_for)
     a, b = _keys(lm, 5, "fs"), _keys(lm, 5, "kv")
     want_a = fs.fill(fs.objs(5, MIB), seed=4)
     assert fs.store(a, fs.objs(5, MIB)).is_successful()
@@ -353,7 +301,7 @@ def test_recipe_as_documented(lm, kvfs_mount, adapters):
     a = lm.factory.create_l2_adapter_from_registry(cfg)
     adapters.append(a)
     assert type(a).__module__ == "kvfs.integrations.lmcache"
-    c = Controller(lm, a)
+    c = LmcacheController(lm, a, wait_for)
     want = c.fill(c.objs(2, MIB), seed=11)
     assert c.store(_keys(lm, 2), c.objs(2, MIB)).is_successful()
     assert c.prefetch(_keys(lm, 2), c.objs(2, MIB, first=2)) == 2 and _read(c.objs(2, MIB, first=2)) == want

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import itertools
 import json
 import os
 import re
@@ -28,7 +27,8 @@ import pytest
 import torch
 
 from conftest import lazy_unmount, pid_alive, wait_for
-from integration.released import load_sglang, load_vllm, released_defs, storage_config
+from integration.drivers import VllmDriver, vllm_spec, vllm_tier
+from integration.released import load_sglang, load_vllm, storage_config
 
 pytestmark = [pytest.mark.mount, pytest.mark.vllm_wheel]
 
@@ -44,74 +44,6 @@ def v():
     return v
 
 
-class Driver:
-    """vLLM's tiering manager's calls on one secondary tier, over a CPU primary tier of
-    ``chunks`` slots of ``chunk_bytes`` (the released scheduler's prefix scan included)."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, v, tier, primary: np.ndarray):
-        self.v, self.tier, self.primary = v, tier, primary
-        ns = {"LookupResult": v.base.LookupResult}
-        released_defs(v.root / "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
-                      ["_maximal_prefix_lookup"], ns, cls="OffloadingConnectorScheduler")
-        self._scan = ns["_maximal_prefix_lookup"]
-        self.manager = tier                       # what the released scan calls lookup() on
-        self._events_tracker = self               # and records its hits with
-        self.done: dict[int, object] = {}
-
-    def record_lookup(self, *args) -> None:
-        pass
-
-    def _step(self, ctx) -> None:
-        self.tier.on_schedule_end(self.v.base.ScheduleEndContext(new_req_ids=[ctx.req_id], preempted_req_ids=[]))
-
-    def hits(self, keys, req_id=None) -> int:
-        """Leading chunks of ``keys`` the tier has: one request, stepped until resolved."""
-        ctx = self.v.base.ReqContext(req_id=req_id or f"r{next(self._ids)}")
-        self.tier.on_new_request(ctx)
-        out: list = []
-
-        def step() -> bool:
-            n = self._scan(self, keys, ctx, None, None, 0)
-            if n is None:
-                self._step(ctx)
-                return False
-            out.append(n)
-            return True
-        wait_for(step, 60, "the tier's lookup thread")
-        self.tier.on_request_finished(ctx)
-        return out[0]
-
-    def _job(self, keys, slots, promotion: bool):
-        job = self.v.tiering.TransferJob(
-            job_id=next(self._ids), keys=list(keys), chunk_ids=np.array(slots, dtype=np.int32),
-            is_promotion=promotion, req_context=self.v.base.ReqContext(req_id=f"j{next(self._ids)}"))
-        (self.tier.submit_load if promotion else self.tier.submit_store)(job)
-
-        def finished():
-            for r in self.tier.get_finished_jobs():
-                self.done[r.job_id] = r
-            return job.job_id in self.done
-        wait_for(finished, 60, f"job {job.job_id}")
-        return self.done.pop(job.job_id)
-
-    def store(self, keys, slots):
-        return self._job(keys, slots, False)
-
-    def load(self, keys, slots):
-        return self._job(keys, slots, True)
-
-    def fill(self, slots, seed: int) -> list[bytes]:
-        g = torch.Generator().manual_seed(seed)
-        for s in slots:
-            self.primary[s] = torch.randint(0, 256, (self.primary.shape[1],), dtype=torch.uint8, generator=g).numpy()
-        return [self.primary[s].tobytes() for s in slots]
-
-    def read(self, slots) -> list[bytes]:
-        return [self.primary[s].tobytes() for s in slots]
-
-
 @pytest.fixture
 def tiers():
     made = []
@@ -120,38 +52,14 @@ def tiers():
         t.shutdown()
 
 
-def _spec(v, *, model="org/Model-8B", chunk_bytes=MIB, tp_size=1, rank=0, dtype="bfloat16", agnostic=False):
-    cfg = v.config
-    conf = cfg.OffloadingConfig(
-        groups=(cfg.OffloadingGroupConfig(tokens_per_block=16, layer_names=("model.layers.0.self_attn.attn",),
-                                          group_id=0),),
-        worker_kv_bytes_per_block=chunk_bytes, enable_kv_cache_events=False, extra_config={}, engine_id="e0",
-        model=cfg.OffloadingModelConfig(name=model, dtype=dtype), cache=cfg.OffloadingCacheConfig(16, 1),
-        parallel=cfg.OffloadingParallelConfig(rank=rank, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1,
-                                              dcp_size=1, data_parallel_index=0, data_parallel_size=1,
-                                              data_parallel_rank_local=None, is_parallelism_agnostic=agnostic))
-
-    class Spec(v.base.OffloadingSpec):
-        """The spec's normalized config (the scheduler and worker halves are not used here)."""
-
-        def get_manager(self):
-            raise NotImplementedError
-
-        def get_worker(self, kv_caches):
-            raise NotImplementedError
-    return Spec(conf)
-
-
 def _tier(v, tiers, root, *, chunks=16, chunk_bytes=MIB, kind=None, **spec_kw):
     """A tier made by vLLM's factory over a fresh primary tier; returns its driver."""
-    primary = np.zeros((chunks, chunk_bytes), dtype=np.uint8)
     config = dict(kind or TIER, root_dir=str(root))
     if config["type"] == "fs":
         config.update(n_read_threads=2, n_write_threads=2)
-    tier = v.tier_factory.SecondaryTierFactory.create_secondary_tier(
-        config, memoryview(primary), _spec(v, chunk_bytes=chunk_bytes, **spec_kw))
-    tiers.append(tier)
-    return Driver(v, tier, primary)
+    d = vllm_tier(v, config, chunks=chunks, chunk_bytes=chunk_bytes, wait=wait_for, **spec_kw)
+    tiers.append(d.tier)
+    return d
 
 
 def _keys(v, n, salt="a", group=0):
@@ -349,9 +257,9 @@ def test_stopped_daemon_times_out_to_misses(v, kvfs_mount, tiers):
     m = kvfs_mount()
     primary = np.zeros((8, MIB), dtype=np.uint8)
     config = dict(TIER, root_dir=str(m.path / "vllm"), stall_timeout=0.2)
-    tier = v.tier_factory.SecondaryTierFactory.create_secondary_tier(config, memoryview(primary), _spec(v))
+    tier = v.tier_factory.SecondaryTierFactory.create_secondary_tier(config, memoryview(primary), vllm_spec(v))
     tiers.append(tier)
-    d = Driver(v, tier, primary)
+    d = VllmDriver(v, tier, primary, wait_for)
     keys = _keys(v, 2)
     d.fill(range(2), seed=10)
     assert d.store(keys, range(2)).success
@@ -360,7 +268,7 @@ def test_stopped_daemon_times_out_to_misses(v, kvfs_mount, tiers):
     try:
         ctx = v.base.ReqContext(req_id="held")
         assert tier.lookup(keys[0], ctx) is v.base.LookupResult.RETRY
-        d._step(ctx)                                     # the lookup thread's request is now held
+        d.step(ctx)                                     # the lookup thread's request is now held
         wait_for(lambda: any(time.monotonic() - t0 > 0.2 for t0 in list(tier.store._inflight.values())), 60,
                  "a request to wait past the stall timeout")
         assert not d.load(keys, range(2, 4)).success

@@ -1,7 +1,7 @@
 """Runtime storage backends on a plain directory and on kvfs, driven by the runtimes' own code.
 
     python benchmarks/runtime_adapters.py [--pages 1000] [--runs 3] [--json out.json]
-                                          [--runtimes sglang,vllm,lmcache]
+                                          [--runtimes sglang,vllm,lmcache] [--sizes "2 MiB,256 KiB"]
                                           [--write-docs docs/benchmarks.md] [--workdir DIR]
                                           [--from-json saved.json]
 
@@ -180,6 +180,8 @@ def bench(args) -> dict:
         for rt in runtimes:
             res[rt] = {}
             for label, geometry in PAGES.items():
+                if args.sizes and label not in args.sizes.split(","):
+                    continue
                 layers, heads, dim, ps = geometry
                 page_bytes = 2 * layers * heads * dim * ps * 2
                 # both kvfs rows share one mount: room for two copies of every page
@@ -315,6 +317,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pages", type=int, default=1000)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--runtimes", default="sglang,vllm,lmcache", help="comma-separated subset")
+    ap.add_argument("--sizes", default="", help=f"comma-separated subset of {list(PAGES)} (default all)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--write-docs", type=Path)
     ap.add_argument("--workdir", type=Path, default=None, help="where the plain directory and mounts go (default /tmp)")

@@ -203,7 +203,10 @@ class PageStore:
         """One call that may wait on the daemon. A daemon that neither answers nor dies (stopped,
         wedged) blocks the thread in its request like any FUSE filesystem; while a request of
         this store has waited longer than ``stall_timeout``, further calls fail at once
-        (``Stalled``: a miss) instead of piling the runtime's other threads up behind it."""
+        (``Stalled``: a miss) instead of piling the runtime's other threads up behind it.
+        A call of many pages (a batch of writes that takes longer than ``stall_timeout`` while
+        every request is answered) calls the yielded ``progress()`` after each page: what
+        counts is the wait since the last answer, not the call's length."""
         if self.stall_timeout is not None and self._inflight:
             now = time.monotonic()
             oldest = min(list(self._inflight.values()), default=now)
@@ -211,8 +214,11 @@ class PageStore:
                 raise Stalled(errno.ETIMEDOUT, f"a kvfs request has been waiting {now - oldest:.1f}s")
         token = object()
         self._inflight[token] = time.monotonic()
+
+        def progress() -> None:
+            self._inflight[token] = time.monotonic()
         try:
-            yield
+            yield progress
         finally:
             self._inflight.pop(token, None)
 
@@ -338,8 +344,9 @@ class PageStore:
         on_kvfs = held is not None and held.client is not None
         backings = held.backings if held is not None else {}
         try:
-            with self._call():
+            with self._call() as progress:
                 for i, name in enumerate(names):
+                    progress()
                     size = sum(len(s) for s in dests[i])
                     b = backings.get(name)
                     try:
@@ -372,8 +379,8 @@ class PageStore:
             return ok
         fallbacks = [0]
         try:
-            with self._call():
-                self._read_batch(names, dests, ok, fallbacks)
+            with self._call() as progress:
+                self._read_batch(names, dests, ok, fallbacks, progress)
         except ChecksumMismatch as e:
             self._count(checksum_errors=1)
             self._failed("read", e, n)
@@ -385,7 +392,7 @@ class PageStore:
         return ok
 
     def _read_batch(self, names: list[str], dests: list[list[memoryview]], ok: list[bool],
-                    fallbacks: list[int]) -> None:
+                    fallbacks: list[int], progress) -> None:
         """One lease for the batch, then each page beside FUSE (or through the mount)."""
         lease = self._lease()
         leased = lease.acquire(names) if lease is not None else None
@@ -403,6 +410,7 @@ class PageStore:
                         return
                     fallbacks[0] += on_kvfs
                 ok[i] = True
+                progress()
         finally:
             if leased is not None:
                 lease.release(lease.generation)
@@ -462,12 +470,13 @@ class PageStore:
         for i in range(present):
             ok[i] = True
         try:
-            with self._call():
+            with self._call() as progress:
                 for i in range(present, n):
                     size = self._write(names[i], bufs_of(i))
                     ok[i] = True
                     written += 1
                     nbytes += size
+                    progress()
         except Exception as e:         # noqa: BLE001 -- a failed store is reported, not raised
             failed = n - present - written
             self._failed("write", e, failed)

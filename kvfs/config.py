@@ -71,6 +71,7 @@ class Config:
     promote_window: float = 30.0       # seconds
     chunk_size: int = 1 << 20          # checksum and read granularity of lower tiers
     shm_dir: str = "/dev/shm"          # the RAM tier lives in shared memory here
+    ram_mapped_min: int = 1 << 20      # RAM-tier objects this big stay tmpfs files (leasable)
     debug: bool = False
     foreground: bool = False
 
@@ -130,6 +131,8 @@ class Config:
             raise ConfigError("promote_hits must be at least 1")
         if self.chunk_size < 4096 or self.chunk_size % 4096:
             raise ConfigError("chunk_size must be a positive multiple of 4096")
+        if not isinstance(self.ram_mapped_min, int) or not 4096 <= self.ram_mapped_min <= 1 << 30:
+            raise ConfigError("ram_mapped_min must be a whole number of bytes from 4096 to 1 GiB")
         self.check_shm_dir()
 
     def check_shm_dir(self) -> dict[str, str]:

@@ -305,3 +305,26 @@ def test_recipe_as_documented(lm, kvfs_mount, adapters):
     want = c.fill(c.objs(2, MIB), seed=11)
     assert c.store(_keys(lm, 2), c.objs(2, MIB)).is_successful()
     assert c.prefetch(_keys(lm, 2), c.objs(2, MIB, first=2)) == 2 and _read(c.objs(2, MIB, first=2)) == want
+
+
+def test_small_objects_leased_with_ram_mapped_min(lm, kvfs_mount, adapters, tmp_path):
+    """With the mount's ``ram_mapped_min`` lowered to 256 KiB, 256 KiB objects stay RAM-tier
+    files: the lock pins them and the load reads them beside FUSE (no lease fallback)."""
+    cfg = tmp_path / "kvfs.toml"
+    cfg.write_text("[kvfs]\nram_mapped_min = 262144\n")
+    m = kvfs_mount("--config", cfg, ram="64MiB")
+    c = _adapter(lm, adapters, m.path / "lmcache")
+    keys = _keys(lm, 20, "s")
+    want = c.fill(c.objs(20, 256 << 10), seed=12)
+    assert c.store(keys, c.objs(20, 256 << 10)).is_successful()
+    assert c.prefetch(keys, c.objs(20, 256 << 10, first=20)) == 20
+    assert _read(c.objs(20, 256 << 10, first=20)) == want
+    st = c.a.statistics()
+    assert (st.hits, st.lease_fallbacks, st.errors) == (20, 0, 0)
+
+
+def test_ram_mapped_min_is_checked():
+    from kvfs.config import Config, ConfigError
+    for bad in (0, 100, 1 << 31, "256KiB"):
+        with pytest.raises(ConfigError, match="ram_mapped_min"):
+            Config(ram_mapped_min=bad).validate()

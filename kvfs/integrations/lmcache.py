@@ -20,8 +20,10 @@ the mount:
   ``submit_unlock`` -- a lookup_and_lock in one round trip. The answer is the leading run of
   present objects (objects past the first missing one are reported missing).
 * ``submit_load_task``: locked objects are read from their pinned backing files beside FUSE
-  (no further round trip) straight into the L1 objects and their xxh3 checked; an object
-  without a fast path (or not locked) is read through the mount (a lease fallback).
+  (no further round trip) straight into the L1 objects and their xxh3 checked, a large task
+  in parts on ``n_threads`` reader threads; an object without a fast path is read through
+  the mount (a lease fallback); unlocked objects are leased by the load itself. Each object
+  is a bit of its own: a missing or damaged one does not fail the others.
 * ``submit_store_task``: through the mount (temp file + rename), after one lookup that skips
   the leading objects already present.
 
@@ -103,7 +105,9 @@ class KvfsL2Adapter(L2AdapterInterface):
                                verify_shm=config.verify_shm, stall_timeout=float(config.stall_timeout) or None)
         self._efd = {k: create_event_notifier() for k in ("store", "lookup", "load")}
         self._done: dict[str, dict] = {"store": {}, "lookup": {}, "load": {}}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, int(config.n_threads)), "kvfs_lmcache")
+        self._n_threads = max(1, int(config.n_threads))
+        self._pool = concurrent.futures.ThreadPoolExecutor(self._n_threads, "kvfs_lmcache")
+        self._readers = concurrent.futures.ThreadPoolExecutor(self._n_threads, "kvfs_lmcache_read")
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._locks: dict[Any, collections.deque] = {}     # key -> holds pinning it (one per lock)
@@ -221,11 +225,13 @@ class KvfsL2Adapter(L2AdapterInterface):
             for i, h in enumerate(holds):
                 by_hold.setdefault(id(h), []).append(i)
             for idxs in by_hold.values():
-                h = holds[idxs[0]]
-                if h is None:          # not locked: one lease for them, then read
-                    got = self.store.read_into([names[i] for i in idxs], [dests[i] for i in idxs])
-                else:
-                    got = self.store.read_held(h, [names[i] for i in idxs], [dests[i] for i in idxs])
+                held, own = holds[idxs[0]], None
+                if held is None:       # not locked: a lease of the load's own, for the load
+                    own = held = self.store.hold([names[i] for i in idxs])[1]
+                try:
+                    got = self._read_parts(held, [names[i] for i in idxs], [dests[i] for i in idxs])
+                finally:
+                    self.store.release_hold(own)
                 for i, g in zip(idxs, got):
                     ok[i] = g
             bitmap = Bitmap(len(keys))
@@ -237,6 +243,25 @@ class KvfsL2Adapter(L2AdapterInterface):
                 self._notify_keys_accessed(loaded)
             return bitmap
         return self._submit("load", load, Bitmap(len(keys)))
+
+    def _read_parts(self, held: LeaseHold | None, names: list[str], dests: list) -> list[bool]:
+        """Read one hold's objects (each on its own: a missing one is a 0 bit) in up to
+        ``n_threads`` parts at once (at least 16 objects a part): a prefetch is one load task
+        of every object of a request, and one thread would read and hash them one by one."""
+        n = len(names)
+        parts = min(self._n_threads, max(1, n // 16))
+        step = -(-n // parts)
+        spans = [(i, min(i + step, n)) for i in range(0, n, step)]
+
+        def read(a: int, b: int) -> list[bool]:
+            return self.store.read_held(held, names[a:b], dests[a:b])
+        if len(spans) == 1:
+            return read(0, n)
+        try:
+            futs = [self._readers.submit(read, a, b) for a, b in spans]
+        except RuntimeError:           # closing: read here
+            return read(0, n)
+        return [g for f in futs for g in f.result()]
 
     def query_load_result(self, task_id: L2TaskId):
         with self._lock:
@@ -271,6 +296,7 @@ class KvfsL2Adapter(L2AdapterInterface):
             return
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=False)
+        self._readers.shutdown(wait=True)
         with self._lock:
             holds = {id(h): h for q in self._locks.values() for h in q}
             self._locks.clear()

@@ -76,7 +76,7 @@ def test_objects_round_trip(lm, kvfs_mount, adapters):
     object equal, misses are misses, a vanished object ends the hit run."""
     m = kvfs_mount(ram="128MiB")
     c = _adapter(lm, adapters, m.path / "lmcache")
-    n = 12
+    n = 32                                   # two parts of 16 for the adapter's reader threads
     src, dst = c.objs(n, MIB), c.objs(n, MIB, first=n)
     want = c.fill(src, seed=1)
     keys = _keys(lm, n)
@@ -99,6 +99,10 @@ def test_objects_round_trip(lm, kvfs_mount, adapters):
     os.unlink(Path(c.a.store.dir) / lm.fs._object_key_to_filename(keys[4]))
     assert c.prefetch(keys, dst) == 4
     assert c.a.report_status()["locked_keys"] == 0
+    # a vanished object in the second part: the load's bitmap has exactly that bit clear
+    os.unlink(Path(c.a.store.dir) / lm.fs._object_key_to_filename(keys[20]))
+    got = c.load(keys, dst)
+    assert got.get_indices_list() == [i for i in range(n) if i not in (4, 20)]
 
 
 def test_lock_pins_objects_until_unlock(lm, kvfs_mount, adapters):

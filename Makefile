@@ -17,7 +17,7 @@ DEMO_MNT  := $(CURDIR)/mnt
 DEMO_DIR  := $(CURDIR)/.kvfs-demo
 PYTEST_ARGS ?=
 
-.PHONY: help setup apt run demo-umount test test-slow test-integration bench clean
+.PHONY: help setup apt run demo-umount test test-slow test-integration bench bench-adapters clean
 
 help:
 	@echo "make setup      install Debian packages (as root), .venv, kvfs and its deps"
@@ -26,6 +26,7 @@ help:
 	@echo "make test-slow  setup, then the slow tests"
 	@echo "make test-integration  setup, then the runtime adapters against the released runtimes"
 	@echo "make bench      setup, then kvfs bench, results into docs/benchmarks.md"
+	@echo "make bench-adapters  setup, then the runtime backends vs the kvfs adapters, into docs/benchmarks.md"
 	@echo "make clean      unmount the demo and remove .venv, .kvfs-demo"
 
 setup: $(STAMP)
@@ -74,12 +75,17 @@ test: setup
 test-slow: setup
 	$(VENV)/bin/pytest -m slow $(PYTEST_ARGS)
 
-# Runtime adapters against the released runtimes (also part of `make test`): the tests
-# `pip download --no-deps` the runtime wheels into $(KVFS_WHEEL_CACHE) (outside the checkout)
-# and load only their storage layers.
+# Runtime adapters against the released runtimes: the tests `pip download --no-deps` the
+# runtime wheels into $(KVFS_WHEEL_CACHE) (outside the checkout) and load only their storage
+# layers. SGLang and LMCache also run in `make test`; vLLM (336 MB wheel, marker vllm_wheel)
+# only here. `make bench-adapters`: the three runtimes' backends vs the kvfs adapters.
 KVFS_WHEEL_CACHE ?= $(HOME)/.cache/kvfs/wheels
 test-integration: setup
-	KVFS_WHEEL_CACHE=$(KVFS_WHEEL_CACHE) $(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
+	KVFS_WHEEL_CACHE=$(KVFS_WHEEL_CACHE) $(VENV)/bin/pytest -m 'not slow' tests/integration $(PYTEST_ARGS)
+
+bench-adapters: setup
+	$(PIP) install -q -e '.[bench]'
+	KVFS_WHEEL_CACHE=$(KVFS_WHEEL_CACHE) $(PY) benchmarks/runtime_adapters.py --write-docs docs/benchmarks.md
 
 bench: setup
 	$(PIP) install -q -e '.[bench]'

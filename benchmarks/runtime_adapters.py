@@ -1,10 +1,14 @@
 """Runtime storage backends on a plain directory and on kvfs, driven by the runtimes' own code.
 
     python benchmarks/runtime_adapters.py [--pages 1000] [--runs 3] [--json out.json]
-                                          [--write-docs docs/integrations.md] [--workdir DIR]
+                                          [--runtimes sglang,vllm,lmcache] [--sizes "2 MiB,256 KiB"]
+                                          [--write-docs docs/benchmarks.md] [--workdir DIR]
                                           [--from-json saved.json]
 
-For SGLang (0.5.23, its released storage layer: tests/integration/released.py), in one run:
+For each runtime (SGLang 0.5.23, vLLM 0.33.0, LMCache 0.5.6: their released storage layers,
+tests/integration/released.py), in one run, three rows: the runtime's own file backend on a
+plain directory, the same backend on a kvfs mount, and the kvfs adapter on the mount. vLLM
+and LMCache rows: benchmarks/runtime_rows.py. For SGLang:
 
 * ``file, plain dir``   -- SGLang's own ``HiCacheFile`` on a directory of the host disk
 * ``file, kvfs``        -- the same backend on a kvfs mount (plain POSIX calls through FUSE)
@@ -42,8 +46,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
-from integration.released import load_sglang, storage_config  # noqa: E402
+from integration.released import load_lmcache, load_sglang, load_vllm, storage_config  # noqa: E402
 from kv_bench import Mounted  # noqa: E402
+from runtime_rows import make_rows  # noqa: E402
 
 log = logging.getLogger("runtime_adapters")
 BEGIN, END = "<!-- BEGIN runtime_adapters -->", "<!-- END runtime_adapters -->"
@@ -52,6 +57,12 @@ PLOT_NAME = "bench_runtime_adapters.png"
 PAGES = {"2 MiB": (32, 8, 128, 16), "256 KiB": (16, 4, 128, 16)}
 POOL_PAGES = 128          # host slots: SGLang's storage batch; pages cycle through them
 ROWS = ("file, plain dir", "file, kvfs", "kvfs adapter")
+RUNTIMES = {   # runtime -> (title, its rows: own backend on the plain dir, on kvfs, the kvfs adapter)
+    "sglang": ("SGLang HiCache", ROWS),
+    "vllm": ("vLLM offloading tier", ("fs tier, plain dir", "fs tier, kvfs", "kvfs tier")),
+    "lmcache": ("LMCache L2 adapter", ("fs adapter, plain dir", "fs adapter, kvfs", "kvfs adapter")),
+}
+LOADERS = {"sglang": load_sglang, "vllm": load_vllm, "lmcache": load_lmcache}
 OPS = ("set", "get after set", "get later", "exists (hits)", "exists (miss)")
 MODULE = {"backend_name": "kvfs", "module_path": "kvfs.integrations.sglang", "class_name": "KvfsHiCacheStorage",
           "interface_v1": 1}
@@ -158,29 +169,40 @@ def run_rows(rows: list[Row], runs: int) -> dict:
 
 
 def bench(args) -> dict:
-    sg = load_sglang()
+    runtimes = [r for r in args.runtimes.split(",") if r]
+    mods = {r: LOADERS[r]() for r in runtimes}
     root = Path(tempfile.mkdtemp(prefix="kvfs-adapters-", dir=args.workdir))
     res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
                     "kernel": os.uname().release, "python": sys.version.split()[0], "torch": torch.__version__,
-                    "sglang": sg.version, "pages": args.pages, "runs": args.runs,
-                    "load": os.getloadavg()}, "sglang": {}}
+                    "versions": {r: m.version for r, m in mods.items()}, "pages": args.pages, "runs": args.runs,
+                    "load": os.getloadavg()}}
     try:
-        for label, geometry in PAGES.items():
-            layers, heads, dim, ps = geometry
-            page_bytes = 2 * layers * heads * dim * ps * 2
-            # both kvfs rows share one mount: room for two copies of every page
-            ram = f"{(2 * args.pages * page_bytes * 9 // 8 >> 20) + 256}MiB"
-            t0 = time.monotonic()
-            plain = root / f"plain-{ps}-{layers}"
-            plain.mkdir()
-            with Mounted(root, f"m{layers}", ram=ram, nvme_size="8GiB") as m:
-                dirs = {ROWS[0]: plain, ROWS[1]: m.path / "sglang-file", ROWS[2]: m.path / "sglang-kvfs"}
-                for d in dirs.values():
-                    d.mkdir(exist_ok=True)
-                rows = [Row(sg, name, dirs[name], geometry, args.pages) for name in ROWS]
-                res["sglang"][label] = {"page_bytes": page_bytes, **run_rows(rows, args.runs)}
-            shutil.rmtree(plain, ignore_errors=True)
-            print(f"[runtime_adapters] sglang {label}: {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+        for rt in runtimes:
+            res[rt] = {}
+            for label, geometry in PAGES.items():
+                if args.sizes and label not in args.sizes.split(","):
+                    continue
+                layers, heads, dim, ps = geometry
+                page_bytes = 2 * layers * heads * dim * ps * 2
+                # both kvfs rows share one mount: room for two copies of every page
+                ram = f"{(2 * args.pages * page_bytes * 9 // 8 >> 20) + 256}MiB"
+                t0 = time.monotonic()
+                plain = root / f"plain-{rt}-{ps}-{layers}"
+                plain.mkdir()
+                names = RUNTIMES[rt][1]
+                with Mounted(root, f"m{rt}{layers}", ram=ram, nvme_size="8GiB") as m:
+                    dirs = {names[0]: plain, names[1]: m.path / f"{rt}-own", names[2]: m.path / f"{rt}-kvfs"}
+                    for d in dirs.values():
+                        d.mkdir(exist_ok=True)
+                    if rt == "sglang":
+                        rows = [Row(mods[rt], name, dirs[name], geometry, args.pages) for name in ROWS]
+                    else:
+                        rows = make_rows(rt, mods[rt], dirs, page_bytes, args.pages, names)
+                    res[rt][label] = {"page_bytes": page_bytes, **run_rows(rows, args.runs)}
+                shutil.rmtree(plain, ignore_errors=True)
+                print(f"[runtime_adapters] {rt} {label}: {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+                if args.json:                  # a partial result survives a later failure
+                    args.json.write_text(json.dumps(res, indent=2) + "\n")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return res
@@ -192,39 +214,49 @@ def _rate(op: str, seconds: float, n: int, page_bytes: int) -> str:
     return f"{n * page_bytes / seconds / 1e9:.2f} GB/s"
 
 
+def _runtimes(res: dict) -> list[str]:
+    return [r for r in RUNTIMES if r in res]
+
+
 def report(res: dict) -> str:
     m = res["meta"]
     n = m["pages"]
+    versions = m.get("versions", {"sglang": m.get("sglang")})
+    names = {"sglang": "SGLang", "vllm": "vLLM", "lmcache": "LMCache"}
+    vs = ", ".join(f"{names[r]} {versions[r]}" for r in _runtimes(res))
     out = ["## Benchmark: runtime backends on a plain directory and on kvfs", "",
            f"Measured {m['date']} on {m['cpus']} CPUs, kernel {m['kernel']}, Python {m['python']}, "
-           f"SGLang {m['sglang']} (released storage layer and controller loops), {n} pages, median of "
-           f"{m['runs']} runs, load average {m['load'][0]:.1f} at the start (shared machine). Plain "
-           "directory: the host disk (ext4, page cache warm). kvfs: RAM tier "
-           "large enough for every page. Regenerate with `python benchmarks/runtime_adapters.py "
-           "--write-docs docs/integrations.md`.", "",
-           "Ratios are against SGLang's own file backend on the plain directory (higher is better: "
-           "throughput for set/get, 1/latency for exists). Targets: exists ≥ 1.0×, get ≥ 1.0× (pages "
-           "in the RAM tier), set ≥ 0.8×.", ""]
-    for label, rows in res["sglang"].items():
-        pb = rows["page_bytes"]
-        base = rows["file, plain dir"]
-        out += [f"### SGLang HiCache, {label} pages", "",
-                "| operation | " + " | ".join(ROWS) + " | file on kvfs / plain | adapter / plain | target |",
-                "|---|" + "---:|" * (len(ROWS) + 3)]
-        for op in OPS:
-            cells = [_rate(op, rows[r][op], n, pb) for r in ROWS]
-            r_file = base[op] / rows["file, kvfs"][op]
-            r_ad = base[op] / rows["kvfs adapter"][op]
-            target = {"set": 0.8}.get(op, 1.0)
-            mark = "met" if r_ad >= target else "**missed**"
-            out.append(f"| {op} | " + " | ".join(cells) + f" | {r_file:.2f}× | {r_ad:.2f}× | ≥ {target}× ({mark}) |")
-        c = rows["kvfs adapter"].get("counters", {})
-        if c:
-            out += ["", f"Adapter counters: {c['hits']} hits, {c['misses']} misses, "
-                        f"{c['lease_fallbacks']} lease fallbacks (pages read through the mount), "
-                        f"{c['bytes_read'] / 1e9:.1f} GB read, {c['written']} pages written, "
-                        f"{c['errors']} errors."]
-        out.append("")
+           f"{vs} (released storage layers, driven as their controllers drive them), {n} pages, median of "
+           f"{m['runs']} runs, load average {m['load'][0]:.1f} at the start (a two-core machine shared with "
+           "other engineers' test runs: noisy). Plain directory: the host disk (ext4, page cache warm). "
+           "kvfs: RAM tier large enough for every page. Regenerate with `python "
+           "benchmarks/runtime_adapters.py --write-docs docs/benchmarks.md`.", "",
+           "Ratios are against the runtime's own file backend on the plain directory, in the same run "
+           "(higher is better: throughput for set/get, 1/latency for exists). Targets: exists ≥ 1.0×, "
+           "get ≥ 1.0× (pages in the RAM tier), set ≥ 0.8×.", ""]
+    for rt in _runtimes(res):
+        title, rows_names = RUNTIMES[rt]
+        for label, rows in res[rt].items():
+            pb = rows["page_bytes"]
+            base = rows[rows_names[0]]
+            out += [f"### {title}, {label} pages", "",
+                    "| operation | " + " | ".join(rows_names) + " | own on kvfs / plain | adapter / plain | target |",
+                    "|---|" + "---:|" * (len(rows_names) + 3)]
+            for op in OPS:
+                cells = [_rate(op, rows[r][op], n, pb) for r in rows_names]
+                r_file = base[op] / rows[rows_names[1]][op]
+                r_ad = base[op] / rows[rows_names[2]][op]
+                target = {"set": 0.8}.get(op, 1.0)
+                mark = "met" if r_ad >= target else "**missed**"
+                out.append(f"| {op} | " + " | ".join(cells)
+                           + f" | {r_file:.2f}× | {r_ad:.2f}× | ≥ {target}× ({mark}) |")
+            c = rows[rows_names[2]].get("counters", {})
+            if c:
+                out += ["", f"Adapter counters: {c['hits']} hits, {c['misses']} misses, "
+                            f"{c['lease_fallbacks']} lease fallbacks (pages read through the mount), "
+                            f"{c['bytes_read'] / 1e9:.1f} GB read, {c['written']} pages written, "
+                            f"{c['errors']} errors."]
+            out.append("")
     return "\n".join(out)
 
 
@@ -236,25 +268,30 @@ def plot(res: dict, png: Path) -> bool:
     except ImportError:
         log.warning("matplotlib is not installed (pip install -e '.[bench]'): no plot")
         return False
-    labels = list(res["sglang"])
-    fig, axes = plt.subplots(1, len(labels), figsize=(6 * len(labels), 4), sharey=True)
-    for ax, label in zip(axes, labels):
-        rows = res["sglang"][label]
-        base = rows["file, plain dir"]
+    panels = [(rt, label) for rt in _runtimes(res) for label in res[rt]]
+    cols = 2
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(6 * cols, 3.6 * nrows), sharey=True, squeeze=False)
+    for ax, (rt, label) in zip(axes.flat, panels):
+        title, names = RUNTIMES[rt]
+        rows = res[rt][label]
+        base = rows[names[0]]
         width = 0.27
-        for j, r in enumerate(ROWS):
+        for j, r in enumerate(names):
             vals = [base[op] / rows[r][op] for op in OPS]
             bars = ax.bar([i + (j - 1) * width for i in range(len(OPS))], vals, width, label=r)
-            if r != ROWS[0]:
+            if j:
                 for b, v in zip(bars, vals):
                     ax.annotate(f"{v:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
-                                va="bottom", fontsize=7)
+                                va="bottom", fontsize=6)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xticks(range(len(OPS)), OPS, rotation=20, fontsize=8)
         ax.set_yscale("log")
-        ax.set_title(f"SGLang HiCache, {label} pages ({res['meta']['pages']} pages)", fontsize=9)
+        ax.set_title(f"{title}, {label} pages ({res['meta']['pages']} pages)", fontsize=9)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("speed vs SGLang file backend on a plain dir (×, log)")
+        ax.set_ylabel("× own backend on a plain dir (log)", fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
@@ -279,6 +316,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pages", type=int, default=1000)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runtimes", default="sglang,vllm,lmcache", help="comma-separated subset")
+    ap.add_argument("--sizes", default="", help=f"comma-separated subset of {list(PAGES)} (default all)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--write-docs", type=Path)
     ap.add_argument("--workdir", type=Path, default=None, help="where the plain directory and mounts go (default /tmp)")
@@ -288,6 +327,8 @@ def main(argv=None) -> int:
     res = json.loads(args.from_json.read_text()) if args.from_json else bench(args)
     if args.json and not args.from_json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
+    if "sglang" in res and "meta" in res and "versions" not in res["meta"]:      # an older single-runtime result
+        res["meta"]["versions"] = {"sglang": res["meta"].get("sglang")}
     text = report(res)
     print(text)
     if args.write_docs:

@@ -75,6 +75,7 @@ class Config:
     admit_after: int | dict = 1        # uses before a tier takes an object: N, or {tier = N}
     read_deadline: float = 2.0         # seconds a read may wait on a lower tier (0 = no limit)
     events_queue: int = 4096           # events a .kvfs/events reader may lag before it loses some
+    ram_mapped_min: int = 1 << 20      # RAM-tier objects this big stay tmpfs files (leasable)
     debug: bool = False
     foreground: bool = False
 
@@ -142,6 +143,8 @@ class Config:
             raise ConfigError("events_queue must be an integer in [1, 1048576]")
         if not isinstance(self.read_deadline, (int, float)) or not 0 <= self.read_deadline <= 3600:
             raise ConfigError("read_deadline must be a number of seconds in [0, 3600] (0: no deadline)")
+        if not isinstance(self.ram_mapped_min, int) or not 4096 <= self.ram_mapped_min <= 1 << 30:
+            raise ConfigError("ram_mapped_min must be a whole number of bytes from 4096 to 1 GiB")
         self.check_shm_dir()
 
     def admission(self) -> dict[str, int]:

@@ -115,7 +115,7 @@ def mount_options(allow_other: bool) -> set[str]:
 
 def build_tiers(cfg: Config, index: Index, holder: str | None = None) -> list:
     """RAM, local NVMe and (when configured) the remote tier, top to bottom."""
-    tiers = [RamTier(cfg.ram_bytes(), cfg.shm_dir, index.instance_id),
+    tiers = [RamTier(cfg.ram_bytes(), cfg.shm_dir, index.instance_id, mapped_min=cfg.ram_mapped_min),
              NvmeTier(cfg.nvme_bytes(), cfg.nvme_dir, holder=holder)]
     if cfg.remote:
         from kvfs.remote import make_remote_tier

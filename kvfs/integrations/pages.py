@@ -12,7 +12,8 @@ runtimes need, each batched the way kvfs makes cheap:
   file order), and its whole-object xxh3_64 checked before the page counts as a hit; a page
   without a fast path (``null`` entry) is read through the mount (a *lease fallback*).
 * ``write(name, bufs)``: temp file, one ``writev``, ``rename`` -- through the mount, so the
-  daemon places, indexes and checksums it like any other file.
+  daemon places, indexes and checksums it like any other file. ``name`` may contain
+  subdirectories (created on first use).
 
 Failure policy (the runtime's worker thread must never see a kvfs exception): every error --
 a dead or unmounted daemon (ENOTCONN), a vanished file, a short read, a checksum mismatch, a
@@ -80,6 +81,17 @@ class PageStoreStats:
     reconnects: int
 
 
+@dataclasses.dataclass
+class LeaseHold:
+    """A lease kept on a descriptor of its own (see :meth:`PageStore.hold`): the daemon keeps
+    the leased pages where they are, and their backing files valid, until it is released
+    (or its ttl runs out)."""
+
+    client: LeaseClient | None     # None: a plain directory (nothing to pin)
+    backings: dict[str, Backing | None]   # leased pages -> fast path (None: read via the mount)
+    epoch: int
+
+
 def _cuts(segs: list[memoryview]) -> list[tuple[int, int, int]]:
     """Group ``segs`` into pieces of about PIECE bytes: ``(first, end, nbytes)``."""
     cuts, first, size = [], 0, 0
@@ -110,6 +122,7 @@ class PageStore:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._leases: list[LeaseClient] = []
+        self._spares: list[LeaseClient] = []   # lease descriptors free for the next hold
         self._lookup: PrefixLookup | None = None
         self._mount_root: str | None = None
         self._dev = -1
@@ -173,7 +186,8 @@ class PageStore:
         """Drop the control-file descriptors (after an error); the next call reconnects."""
         with self._lock:
             lk, self._lookup = self._lookup, None
-            leases, self._leases = self._leases, []
+            leases, self._leases = self._leases + self._spares, []
+            self._spares = []
             self._epoch += 1
             self._counts["reconnects"] += 1
         for c in ([lk] if lk is not None else []) + leases:
@@ -189,7 +203,10 @@ class PageStore:
         """One call that may wait on the daemon. A daemon that neither answers nor dies (stopped,
         wedged) blocks the thread in its request like any FUSE filesystem; while a request of
         this store has waited longer than ``stall_timeout``, further calls fail at once
-        (``Stalled``: a miss) instead of piling the runtime's other threads up behind it."""
+        (``Stalled``: a miss) instead of piling the runtime's other threads up behind it.
+        A call of many pages (a batch of writes that takes longer than ``stall_timeout`` while
+        every request is answered) calls the yielded ``progress()`` after each page: what
+        counts is the wait since the last answer, not the call's length."""
         if self.stall_timeout is not None and self._inflight:
             now = time.monotonic()
             oldest = min(list(self._inflight.values()), default=now)
@@ -197,8 +214,11 @@ class PageStore:
                 raise Stalled(errno.ETIMEDOUT, f"a kvfs request has been waiting {now - oldest:.1f}s")
         token = object()
         self._inflight[token] = time.monotonic()
+
+        def progress() -> None:
+            self._inflight[token] = time.monotonic()
         try:
-            yield
+            yield progress
         finally:
             self._inflight.pop(token, None)
 
@@ -256,6 +276,98 @@ class PageStore:
                 return 1
         return lk.prefix_rel(names)
 
+    # -- lookup-and-pin (LMCache's lookup_and_lock) ----------------------------------------
+    def hold(self, names: list[str]) -> tuple[int, LeaseHold | None]:
+        """How many leading ``names`` exist, found and pinned by one ``.kvfs/lease`` request on
+        a descriptor of this hold's own: the pages stay where they are until
+        :meth:`release_hold`. ``(0, None)`` on any failure."""
+        if not names:
+            return 0, None
+        k, held = 0, None
+        try:
+            with self._call():
+                lk = self._connect()
+                if not lk.one_call:             # plain directory: a stat per page, nothing to pin
+                    k = lk.prefix_rel(names)
+                    held = LeaseHold(None, dict.fromkeys(names[:k]), self._epoch)
+                else:
+                    client = self._spare()
+                    try:
+                        blocks = client.acquire(names)
+                    except BaseException:
+                        client.close()
+                        raise
+                    k = len(blocks)
+                    held = LeaseHold(client, dict(zip(names, blocks)), self._epoch)
+        except Exception as e:         # noqa: BLE001 -- any failure is a miss
+            self._failed("lookup", e, len(names))
+        self._count(lookups=1, lookup_hits=k, lookup_misses=len(names) - k)
+        return k, held
+
+    def _spare(self) -> LeaseClient:
+        """A lease descriptor nobody holds a lease on (reused after release_hold)."""
+        with self._lock:
+            if self._spares:
+                return self._spares.pop()
+        client = LeaseClient.open(self._mount_root, self.dir, ttl=self.lease_ttl)
+        if client is None:
+            raise OSError(errno.ENOTSUP, f"no .kvfs/lease under {self._mount_root}")
+        return client
+
+    def release_hold(self, held: LeaseHold | None) -> None:
+        """Give a hold's lease back (never raises: a lease the daemon cannot be told about
+        ends with its descriptor, or its ttl)."""
+        if held is None or held.client is None:
+            return
+        client, held.client = held.client, None
+        try:
+            if any(True for _ in held.backings):   # an empty lease pins nothing: the next request
+                client.release()                   # on the descriptor ends it (no round trip now)
+            with self._lock:
+                if held.epoch == self._epoch and len(self._spares) < 64:
+                    self._spares.append(client)
+                    return
+        except OSError as e:
+            log.debug("lease release failed (%s): closing its descriptor", e)
+        try:
+            client.close()
+        except OSError:
+            pass
+
+    def read_held(self, held: LeaseHold | None, names: list[str], dests: list[list[memoryview]]) -> list[bool]:
+        """Read pages found by :meth:`hold` (their pinned backing files, beside FUSE; a page
+        without a fast path, or not in the hold, through the mount). One flag per page, each
+        page on its own (a failed page does not end the batch)."""
+        n = len(names)
+        ok = [False] * n
+        fallbacks = checksum_errors = 0
+        on_kvfs = held is not None and held.client is not None
+        backings = held.backings if held is not None else {}
+        try:
+            with self._call() as progress:
+                for i, name in enumerate(names):
+                    progress()
+                    size = sum(len(s) for s in dests[i])
+                    b = backings.get(name)
+                    try:
+                        r = self._read_leased(b, name, dests[i], size) if b is not None and b.size == size else None
+                        if r is None:
+                            r = self._read_mount(name, dests[i], size)
+                            fallbacks += on_kvfs and r is not None
+                        ok[i] = r is not None
+                    except ChecksumMismatch as e:
+                        checksum_errors += 1
+                        self._failed("read", e, 1)
+                    except (FileNotFoundError, PageSizeError) as e:
+                        self._failed("read", e, 1)
+        except Exception as e:         # noqa: BLE001 -- any failure is a miss
+            self._failed("read", e, n)
+        got = sum(ok)
+        nbytes = sum(sum(len(s) for s in dests[i]) for i in range(n) if ok[i])
+        self._count(gets=n, hits=got, misses=n - got, bytes_read=nbytes, lease_fallbacks=fallbacks,
+                    checksum_errors=checksum_errors)
+        return ok
+
     # -- reads ----------------------------------------------------------------------------
     def read_into(self, names: list[str], dests: list[list[memoryview]]) -> list[bool]:
         """Read each page ``names[i]`` into ``dests[i]`` (its destination byte ranges, in file
@@ -267,8 +379,8 @@ class PageStore:
             return ok
         fallbacks = [0]
         try:
-            with self._call():
-                self._read_batch(names, dests, ok, fallbacks)
+            with self._call() as progress:
+                self._read_batch(names, dests, ok, fallbacks, progress)
         except ChecksumMismatch as e:
             self._count(checksum_errors=1)
             self._failed("read", e, n)
@@ -280,7 +392,7 @@ class PageStore:
         return ok
 
     def _read_batch(self, names: list[str], dests: list[list[memoryview]], ok: list[bool],
-                    fallbacks: list[int]) -> None:
+                    fallbacks: list[int], progress) -> None:
         """One lease for the batch, then each page beside FUSE (or through the mount)."""
         lease = self._lease()
         leased = lease.acquire(names) if lease is not None else None
@@ -298,6 +410,7 @@ class PageStore:
                         return
                     fallbacks[0] += on_kvfs
                 ok[i] = True
+                progress()
         finally:
             if leased is not None:
                 lease.release(lease.generation)
@@ -357,12 +470,13 @@ class PageStore:
         for i in range(present):
             ok[i] = True
         try:
-            with self._call():
+            with self._call() as progress:
                 for i in range(present, n):
                     size = self._write(names[i], bufs_of(i))
                     ok[i] = True
                     written += 1
                     nbytes += size
+                    progress()
         except Exception as e:         # noqa: BLE001 -- a failed store is reported, not raised
             failed = n - present - written
             self._failed("write", e, failed)
@@ -373,8 +487,15 @@ class PageStore:
         if self.require_kvfs:
             self._connect()             # never write under an unmounted mount point
         final = os.path.join(self.dir, name)
-        tmp = os.path.join(self.dir, f".{name}.{os.urandom(6).hex()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        sub, base = os.path.split(final)
+        tmp = os.path.join(sub, f".{base}.{os.urandom(6).hex()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:
+            if sub == self.dir:
+                raise
+            os.makedirs(sub, exist_ok=True)   # names with subdirectories (vLLM's fs layout)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             views = [memoryview(b).cast("B") for b in bufs]
             total = sum(len(v) for v in views)
@@ -419,7 +540,8 @@ class PageStore:
     def close(self) -> None:
         with self._lock:
             lk, self._lookup = self._lookup, None
-            leases, self._leases = self._leases, []
+            leases, self._leases = self._leases + self._spares, []
+            self._spares = []
             self._epoch += 1
         for c in ([lk] if lk is not None else []) + leases:
             try:

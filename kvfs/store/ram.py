@@ -31,7 +31,7 @@ from kvfs.store.tier import ObjectInfo, Tier
 
 log = logging.getLogger(__name__)
 
-MAPPED_MIN = 1 << 20      # objects at least this big stay tmpfs files (mapped; fast path)
+MAPPED_MIN = 1 << 20      # default: objects at least this big stay tmpfs files (mapped; fast path)
 SPARE_STAGING = 64        # emptied staging files kept for the next writes (no create/unlink each)
 
 
@@ -58,8 +58,9 @@ class RamTier(Tier):
     name = "ram"
     volatile = True
 
-    def __init__(self, capacity: int, shm_dir: str | Path, instance_id: str):
+    def __init__(self, capacity: int, shm_dir: str | Path, instance_id: str, *, mapped_min: int = MAPPED_MIN):
         super().__init__(capacity)
+        self.mapped_min = mapped_min        # smaller objects live in the daemon (config ram_mapped_min)
         self.shm_dir = Path(shm_dir)
         self.prefix = f"kvfs-{instance_id}-"
         self.home: Dir | None = None        # the tier's directory (objects)
@@ -123,7 +124,7 @@ class RamTier(Tier):
             self._close_dirs()
 
     def _install(self, oid: int, fd: int, size: int) -> None:
-        if size < MAPPED_MIN:
+        if size < self.mapped_min:
             # small objects live in the daemon's memory: Python's mmap keeps a descriptor
             # per mapping, and 100k small files would exhaust the descriptor limit
             buf = os.pread(fd, size, 0)

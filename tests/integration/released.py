@@ -266,3 +266,152 @@ def _controller_class(pkg: Path, hs):
     for m in methods:
         setattr(Controller, m, ns[m])
     return Controller
+
+
+# -- vLLM -------------------------------------------------------------------------------
+VLLM_VERSION = "0.33.0"
+MSGSPEC_VERSION = "0.22.0"        # a dependency of vllm.v1.kv_hints (ReqContext's hints)
+_OFFLOADING = "vllm/distributed/kv_transfer/kv_connector/v1/offloading"
+VLLM_FILES = [
+    "vllm/envs.py", "vllm/logger.py", "vllm/logging_utils/", "vllm/v1/__init__.py", "vllm/v1/kv_hints/",
+    "vllm/v1/kv_offload/", "vllm/v1/metrics/", "vllm/v1/kv_cache_layout.py", f"{_OFFLOADING}/canonical_mapping.py",
+    # read (not imported) by the recipe test
+    f"{_OFFLOADING}/scheduler.py", "vllm/distributed/parallel_state.py", "vllm/engine/arg_utils.py", "vllm/distributed/kv_transfer/kv_connector/factory.py",
+    "vllm/config/kv_transfer.py",
+]
+# Packages whose __init__ pulls in the GPU/distributed stack: registered bare.
+_VLLM_BARE = ["vllm", "vllm.distributed", "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector",
+              "vllm.distributed.kv_transfer.kv_connector.v1", "vllm.distributed.kv_transfer.kv_connector.v1.offloading"]
+_vllm_lock = threading.Lock()
+
+
+def load_vllm(version: str = VLLM_VERSION) -> types.SimpleNamespace:
+    """Import vLLM's released offloading tier layer (``vllm.v1.kv_offload``: the secondary
+    tier interface, its async lookup manager, the tier factory, the ``fs`` tier and its file
+    mapper) from the wheel, as they are. Skipped: the ``__init__`` of ``vllm`` and of the
+    ``vllm.distributed`` packages (the GPU and distributed stack). From
+    ``parallel_state`` (the distributed stack), the logger's rank checks
+    (``is_global_first_rank``, ``is_local_first_rank``) are taken by name. ``canonical_mapping``
+    imports the CUDA-side KV cache interface; the one released function the file mapper uses
+    from it (``canonical_format_id``) is taken from the wheel's source by name, with the
+    released ``KVCacheLayout`` it reads."""
+    with _vllm_lock:
+        deps = unpack(wheel("msgspec", MSGSPEC_VERSION), ["msgspec/"])
+        if str(deps) not in sys.path:
+            sys.path.insert(0, str(deps))
+        root = unpack(wheel("vllm", version), VLLM_FILES)
+        pkg = root / "vllm"
+        if getattr(sys.modules.get("vllm"), "__path__", [None])[0] != str(pkg):
+            for name in _VLLM_BARE:
+                _package(name, root.joinpath(*name.split(".")))
+            import importlib
+            layout = importlib.import_module("vllm.v1.kv_cache_layout")
+            cm = types.ModuleType(_OFFLOADING.replace("/", ".") + ".canonical_mapping")
+            cm.__dict__.update(KVCacheLayout=layout.KVCacheLayout)
+            exec(_constant(root / f"{_OFFLOADING}/canonical_mapping.py", "CANONICAL_FORMAT_VERSION"), cm.__dict__)
+            released_defs(root / f"{_OFFLOADING}/canonical_mapping.py", ["canonical_format_id"], cm.__dict__)
+            sys.modules[cm.__name__] = cm
+            # the logger's once-per-rank check (single process: no world group)
+            ps = types.ModuleType("vllm.distributed.parallel_state")
+            ps.__dict__.update(torch=torch, envs=importlib.import_module("vllm.envs"), _WORLD=None)
+            released_defs(root / "vllm/distributed/parallel_state.py", ["is_global_first_rank", "is_local_first_rank"],
+                          ps.__dict__)
+            sys.modules[ps.__name__] = ps
+        import importlib
+        mods = dict(base="vllm.v1.kv_offload.base", config="vllm.v1.kv_offload.config",
+                    file_mapper="vllm.v1.kv_offload.file_mapper", tiering="vllm.v1.kv_offload.tiering.base",
+                    tier_factory="vllm.v1.kv_offload.tiering.factory", fs="vllm.v1.kv_offload.tiering.fs.manager",
+                    spec_factory="vllm.v1.kv_offload.factory")
+        mods = {k: importlib.import_module(m) for k, m in mods.items()}
+        return types.SimpleNamespace(root=root, pkg=pkg, version=version, **mods)
+
+
+def _constant(path: Path, name: str) -> str:
+    """The released module-level assignment ``name = ...`` of ``path``, as source."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.unparse(node)
+    raise RuntimeError(f"{path}: no {name}")
+
+
+# -- LMCache ----------------------------------------------------------------------------
+LMCACHE_VERSION = "0.5.6"
+AIOFILES_VERSION = "25.1.0"       # the fs L2 adapter's async file I/O
+_L2 = "lmcache/v1/distributed/l2_adapters"
+LMCACHE_FILES = [
+    "lmcache/__init__.py", "lmcache/logging.py", "lmcache/_version.py", "lmcache/v1/__init__.py",
+    "lmcache/lmcache_native.cpython-311-x86_64-linux-gnu.so", "lmcache/v1/platform/", "lmcache/v1/utils/",
+    "lmcache/v1/mp_observability/", "lmcache/v1/multiprocess/__init__.py", "lmcache/v1/multiprocess/transfer_mode.py",
+    "lmcache/v1/distributed/api.py", "lmcache/v1/distributed/internal_api.py", "lmcache/v1/distributed/serde/",
+    "lmcache/v1/memory_management.py", f"{_L2}/",
+    # read (not imported) by the recipe test: the server command and its storage arguments
+    "lmcache/v1/distributed/config.py", "lmcache/cli/commands/server.py",
+]
+_lmcache_lock = threading.Lock()
+
+
+def load_lmcache(version: str = LMCACHE_VERSION) -> types.SimpleNamespace:
+    """Import LMCache's released L2 adapter layer: the adapter interface (``base``), its
+    config registry and factory, the ``plugin`` adapter (the plugin mechanism) and the ``fs``
+    adapter, with LMCache's native ``Bitmap`` (the wheel's ``lmcache_native`` extension) and
+    event notifiers, as they are. Three modules import LMCache's L1 memory manager
+    (``memory_management``: numba device ops, CUDA allocators); from them the released
+    definitions the L2 layer uses are taken by name: ``L2StoreResult``, ``L1MemoryDesc`` and
+    ``L2AdapterListener`` (``internal_api``), ``MemoryObj`` (``memory_management``: the
+    interface only; an L1 object here is :class:`L1Object`) and ``SerdeConfig`` (``serde``).
+    The ``l2_adapters`` package ``__init__`` (which imports ``internal_api``) is skipped."""
+    with _lmcache_lock:
+        for dep, ver, top in (("aiofiles", AIOFILES_VERSION, "aiofiles/"), ("msgspec", MSGSPEC_VERSION, "msgspec/")):
+            d = unpack(wheel(dep, ver), [top])
+            if str(d) not in sys.path:
+                sys.path.insert(0, str(d))
+        root = unpack(wheel("lmcache", version), LMCACHE_FILES)
+        pkg = root / "lmcache"
+        import importlib
+        if getattr(sys.modules.get("lmcache"), "__path__", [None])[0] != str(pkg):
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+            importlib.import_module("lmcache")
+            dist = pkg / "v1" / "distributed"
+            mm = sys.modules["lmcache.v1.memory_management"] = types.ModuleType("lmcache.v1.memory_management")
+            exec("import abc, torch\nfrom typing import Any, List, Optional, Tuple, Union", mm.__dict__)
+            released_defs(pkg / "v1" / "memory_management.py", ["MemoryObj"], mm.__dict__)
+            api = importlib.import_module("lmcache.v1.distributed.api")
+            ia = sys.modules["lmcache.v1.distributed.internal_api"] = types.ModuleType(
+                "lmcache.v1.distributed.internal_api")
+            exec("import enum\nfrom abc import ABC, abstractmethod\nfrom dataclasses import dataclass, field",
+                 ia.__dict__)
+            ia.__dict__.update(ObjectKey=api.ObjectKey, MemoryLayoutDesc=api.MemoryLayoutDesc)
+            released_defs(dist / "internal_api.py", ["L1MemoryDesc", "EventListener", "L2AdapterListener",
+                                                     "L2StoreResult"], ia.__dict__)
+            _package("lmcache.v1.distributed.serde", dist / "serde")
+            serde = sys.modules["lmcache.v1.distributed.serde"]
+            serde.SerdeConfig = importlib.import_module("lmcache.v1.distributed.serde.base").SerdeConfig
+            _package("lmcache.v1.distributed.l2_adapters", dist / "l2_adapters")
+        mods = dict(native="lmcache.lmcache_native", api="lmcache.v1.distributed.api",
+                    internal_api="lmcache.v1.distributed.internal_api", base="lmcache.v1.distributed.l2_adapters.base",
+                    config="lmcache.v1.distributed.l2_adapters.config",
+                    factory="lmcache.v1.distributed.l2_adapters.factory",
+                    plugin="lmcache.v1.distributed.l2_adapters.plugin_l2_adapter",
+                    fs="lmcache.v1.distributed.l2_adapters.fs_l2_adapter",
+                    notifier="lmcache.v1.platform")
+        mods = {k: importlib.import_module(m) for k, m in mods.items()}
+        return types.SimpleNamespace(root=root, pkg=pkg, version=version, **mods)
+
+
+class L1Object:
+    """An L1 memory object as the L2 adapters use it: ``byte_array`` is a writable view of
+    the object's bytes in the L1 arena (what the released ``TensorMemoryObj.byte_array``
+    returns), ``get_size()`` its size."""
+
+    def __init__(self, arena: torch.Tensor, offset: int, size: int):
+        self.raw_data = arena[offset:offset + size]
+        self._size = size
+
+    def get_size(self) -> int:
+        return self._size
+
+    @property
+    def byte_array(self) -> memoryview:
+        return memoryview(self.raw_data.numpy())

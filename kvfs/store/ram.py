@@ -165,7 +165,7 @@ class RamTier(Tier):
         """Turn a RAM staging buffer into the object itself (no copy; a small object's bytes
         are copied into memory and its emptied staging file is kept for the next write)."""
         assert not staging.spilled and staging.size == info.size
-        if info.size < MAPPED_MIN and self._can_recycle(staging):
+        if info.size < self.mapped_min and self._can_recycle(staging):
             self._maps[info.oid] = (os.pread(staging.fd, info.size, 0), info.size)
             self.objects += 1
             self.staged -= staging.size

@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvfs import protocol
+
 log = logging.getLogger(__name__)
 
 GB = 1e9
@@ -181,7 +183,7 @@ class BenchMount:
         return dt
 
     def stats(self) -> dict:
-        with open(self.path / ".kvfs" / "stats", "rb") as f:
+        with open(self.path / protocol.CONTROL_NAME / protocol.STATS_FILE, "rb") as f:
             return json.loads(f.read())
 
     def memory(self) -> dict:

@@ -12,9 +12,11 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from kvfs import protocol
+
 log = logging.getLogger(__name__)
 
-STATS_NAME = os.path.join(".kvfs", "stats")
+STATS_NAME = os.path.join(protocol.CONTROL_NAME, protocol.STATS_FILE)
 stdout = Console(highlight=False)
 stderr = Console(stderr=True, highlight=False)
 

@@ -21,6 +21,7 @@ from typing import Callable
 import trio
 
 from kvfs.errors import NamespaceError
+from kvfs.protocol import LEASE_TTL, LEASE_TTL_MAX, encode_lease_entry
 from kvfs.store import checksum
 from kvfs.store.index import ROOT_INO, Index
 from kvfs.store.namespace import Namespace
@@ -33,8 +34,6 @@ log = logging.getLogger(__name__)
 KV_PREFIX = b"user.kvfs."
 XATTR_MAX = 64 * 1024
 _HEADER_PEEK = 1 << 20      # the largest block header we parse
-LEASE_TTL = 30.0            # seconds a fast-path lease lives unless released first
-LEASE_TTL_MAX = 600.0
 LEASE_TTL_MAX_USER = 60.0   # ... for a caller other than root
 LEASES_PER_USER = 64        # live leases one non-root uid may hold (its oldest goes first)
 LEASE_PIN_SHARE = 4         # a non-root uid pins at most 1/4 of the RAM tier's capacity
@@ -736,10 +735,7 @@ class Cache:
         memo = self._lease_entries.get(obj.oid)
         if memo is not None and memo[:2] == (copy[0].name, copy[1]):
             return memo[2]
-        b = self.backing_of(obj)
-        text = "null" if b is None else json.dumps(
-            [b["tier"], b["path"], b["offset"], b["size"], b["checksum"], bool(b.get("direct"))],
-            separators=(",", ":"))
+        text = encode_lease_entry(self.backing_of(obj))
         if len(self._lease_entries) >= _LEASE_ENTRY_MEMO:
             self._lease_entries.clear()
         self._lease_entries[obj.oid] = (copy[0].name, copy[1], text)

@@ -9,7 +9,7 @@ import time
 
 import xxhash
 
-from kvfs.kv.format import FORMAT, HEADER_READ, BlockFormatError, build_header, parse_block_header
+from kvfs.blockformat import FORMAT, HEADER_READ, BlockFormatError, build_header, parse_block_header
 from kvfs.kv.layout import KVLayout
 from kvfs.protocol import ALIGN
 

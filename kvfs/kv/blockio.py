@@ -27,7 +27,7 @@ import xxhash
 
 from kvfs import protocol
 from kvfs.kv.block import ChecksumMismatch
-from kvfs.kv.format import BlockFormatError
+from kvfs.blockformat import BlockFormatError
 from kvfs.protocol import BACKING_XATTR, Backing, decode_backing_xattr, decode_lease_entry
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ import logging
 import os
 import re
 
-from kvfs.kv.format import FORMAT
+from kvfs.blockformat import FORMAT
 
 log = logging.getLogger(__name__)
 

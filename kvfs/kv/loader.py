@@ -40,7 +40,7 @@ import xxhash
 from kvfs.kv.block import BlockInfo, ChecksumMismatch, check_header, verify_layers
 from kvfs.kv.blockio import (PAGE, AlignedBuffer, Backing, LeaseClient, OpenBlock, VerifiedObjects, align_up,
                              mismatch, preadv_full, read_backing, read_backing_into, read_block_file)
-from kvfs.kv.format import HEADER_READ, BlockFormatError
+from kvfs.blockformat import HEADER_READ, BlockFormatError
 from kvfs.kv.layout import KVLayout
 
 log = logging.getLogger(__name__)

@@ -1,12 +1,13 @@
 """Header sniffing: is a buffer being sealed a kvfs KV block, and what does its header say.
 
-The one place the store reads the KV layer's format (by content, not by name: runtimes
+The one place the store reads the block format (kvfs.blockformat) (by content, not by name: runtimes
 write blocks under temporary names and rename them).
 """
 from __future__ import annotations
 
 import logging
 
+from kvfs.blockformat import parse_block_header
 from kvfs.store.ram import Staging
 
 log = logging.getLogger(__name__)
@@ -15,10 +16,6 @@ _HEADER_PEEK = 1 << 20      # the largest block header we parse
 
 
 def kv_header(data: bytes) -> dict | None:
-    try:
-        from kvfs.kv.format import parse_block_header
-    except ImportError:
-        return None
     try:
         return parse_block_header(data)
     except Exception:

@@ -37,6 +37,8 @@ class Lease:
 
 
 class Leases:
+    """``Cache``'s batched prefix lookup and fast-path leases."""
+
     # ---- control and stats ------------------------------------------------------
     def prefix_objects(self, paths: list[bytes], base: bytes = b"", cred: Cred = ROOT) -> list[Obj]:
         """The sealed objects of the leading ``paths`` (relative to ``base``, itself relative

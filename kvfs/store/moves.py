@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 
 
 class Moves:
+    """Eviction, demotion, promotion and write-down (``ObjectStore`` mixin)."""
+
     async def evict(self, obj: Obj) -> None:
         log.debug("evicting %x (%s)", obj.oid, obj.key)
         for name in obj.place:

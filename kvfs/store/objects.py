@@ -113,6 +113,7 @@ class ObjectStore(Policy, Moves):
         self._kick = trio.Event()
         self._promote_send, self._promote_recv = trio.open_memory_channel(64)
         self._moving = 0           # background relieve/promote passes running
+        self._background: trio.Nursery | None = None    # serve()'s nursery (read-ahead)
 
     # ---- loading ------------------------------------------------------------
     def load(self) -> list[Obj]:
@@ -318,9 +319,12 @@ class ObjectStore(Policy, Moves):
         raise NoSuchObject(f"object {obj.oid:x} has no copy")
 
     def _read_ahead(self, obj: Obj, tier: Tier, idx: int) -> None:
+        """Fetch chunk ``idx`` in the background, in ``serve``'s nursery: a store that is not
+        served (tools, in-process tests) or has shut down reads no further than asked."""
         key = (obj.oid, idx)
-        if idx < len(obj.sums) and key not in self._chunks and key not in self._inflight:
-            trio.lowlevel.spawn_system_task(self._prefetch, obj, tier, idx)
+        if (self._background is not None and idx < len(obj.sums) and key not in self._chunks
+                and key not in self._inflight):
+            self._background.start_soon(self._prefetch, obj, tier, idx)
 
     async def _prefetch(self, obj: Obj, tier: Tier, idx: int) -> None:
         if obj.dead or tier.name not in obj.place:     # gone before its turn came
@@ -418,13 +422,20 @@ class ObjectStore(Policy, Moves):
             self.on_lost(txn, obj)
             self.drop(txn, obj)
         await self.release_space(obj)
+
     # ---- background ---------------------------------------------------------
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._pressure_loop)
-            nursery.start_soon(self._promote_loop)
-            nursery.start_soon(self._stats_loop)
-            task_status.started()
+        """The store's background work: pressure relief, promotion, stats and read-ahead,
+        all in one nursery (cancelled at shutdown, so none of it runs after)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._background = nursery
+                nursery.start_soon(self._pressure_loop)
+                nursery.start_soon(self._promote_loop)
+                nursery.start_soon(self._stats_loop)
+                task_status.started()
+        finally:
+            self._background = None
 
     async def _pressure_loop(self) -> None:
         while True:

@@ -17,6 +17,8 @@ log = logging.getLogger(__name__)
 
 
 class Policy:
+    """Watermarks, victim choice, admission and making room (``ObjectStore`` mixin)."""
+
     # ---- pressure: demotion and eviction -----------------------------------
     def kick(self) -> None:
         for t in self.tiers:

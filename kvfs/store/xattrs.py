@@ -19,6 +19,8 @@ XATTR_MAX = 64 * 1024
 
 
 class Xattrs:
+    """``Cache``'s xattr requests."""
+
     # ---- xattrs -----------------------------------------------------------------
     def get_xattr(self, ino: int, name: bytes) -> bytes:
         rec = self.ns.inode(ino)

@@ -27,6 +27,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvfs import protocol
+from kvfs.proc import pid_alive
+
 log = logging.getLogger(__name__)
 
 GB = 1e9
@@ -181,7 +184,7 @@ class BenchMount:
         return dt
 
     def stats(self) -> dict:
-        with open(self.path / ".kvfs" / "stats", "rb") as f:
+        with open(self.path / protocol.CONTROL_NAME / protocol.STATS_FILE, "rb") as f:
             return json.loads(f.read())
 
     def memory(self) -> dict:
@@ -198,16 +201,8 @@ class BenchMount:
     def cleanup(self) -> None:
         if os.path.ismount(self.path):
             subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
-        if self.pid is not None and wait_for(lambda: not _alive(self.pid), 600, 0.1) is False:
+        if self.pid is not None and wait_for(lambda: not pid_alive(self.pid), 600, 0.1) is False:
             os.kill(self.pid, 9)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 # -- the benchmarks --------------------------------------------------------------------------

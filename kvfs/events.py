@@ -14,7 +14,7 @@ An event is one JSON object per line::
 ``event`` is one of ``stored`` (a new version was sealed), ``promoted`` (copied up to
 ``tier``), ``demoted`` (moved down to ``tier``), ``evicted`` (dropped from the cache under
 pressure or by admission), ``removed`` (unlinked, replaced, or lost to a checksum failure).
-Empty files make no events. ``hash``, ``parent`` and ``tokens`` come from the kvfs block header (kvfs.kv.format) and are
+Empty files make no events. ``hash``, ``parent`` and ``tokens`` come from the kvfs block header (kvfs.blockformat) and are
 null for other files; ``namespace`` is the block's KV namespace, else the top-level directory.
 """
 from __future__ import annotations

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from kvfs.proc import pid_alive  # noqa: F401  (tests import it from here)
+
 REPO = Path(__file__).resolve().parent.parent
 HAVE_FUSE = os.path.exists("/dev/fuse")
 MOUNT_TIMEOUT = 120.0      # generous: a 2-core CI machine may be busy
@@ -52,16 +54,6 @@ def run_kvfs(*args, timeout: float = MOUNT_TIMEOUT, input: str | None = None,
         capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})}, input=input,
         stdin=None if input is not None else subprocess.DEVNULL,
     )
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone: PID 1 here may not reap)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.01):

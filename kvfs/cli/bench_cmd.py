@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from kvfs.protocol import ALIGN
 from kvfs.cli.common import fail, stderr
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def bench_cmd(base, tmpfs, size, block, runs, lookup_files, small, full, only, q
         size_b, block_b = parse_size(size), parse_size(block)
     except ConfigError as e:
         raise fail(str(e)) from None
-    if block_b < 4096 or block_b % 4096 or size_b % block_b or size_b <= 0:
+    if block_b < ALIGN or block_b % ALIGN or size_b % block_b or size_b <= 0:
         raise fail("--block must be a multiple of 4096 and --size a positive multiple of --block")
     names = {"write", "read", "nvme", "lookup", "remount"}
     selected = set(names) if not only else {n.strip() for n in only.split(",") if n.strip()}

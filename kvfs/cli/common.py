@@ -5,16 +5,18 @@ import errno
 import json
 import logging
 import os
-import re
 import time
 from pathlib import Path
 
 import click
 from rich.console import Console
 
+from kvfs import protocol
+from kvfs.proc import mounts, pid_alive  # noqa: F401  (pid_alive: re-exported for the CLI)
+
 log = logging.getLogger(__name__)
 
-STATS_NAME = os.path.join(".kvfs", "stats")
+STATS_NAME = os.path.join(protocol.CONTROL_NAME, protocol.STATS_FILE)
 stdout = Console(highlight=False)
 stderr = Console(stderr=True, highlight=False)
 
@@ -31,16 +33,6 @@ def fail(message: str, code: int = 1) -> "CLIError":
     return e
 
 
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs; a zombie counts as gone (PID 1 may never reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
     """Poll ``predicate`` until true or ``timeout`` seconds pass; returns the last result."""
     deadline = time.monotonic() + timeout
@@ -50,11 +42,6 @@ def wait_until(predicate, timeout: float, interval: float = 0.02) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
-
-
-def _unescape_mountinfo(field: str) -> str:
-    """A /proc mountinfo path field: spaces, tabs, newlines and backslashes are octal escapes."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def mount_fstype(path: str | os.PathLike, mountinfo: str = "/proc/self/mountinfo") -> str | None:
@@ -67,14 +54,9 @@ def mount_fstype(path: str | os.PathLike, mountinfo: str = "/proc/self/mountinfo
     wants = {os.path.abspath(os.fspath(path)), os.path.realpath(os.fspath(path))}
     found = None
     try:
-        with open(mountinfo, encoding="utf-8", errors="surrogateescape") as f:
-            for line in f:
-                left, sep, right = line.partition(" - ")
-                fields = left.split()
-                if not sep or len(fields) < 5:
-                    continue
-                if _unescape_mountinfo(fields[4]) in wants:
-                    found = right.split()[0] if right.split() else ""
+        for m in mounts(mountinfo):
+            if m.mountpoint in wants:
+                found = m.fstype
     except OSError as e:
         log.debug("cannot read %s: %s", mountinfo, e)
         return None

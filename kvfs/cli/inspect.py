@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
+from kvfs import protocol
 from kvfs.cli.common import fail, human, read_stats, stdout
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class _Dir:
     def __init__(self, fd: int, name_prefix: str, path_prefix: str, hide_control: bool):
         self.fd = fd
         self.name_prefix, self.path_prefix = name_prefix, path_prefix
-        self.names = iter(sorted(n for n in os.listdir(fd) if not (hide_control and n == ".kvfs")))
+        self.names = iter(sorted(n for n in os.listdir(fd) if not (hide_control and n == protocol.CONTROL_NAME)))
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -18,6 +18,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from kvfs import protocol
 from kvfs.cli.common import fail, human, read_stats
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def top_cmd(mountpoint, interval, once):
 def events_cmd(mountpoint, count, idle):
     """Follow the KV events of the mount at MOUNTPOINT (JSON lines, see docs/operations.md)."""
     read_stats(mountpoint)                    # one-line errors for a missing or dead mount
-    path = os.path.join(mountpoint, ".kvfs", "events")
+    path = os.path.join(mountpoint, protocol.CONTROL_NAME, protocol.EVENTS_FILE)
     try:
         f = open(path, "rb", buffering=0)
     except OSError as e:

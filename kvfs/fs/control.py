@@ -42,7 +42,9 @@ import time
 import pyfuse3
 import trio
 
-from kvfs.store.cache import LEASE_TTL, LEASE_TTL_MAX, ROOT, Cred
+from kvfs import protocol
+from kvfs.protocol import LEASE_TTL, LEASE_TTL_MAX
+from kvfs.store.cache import ROOT, Cred
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ STATS = CTRL_DIR + 1
 LOOKUP = CTRL_DIR + 2
 LEASE = CTRL_DIR + 3
 EVENTS = CTRL_DIR + 4
-FILES = {b"stats": STATS, b"lookup": LOOKUP, b"lease": LEASE, b"events": EVENTS}
+FILES = {protocol.STATS_FILE.encode(): STATS, protocol.LOOKUP_FILE.encode(): LOOKUP,
+         protocol.LEASE_FILE.encode(): LEASE, protocol.EVENTS_FILE.encode(): EVENTS}
 EVENT_READERS = 8
 EVENT_WAIT = 1.0        # seconds a read of .kvfs/events waits before it answers an idle line
 
@@ -59,7 +62,6 @@ EVENT_WAIT = 1.0        # seconds a read of .kvfs/events waits before it answers
 def idle_line(size: int) -> bytes:
     """What a read of ``.kvfs/events`` gets when nothing happened for EVENT_WAIT seconds."""
     return _json({"event": "idle", "time": time.time()})[:size]
-CONTROL_NAME_B = b".kvfs"
 _MAX_REQUEST = 16 << 20
 
 
@@ -83,7 +85,7 @@ def attrs(ino: int) -> pyfuse3.EntryAttributes:
     else:
         a.st_mode, a.st_nlink = stat.S_IFREG | 0o666, 1
     a.st_size = 0
-    a.st_blksize = 4096
+    a.st_blksize = protocol.ALIGN
     return a
 
 
@@ -142,14 +144,14 @@ def parse_request(raw: bytes) -> tuple[list[tuple[bytes, list[bytes]]], dict[byt
     for line in raw.split(b"\n"):
         if not line:
             continue
-        if line[0] == 0:
+        if line[:1] == protocol.DIRECTIVE:
             word, _, arg = line[1:].partition(b" ")
-            if word == b"base":
+            if word == protocol.BASE:
                 if paths:
                     groups.append((base, paths))
                     paths = []
                 base = arg.strip(b"/")
-            elif word in (b"ttl", b"release"):
+            elif word in protocol.LEASE_OPTIONS:
                 opts[word] = arg
             else:
                 raise pyfuse3.FUSEError(errno.EINVAL)
@@ -235,10 +237,10 @@ class Control:
                 h.answer = _json(self._lookup_answer(groups, h.cred))
             else:
                 await self.release(h)
-                if b"release" in opts:
+                if protocol.RELEASE in opts:
                     h.answer = _json({"released": True})
                 else:
-                    ttl = parse_ttl(opts.get(b"ttl"))
+                    ttl = parse_ttl(opts.get(protocol.TTL))
                     if len(groups) > 1:
                         raise pyfuse3.FUSEError(errno.EINVAL)     # one base per lease
                     base, paths = groups[0] if groups else (b"", [])

@@ -14,6 +14,7 @@ import pyfuse3
 from kvfs.errors import NamespaceError
 from kvfs.fs import control
 from kvfs.fs.errmap import translate
+from kvfs.protocol import ALIGN, CONTROL_NAME_B
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
 from kvfs.store.cache import Cache
 from kvfs.store.index import ROOT_INO
@@ -183,7 +184,7 @@ class KvfsOperations(pyfuse3.Operations):
     # ---- names and attributes ----------------------------------------------
     @translate
     async def lookup(self, parent_inode, name, ctx=None):
-        if parent_inode == ROOT_INO and name == control.CONTROL_NAME_B:
+        if parent_inode == ROOT_INO and name == CONTROL_NAME_B:
             return control.attrs(control.CTRL_DIR)
         if parent_inode == control.CTRL_DIR:
             return self.control.lookup(name)
@@ -448,9 +449,9 @@ class KvfsOperations(pyfuse3.Operations):
     async def statfs(self, ctx):
         total, free = self.cache.statfs()
         s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = 4096
-        s.f_blocks = total // 4096
-        s.f_bfree = s.f_bavail = free // 4096
+        s.f_bsize = s.f_frsize = ALIGN
+        s.f_blocks = total // ALIGN
+        s.f_bfree = s.f_bavail = free // ALIGN
         s.f_files = 1 << 32
         s.f_ffree = s.f_favail = (1 << 32) - self.cache.index.counts()["inodes"]
         s.f_namemax = 255

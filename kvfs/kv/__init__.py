@@ -1,6 +1,7 @@
-"""The KV layer: prefix hashing, the block file format, the KVCache API and the loader.
+"""The KV layer: prefix hashing, the KVCache API and the loader (the block file format is
+``kvfs.blockformat``, shared with the daemon, which sniffs block headers at seal).
 
-``kvfs.kv.format`` and ``kvfs.kv.layout`` are pure Python (the daemon imports them);
+``kvfs.blockformat`` and ``kvfs.kv.layout`` are pure Python;
 ``KVCache`` (and with it torch) loads on first attribute access.
 """
 from kvfs.kv.layout import KVLayout

@@ -9,8 +9,9 @@ import time
 
 import xxhash
 
-from kvfs.kv.format import FORMAT, HEADER_READ, BlockFormatError, build_header, parse_block_header
+from kvfs.blockformat import FORMAT, HEADER_READ, BlockFormatError, build_header, parse_block_header
 from kvfs.kv.layout import KVLayout
+from kvfs.protocol import ALIGN
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def check_header(first_bytes, *, path: str, expect_hash: str, layout: KVLayout,
     sums = tuple(meta.get("kvfs.checksums", "").split(","))
     if len(sums) != layout.num_layers:
         raise BlockFormatError(f"{path}: {len(sums)} layer checksums for {layout.num_layers} layers")
-    if parsed["data_offset"] % 4096:
+    if parsed["data_offset"] % ALIGN:
         raise BlockFormatError(f"{path}: payload offset {parsed['data_offset']} is not 4 KiB aligned")
     return BlockInfo(parsed["hash"], parsed["parent"], parsed["tokens"], parsed["data_offset"], sums, meta)
 

@@ -16,7 +16,6 @@ file exists). Pure Python (no torch).
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import logging
@@ -26,13 +25,14 @@ import threading
 
 import xxhash
 
+from kvfs import protocol
 from kvfs.kv.block import ChecksumMismatch
-from kvfs.kv.format import BlockFormatError
+from kvfs.blockformat import BlockFormatError
+from kvfs.protocol import BACKING_XATTR, Backing, decode_backing_xattr, decode_lease_entry
 
 log = logging.getLogger(__name__)
 
-PAGE = 4096
-BACKING_XATTR = "user.kvfs.backing"
+PAGE = protocol.ALIGN
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -108,31 +108,6 @@ def open_for_read(path: str, direct: bool) -> tuple[int, bool]:
     return os.open(path, os.O_RDONLY), False
 
 
-@dataclasses.dataclass(frozen=True)
-class Backing:
-    tier: str
-    path: str
-    offset: int
-    size: int
-    checksum: str
-    direct: bool
-
-
-def backing_from_list(entry) -> Backing | None:
-    """A lease answer's ``[tier, path, offset, size, checksum, direct]`` (or null)."""
-    if entry is None:
-        return None
-    try:
-        tier, path, offset, size, checksum, direct = entry
-        b = Backing(str(tier), str(path), int(offset), int(size), str(checksum).lower(), bool(direct))
-    except (ValueError, TypeError) as e:
-        log.warning("unusable lease entry %r: %s", entry, e)
-        return None
-    if b.offset < 0 or b.size <= 0 or len(b.checksum) != 16:
-        return None
-    return b
-
-
 class LeaseClient:
     """Batched fast-path locations for blocks under ``root`` (a directory in a kvfs mount)."""
 
@@ -140,7 +115,7 @@ class LeaseClient:
         self.root = os.path.realpath(root)
         self.base = os.path.relpath(self.root, mount_root)
         self.ttl = ttl
-        self._fd = os.open(os.path.join(mount_root, ".kvfs", "lease"), os.O_RDWR)
+        self._fd = os.open(os.path.join(mount_root, protocol.CONTROL_NAME, protocol.LEASE_FILE), os.O_RDWR)
         self._lock = threading.Lock()
         self._held = False
         self.generation = 0            # counts leases acquired on this descriptor
@@ -162,9 +137,8 @@ class LeaseClient:
     def acquire(self, rels: list[str]) -> list[Backing | None]:
         """Lease the leading sealed blocks of ``rels``: one entry per leased block (a prefix
         of ``rels``; a block past it was not sealed when asked)."""
-        from kvfs.kv.lookup import request, transact
-        head = f"\0ttl {self.ttl}\n" if self.ttl else ""
-        req = head.encode() + request(self.base, rels)
+        from kvfs.kv.lookup import transact
+        req = protocol.request(self.base, rels, self.ttl)
         with self._lock:
             raw = transact(self._fd, req)      # (this request also ends the previous lease)
             self._held = True
@@ -176,14 +150,14 @@ class LeaseClient:
                 raise ValueError("blocks")
         except (ValueError, KeyError, TypeError) as e:
             raise OSError(f"bad lease answer {raw[:200]!r}: {e}") from None
-        return [backing_from_list(b) for b in blocks]
+        return [decode_lease_entry(b) for b in blocks]
 
     def release(self, generation: int | None = None) -> None:
         """Give the lease back (writing a new request releases the last one). With
         ``generation``, only that lease: a later ``acquire`` has already ended it."""
         with self._lock:
             if self._held and (generation is None or generation == self.generation):
-                os.pwrite(self._fd, b"\0release\n", 0)
+                os.pwrite(self._fd, protocol.RELEASE_REQUEST, 0)
                 self._held = False
 
     def close(self) -> None:
@@ -278,17 +252,7 @@ def backing_info(fd: int) -> Backing | None:
         raw = os.getxattr(fd, BACKING_XATTR)
     except OSError:
         return None
-    try:
-        d = json.loads(raw)
-        b = Backing(str(d["tier"]), str(d["path"]), int(d["offset"]), int(d["size"]),
-                    str(d["checksum"]).lower(), bool(d.get("direct", False)))
-    except (ValueError, KeyError, TypeError) as e:
-        log.warning("unusable %s value %r: %s", BACKING_XATTR, raw[:200], e)
-        return None
-    if b.offset < 0 or b.size <= 0 or len(b.checksum) != 16:
-        log.warning("unusable %s value %r", BACKING_XATTR, raw[:200])
-        return None
-    return b
+    return decode_backing_xattr(raw)
 
 
 def read_backing(b: Backing, mv: memoryview, *, verified: VerifiedObjects | None = None,

@@ -21,7 +21,7 @@ import logging
 import os
 import re
 
-from kvfs.kv.format import FORMAT
+from kvfs.blockformat import FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +122,6 @@ class KVLayout:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "KVLayout":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - fields
-        if unknown:
-            raise ValueError(f"unknown KVLayout fields: {sorted(unknown)}")
-        return cls(**d)
-
 
 def namespace_descriptor(model: str, layout: KVLayout, hash_algo: str) -> dict:
     """What ``namespace.json`` records; everything that makes two caches incompatible."""
@@ -172,13 +164,3 @@ def ensure_namespace(root: str, model: str, layout: KVLayout, hash_algo: str) ->
     elif existing != desc:
         raise ValueError(f"{meta_path} describes a different cache: {existing} != {desc}")
     return ns_dir
-
-
-def read_namespace(ns_dir: str) -> dict:
-    """The parsed ``namespace.json`` of a namespace directory."""
-    path = os.path.join(ns_dir, NAMESPACE_FILE)
-    with open(path, "rb") as f:
-        try:
-            return json.loads(f.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: unreadable namespace metadata: {e}") from None

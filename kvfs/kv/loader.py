@@ -40,7 +40,7 @@ import xxhash
 from kvfs.kv.block import BlockInfo, ChecksumMismatch, check_header, verify_layers
 from kvfs.kv.blockio import (PAGE, AlignedBuffer, Backing, LeaseClient, OpenBlock, VerifiedObjects, align_up,
                              mismatch, preadv_full, read_backing, read_backing_into, read_block_file)
-from kvfs.kv.format import HEADER_READ, BlockFormatError
+from kvfs.blockformat import HEADER_READ, BlockFormatError
 from kvfs.kv.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -195,8 +195,6 @@ class Loader:
         if backing is not None:
             try:
                 n, source = read_backing(backing, st.buf.mv, verified=self._verified(backing)), backing.tier
-            except ChecksumMismatch:
-                raise
             except OSError as e:
                 log.warning("%s: fast path failed (%s); reading through the mount", plan.path, e)
         if n is None:
@@ -245,8 +243,6 @@ class Loader:
         if backing is not None and backing.direct:
             try:
                 return self._copy_hashing(plan, st, backing, dst, copier)
-            except ChecksumMismatch:
-                raise
             except OSError as e:
                 log.warning("%s: fast path failed (%s); reading through the mount", plan.path, e)
                 backing = None
@@ -321,8 +317,6 @@ class Loader:
                 head = self._head(off)
                 try:
                     read_backing_into(backing, head, segs, self._cuts(), verified=self._verified(backing))
-                except ChecksumMismatch:
-                    raise
                 except OSError as e:
                     log.warning("%s: fast path failed (%s); reading through the mount", plan.path, e)
                 else:

@@ -21,17 +21,11 @@ import os
 import stat
 import threading
 
+from kvfs.protocol import CONTROL_NAME, LOOKUP_FILE, request
+
 log = logging.getLogger(__name__)
 
-CONTROL_DIR = ".kvfs"
-LOOKUP_FILE = "lookup"
 READ_CHUNK = 1 << 20
-
-
-def request(base: str, rels: list[str]) -> bytes:
-    """A control-file request: ``rels`` relative to ``base`` (relative to the mount root)."""
-    head = f"\0base {base}\n" if base and base != "." else ""
-    return (head + "\n".join(rels) + "\n").encode("utf-8", "surrogateescape")
 
 
 def transact(fd: int, req: bytes) -> bytes:
@@ -59,7 +53,7 @@ def find_control(path: str) -> tuple[str, str] | None:
     """
     cur = os.path.realpath(path)
     while True:
-        candidate = os.path.join(cur, CONTROL_DIR, LOOKUP_FILE)
+        candidate = os.path.join(cur, CONTROL_NAME, LOOKUP_FILE)
         try:
             st = os.stat(candidate)
         except OSError:

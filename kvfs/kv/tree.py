@@ -14,7 +14,7 @@ import logging
 import os
 import time
 
-from kvfs.kv.format import HEADER_READ, parse_block_header
+from kvfs.blockformat import HEADER_READ, parse_block_header
 from kvfs.kv.layout import BLOCK_SUFFIX, NAMESPACE_FILE
 
 log = logging.getLogger(__name__)

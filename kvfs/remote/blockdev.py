@@ -17,13 +17,13 @@ import struct
 import trio
 
 from kvfs.errors import ConfigError, TierUnavailable
+from kvfs.protocol import ALIGN as _ALIGN
 from kvfs.remote.volume import Volume
 
 log = logging.getLogger(__name__)
 
 _BLKGETSIZE64 = 0x80081272
 _BLKSSZGET = 0x1268
-_ALIGN = 4096
 
 
 def _round_up(n: int, a: int) -> int:

@@ -85,7 +85,3 @@ class NvmeStatusError(NvmeError):
         self.dnr = bool(status & 0x4000)
         super().__init__(f"{what or f'opcode {opcode:#04x}'} failed: {describe_status(self.sct, self.sc)}"
                          + (" [DNR]" if self.dnr else ""))
-
-    @property
-    def retryable(self) -> bool:
-        return not self.dnr

@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable
 import trio
 
 from kvfs.errors import ConfigError, NoSuchObject, TierFull, TierUnavailable
+from kvfs.protocol import ALIGN
 from kvfs.remote import layout as L
 from kvfs.remote.alloc import ExtentAllocator, SlotAllocator
 from kvfs.remote.volume import Volume
@@ -56,7 +57,7 @@ class RemoteTier(Tier):
     # geometry --------------------------------------------------------------
     @property
     def unit(self) -> int:
-        return self.sb.unit if self.sb else 4096
+        return self.sb.unit if self.sb else ALIGN
 
     def footprint(self, size: int) -> int:
         u = self.unit
@@ -87,7 +88,7 @@ class RemoteTier(Tier):
         region = parse_size(self.size_spec, whole=self.vol.size)
         if region > self.vol.size:
             raise ConfigError(f"--remote-size {self.size_spec} exceeds the remote volume ({self.vol.size} bytes)")
-        return region // 4096 * 4096
+        return region // ALIGN * ALIGN
 
     async def _load(self, *, first: bool) -> None:
         if self.sb is not None:

@@ -13,13 +13,13 @@ import stat
 import time
 
 from kvfs.errors import NamespaceError
+from kvfs.protocol import CONTROL_NAME_B as CONTROL_NAME
 from kvfs.store.index import ROOT_INO, Index, Txn
 from kvfs.store.objects import Obj, ObjectStore
 
 log = logging.getLogger(__name__)
 
 NAME_MAX = 255
-CONTROL_NAME = b".kvfs"
 
 
 def _err(code: int, msg: str = "") -> NamespaceError:

@@ -27,6 +27,7 @@ import cbor2
 import trio
 
 from kvfs.errors import ConfigError, NoSuchObject, TierFull
+from kvfs.protocol import ALIGN
 from kvfs.store import checksum, safedir
 from kvfs.store.safedir import Dir, DirLock
 from kvfs.store.tier import ObjectInfo, Tier
@@ -46,7 +47,6 @@ def _syncfs(fd: int) -> None:
     os.sync()
 
 
-ALIGN = 4096
 _BOUNCE = 4 << 20
 RECORD_XATTR = "user.kvfs.object"
 INSTANCE_FILE = "instance"

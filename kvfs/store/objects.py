@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import time
 from typing import Callable
 
@@ -23,6 +22,8 @@ import trio
 from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable
 from kvfs.store import checksum
 from kvfs.store.index import Index, Txn
+from kvfs.store.moves import Moves
+from kvfs.store.policy import Policy
 from kvfs.store.ram import RamTier, Staging
 from kvfs.store.tier import ObjectInfo, Tier
 from kvfs.telemetry import Telemetry
@@ -82,7 +83,9 @@ class TierCounters:
         return {s: getattr(self, s) for s in self.__slots__}
 
 
-class ObjectStore:
+class ObjectStore(Policy, Moves):
+    """The object table and placement; pressure policy in policy.py, moves in moves.py."""
+
     def __init__(self, index: Index, tiers: list[Tier], *, chunk_size: int, high: float, low: float,
                  promote_hits: int, promote_window: float, admit_after: dict[str, int] | None = None,
                  read_deadline: float = 0.0):
@@ -110,6 +113,7 @@ class ObjectStore:
         self._kick = trio.Event()
         self._promote_send, self._promote_recv = trio.open_memory_channel(64)
         self._moving = 0           # background relieve/promote passes running
+        self._background: trio.Nursery | None = None    # serve()'s nursery (read-ahead)
 
     # ---- loading ------------------------------------------------------------
     def load(self) -> list[Obj]:
@@ -315,9 +319,12 @@ class ObjectStore:
         raise NoSuchObject(f"object {obj.oid:x} has no copy")
 
     def _read_ahead(self, obj: Obj, tier: Tier, idx: int) -> None:
+        """Fetch chunk ``idx`` in the background, in ``serve``'s nursery: a store that is not
+        served (tools, in-process tests) or has shut down reads no further than asked."""
         key = (obj.oid, idx)
-        if idx < len(obj.sums) and key not in self._chunks and key not in self._inflight:
-            trio.lowlevel.spawn_system_task(self._prefetch, obj, tier, idx)
+        if (self._background is not None and idx < len(obj.sums) and key not in self._chunks
+                and key not in self._inflight):
+            self._background.start_soon(self._prefetch, obj, tier, idx)
 
     async def _prefetch(self, obj: Obj, tier: Tier, idx: int) -> None:
         if obj.dead or tier.name not in obj.place:     # gone before its turn came
@@ -416,257 +423,19 @@ class ObjectStore:
             self.drop(txn, obj)
         await self.release_space(obj)
 
-    # ---- pressure: demotion and eviction -----------------------------------
-    def kick(self) -> None:
-        for t in self.tiers:
-            if t.used > t.capacity * self.high:
-                self._kick.set()
-                return
-
-    def _lowest(self) -> int:
-        return max(i for i, t in enumerate(self.tiers) if t.available)
-
-    def _copy_below(self, obj: Obj, i: int) -> bool:
-        """True when a tier below ``i`` (reachable or not) holds a durable copy of ``obj``."""
-        return any(t.name in obj.place for t in self.tiers[i + 1:])
-
-    def _victim(self, tier: Tier, evict: bool) -> Obj | None:
-        i = self.tiers.index(tier)
-        # On the lowest *reachable* tier with an unreachable one below it (remote target
-        # down), first take objects that also live down there: dropping this copy loses
-        # nothing, they read again when the tier comes back.
-        degraded = evict and i < len(self.tiers) - 1
-        fallback = None
-        lru = self.lru[tier.name]
-        for oid in list(lru):
-            obj = self.objs.get(oid)
-            if obj is None or obj.dead or tier.name not in obj.place:
-                log.error("dropping a stale %s LRU entry %x", tier.name, oid)   # a bug elsewhere
-                lru.pop(oid, None)
-                continue
-            if obj.refs or obj.busy:
-                continue
-            if degraded and not obj.pinned and self._copy_below(obj, i):
-                return obj
-            if evict and (obj.pinned or not self.may_evict(obj)):
-                continue
-            if not degraded:
-                return obj
-            if fallback is None:
-                fallback = obj
-        return fallback
-
-    async def _make_way(self, victim: Obj, i: int, evict_ok: bool) -> None:
-        """Move ``victim`` off tier ``i``: demote it, drop a copy that also lives below, or evict it."""
-        if (evict_ok and not victim.pinned and not self._copy_below(victim, i)
-                and self.may_evict(victim) and not self.admitted(victim, i)):
-            await self.evict(victim)
-        elif i < self._lowest() or self._copy_below(victim, i):
-            await self.demote(victim, i, evict_ok=evict_ok)
-        elif evict_ok:
-            await self.evict(victim)
-        else:
-            raise TierFull(f"{self.tiers[i].name} tier is full and a lower tier is unavailable")
-
-    def admitted(self, obj: Obj, i: int) -> bool:
-        """May ``obj`` be demoted off tier ``i``? Each tier may ask for ``admit_after`` uses
-        (its write plus its opens) before it takes an object (default 1: everything); one
-        that the next reachable tier would not admit is dropped instead, counted per tier."""
-        below = next((t for t in self.tiers[i + 1:] if t.available), None)
-        if below is None or 1 + obj.hits >= self.admit_after.get(below.name, 1):
-            return True
-        self.telemetry.not_admitted(below.name)
-        return False
-
-    async def make_room(self, i: int, need: int, *, evict_ok: bool = True) -> None:
-        """Demote (or, on the lowest reachable tier, evict) until tier ``i`` has ``need`` bytes free.
-
-        ``evict_ok=False`` (promotions while a tier is unavailable) never destroys an
-        object: it raises TierFull instead of evicting.
-        """
-        tier = self.tiers[i]
-        while tier.free() < need:
-            victim = self._victim(tier, i >= self._lowest())
-            if victim is None:
-                raise TierFull(f"{tier.name} tier is full and what remains is pinned or in use")
-            await self._make_way(victim, i, evict_ok)
-
-    async def relieve(self) -> None:
-        """Bring every tier above its high watermark down to the low one."""
-        for i, tier in enumerate(self.tiers):
-            if not tier.available or tier.used <= tier.capacity * self.high:
-                continue
-            target = tier.capacity * self.low
-            while tier.used > target:
-                victim = self._victim(tier, i >= self._lowest())
-                if victim is None:
-                    break
-                try:
-                    await self._make_way(victim, i, True)
-                except (TierFull, TierUnavailable) as e:
-                    log.warning("cannot relieve %s tier: %s", tier.name, e)
-                    break
-                except (CorruptObject, NoSuchObject) as e:    # the victim's bytes are gone
-                    log.warning("relieving %s tier: %x: %s", tier.name, victim.oid, e)
-                    if not victim.dead:
-                        break
-
-    async def evict(self, obj: Obj) -> None:
-        log.debug("evicting %x (%s)", obj.oid, obj.key)
-        for name in obj.place:
-            self.counters[name].evictions += 1
-        self.events.emit("evicted", obj, None)
-        await self.lose(obj)
-
-    async def demote(self, obj: Obj, i: int, *, evict_ok: bool = True) -> None:
-        """Move ``obj`` off tier ``i``: copy it to the next reachable tier below unless one
-        below already holds it. With no reachable tier below, a copy on an unreachable
-        one (remote target down) still counts: the object reads again when it returns."""
-        src = self.tiers[i]
-        below = [t for t in self.tiers[i + 1:] if t.available]
-        obj.busy = True
-        try:
-            if not any(t.name in obj.place for t in below) and (below or not self._copy_below(obj, i)):
-                if not below:
-                    raise TierFull("no tier to demote to")
-                j = self.tiers.index(below[0])
-                dst = self.tiers[j]
-                await self.make_room(j, dst.footprint(obj.size), evict_ok=evict_ok)
-                if obj.dead:                   # dropped while room was made
-                    return
-                self._rekey(obj)
-                data = await self.read_all(obj)
-                if obj.dead:
-                    return
-                loc = await self._put(j, obj, data)
-                del data
-                self.counters[dst.name].bytes_written += obj.size
-                if obj.dead:
-                    await dst.delete(obj.oid, loc)
-                    return
-                obj.place[dst.name] = loc
-                self.lru[dst.name][obj.oid] = None
-            if obj.dead or src.name not in obj.place:
-                return
-            # opened or leased while the copy was made: a loader may be about to read this
-            # copy's backing file, so it stays (both copies recorded; a later pass drops it)
-            keep = obj.refs > 0
-            if keep:
-                log.debug("demotion of %x: kept its %s copy (in use)", obj.oid, src.name)
-            else:
-                loc = obj.place.pop(src.name)
-                self.lru[src.name].pop(obj.oid, None)
-            with self.index.write() as txn:
-                txn.put_object(obj.oid, obj.record())
-            if not keep:
-                self.events.emit("demoted", obj, next((t.name for t in self.tiers[i + 1:] if t.name in obj.place), None))
-                self.counters[src.name].demotions += 1
-                if not src.volatile:
-                    self.index.commit()     # the new placement is in LMDB before this copy goes
-                await src.delete(obj.oid, loc)
-        finally:
-            obj.busy = False
-
-    async def promote(self, obj: Obj) -> None:
-        if obj.dead or obj.busy or self.ram.name in obj.place or obj.size > self.ram.capacity * self.low:
-            return
-        obj.busy = True
-        try:
-            data = await self.read_all(obj)
-            if obj.dead:
-                return
-            if self.ram.free() < obj.size:
-                # a promotion only speeds reads up: while a tier is unreachable it must not
-                # push an object out of the hierarchy (its lower copy may be the only one left)
-                await self.make_room(0, obj.size, evict_ok=all(t.available for t in self.tiers))
-            if obj.dead:
-                return
-            loc = await self.ram.put(obj.info(), data)
-            if obj.dead:                       # dropped (renamed over, unlinked) meanwhile
-                await self.ram.delete(obj.oid, loc)
-                return
-            obj.place[self.ram.name] = loc
-            self.lru[self.ram.name][obj.oid] = None
-            src = self.top_tier_below_ram(obj)
-            self.counters[src].promotions += 1
-            self.events.emit("promoted", obj, self.ram.name)
-            # RAM copies are volatile: the index keeps only durable placements
-        except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
-            log.debug("promotion of %x skipped: %s", obj.oid, e)
-        finally:
-            obj.busy = False
-
-    def top_tier_below_ram(self, obj: Obj) -> str:
-        return next((t.name for t in self.tiers[1:] if t.name in obj.place), self.ram.name)
-
-    async def write_down_volatile(self, progress: Callable[[int, int], None] | None = None) -> int:
-        """Copy objects whose only copy is in RAM to a durable tier (clean unmount).
-
-        Their closes succeeded: they are kept if any durable tier can take them, making
-        room there the way pressure does (least recently used first; on a filesystem
-        fuller than its budget says, too). Least recently used RAM objects go first, so
-        the newest survive when not all fit. What cannot be kept is logged, with a count.
-        """
-        todo = sorted((o for o in self.objs.values() if o.size and set(o.place) == {self.ram.name}),
-                      key=lambda o: o.atime)
-        lost = 0
-        lower = self.tiers[1:]
-        for t in lower:             # one sync of each tier at the end, not two per file
-            t.defer_sync = True
-        try:
-            for n, obj in enumerate(todo):
-                if not obj.dead and set(obj.place) == {self.ram.name}:
-                    try:
-                        await self._write_down(obj)
-                    except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
-                        lost += 1
-                        log.error("could not keep %s across the restart: %s", obj.key or hex(obj.oid), e)
-                if progress:
-                    progress(n + 1, len(todo))
-        finally:
-            for t in lower:
-                t.defer_sync = False
-            for t in lower:
-                if t.available:
-                    await t.sync_deferred()
-        if lost:
-            log.error("%d of %d RAM-only files could not be written to a durable tier and are lost",
-                      lost, len(todo))
-        return len(todo)
-
-    async def _write_down(self, obj: Obj) -> None:
-        """Put ``obj`` on the first durable tier that takes it (trying each in turn)."""
-        self._rekey(obj)
-        data = await self.read_all(obj)
-        errors = []
-        for i in range(1, len(self.tiers)):
-            tier = self.tiers[i]
-            if not tier.available:
-                continue
-            try:
-                if tier.footprint(obj.size) > tier.free():
-                    if i < self._lowest():
-                        raise TierFull(f"{tier.name} tier is full")
-                    await self.make_room(i, tier.footprint(obj.size))
-                loc = await self._put(i, obj, data)
-            except TierFull as e:
-                errors.append(str(e))
-                continue
-            obj.place[tier.name] = loc
-            self.lru[tier.name][obj.oid] = None
-            self.counters[tier.name].bytes_written += obj.size
-            with self.index.write() as txn:
-                txn.put_object(obj.oid, obj.record())
-            return
-        raise TierFull("; ".join(errors) or "no durable tier is available")
-
     # ---- background ---------------------------------------------------------
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._pressure_loop)
-            nursery.start_soon(self._promote_loop)
-            nursery.start_soon(self._stats_loop)
-            task_status.started()
+        """The store's background work: pressure relief, promotion, stats and read-ahead,
+        all in one nursery (cancelled at shutdown, so none of it runs after)."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._background = nursery
+                nursery.start_soon(self._pressure_loop)
+                nursery.start_soon(self._promote_loop)
+                nursery.start_soon(self._stats_loop)
+                task_status.started()
+        finally:
+            self._background = None
 
     async def _pressure_loop(self) -> None:
         while True:

@@ -14,7 +14,7 @@ from safetensors import safe_open  # noqa: E402
 
 import kvfs  # noqa: E402
 from kvfs.kv.block import ChecksumMismatch  # noqa: E402
-from kvfs.kv.format import BlockFormatError  # noqa: E402
+from kvfs.blockformat import BlockFormatError  # noqa: E402
 from kvfs.kv.loader import BlockNotFound  # noqa: E402
 from kvfs.kv.writer import BlockWriter, SaveError, SaveJob  # noqa: E402
 

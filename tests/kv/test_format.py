@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.numpy import save as st_save
 
 from kvfs.kv.block import check_header, encode_header
-from kvfs.kv.format import (FORMAT, HEADER_READ, BlockFormatError, build_header, header_length,
+from kvfs.blockformat import (FORMAT, HEADER_READ, BlockFormatError, build_header, header_length,
                             parse_block_header)
 from kvfs.kv.layout import KVLayout, block_path, ensure_namespace, namespace_name
 
@@ -121,9 +121,9 @@ def test_layout_rejects_bad_values():
 
 
 def test_daemon_side_modules_do_not_import_torch():
-    code = ("import sys, kvfs, kvfs.kv.format, kvfs.kv.layout, kvfs.kv.tree, kvfs.kv.hashing, kvfs.kv.blockio\n"
+    code = ("import sys, kvfs, kvfs.blockformat, kvfs.kv.layout, kvfs.kv.tree, kvfs.kv.hashing, kvfs.kv.blockio\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n"
-            "from kvfs.kv.format import parse_block_header; from kvfs.kv.layout import block_path\n"
+            "from kvfs.blockformat import parse_block_header; from kvfs.kv.layout import block_path\n"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -17,7 +17,7 @@ from safetensors import safe_open  # noqa: E402
 
 import kvfs  # noqa: E402
 from conftest import wait_for  # noqa: E402
-from kvfs.kv.format import parse_block_header  # noqa: E402
+from kvfs.blockformat import parse_block_header  # noqa: E402
 from kvfs.kv.tree import tree_document  # noqa: E402
 
 pytestmark = [pytest.mark.mount, pytest.mark.torch]

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mounthelp import MiB, content, put, read, run_kvfs, scrape, wait_for
 
 from conftest import _env, kvfs_command
-from kvfs.kv.format import build_header
+from kvfs.blockformat import build_header
 
 pytestmark = pytest.mark.mount
 

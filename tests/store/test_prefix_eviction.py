@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from kvfs.kv.format import build_header
+from kvfs.blockformat import build_header
 from kvfs.store.index import ROOT_INO
 from storekit import open_cache
 

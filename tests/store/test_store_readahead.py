@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import os
 
+import trio
+import trio.testing
+
 from storekit import open_cache
 
 from kvfs.store.index import ROOT_INO
@@ -46,3 +49,31 @@ async def test_read_of_a_copy_deleted_under_it_is_not_counted_as_corrupt(tmp_pat
             assert type(e).__name__ == "NoSuchObject", e
         assert store.counters["nvme"].checksum_failures == 0
         assert "checksum mismatch" not in caplog.text
+
+
+async def _read_ahead_done(store) -> None:
+    """Every read-ahead task has started and its fetch (in a worker thread) has ended."""
+    await trio.testing.wait_all_tasks_blocked()
+    while store._inflight:
+        await next(iter(store._inflight.values())).wait()
+        await trio.testing.wait_all_tasks_blocked()
+
+
+async def test_read_ahead_runs_in_the_served_store_and_not_after_it_stops(tmp_path):
+    """Read-ahead starts in ``ObjectStore.serve``'s nursery: while served, a read of chunk 0
+    brings the next chunks in; once serve is cancelled (shutdown), a read fetches only what
+    it asked for and nothing is left running."""
+    async with open_cache(tmp_path) as cache:
+        store = cache.store
+        obj = await _sealed_on_nvme(cache, b"h", os.urandom(8 * store.chunk_size))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.serve)
+            assert bytes(await store.read(obj, 0, 10))
+            await _read_ahead_done(store)
+            assert {(obj.oid, i) for i in range(1, 4)} <= set(store._chunks), sorted(store._chunks)
+            nursery.cancel_scope.cancel()
+        store._chunks.clear()
+        assert bytes(await store.read(obj, 5 * store.chunk_size, 10))
+        await _read_ahead_done(store)
+        assert set(store._chunks) == {(obj.oid, 5)}
+        assert not store._inflight

@@ -31,10 +31,11 @@ import logging
 import re
 import struct
 
+from kvfs.protocol import ALIGN
+
 log = logging.getLogger(__name__)
 
 FORMAT = "kvfs-block-v1"
-ALIGN = 4096
 #: Bytes a reader should fetch to parse a kvfs block header: writers keep the whole
 #: JSON header (before padding) inside the first HEADER_READ bytes.
 HEADER_READ = 4096

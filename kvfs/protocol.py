@@ -1,0 +1,103 @@
+"""What the daemon and its clients agree on: the ``.kvfs`` control names, the lookup/lease
+request grammar, the lease-entry codec and the alignment of block payloads.
+
+The fs layer (kvfs/fs/control.py, which documents the grammar) serves these; the kv layer,
+the integrations and the CLI speak them. Neither side spells them itself.
+
+A request is UTF-8 lines; a line starting with NUL (never in a path) is a directive:
+``\\0base DIR``, ``\\0ttl SECONDS`` (lease only) or ``\\0release`` (lease only).
+
+A lease entry, per leased file, is ``[tier, path, offset, size, xxh3_64 hex, direct]`` or
+``null`` (no fast path); the ``user.kvfs.backing`` xattr carries the same fields as a JSON
+object. Both decode through ``valid_backing``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+log = logging.getLogger(__name__)
+
+# ---- names -------------------------------------------------------------------------------
+CONTROL_NAME = ".kvfs"                  # the reserved directory at the mount root
+CONTROL_NAME_B = CONTROL_NAME.encode()
+STATS_FILE = "stats"
+LOOKUP_FILE = "lookup"
+LEASE_FILE = "lease"
+EVENTS_FILE = "events"
+BACKING_XATTR = "user.kvfs.backing"
+
+# ---- alignment ---------------------------------------------------------------------------
+ALIGN = 4096        # O_DIRECT unit: block payload offsets, NVMe object placement, read buffers
+
+# ---- request grammar ---------------------------------------------------------------------
+DIRECTIVE = b"\0"
+BASE = b"base"
+TTL = b"ttl"
+RELEASE = b"release"
+LEASE_OPTIONS = (TTL, RELEASE)
+RELEASE_REQUEST = DIRECTIVE + RELEASE + b"\n"
+
+LEASE_TTL = 30.0            # seconds a fast-path lease lives unless released first
+LEASE_TTL_MAX = 600.0
+
+
+def request(base: str, rels: list[str], ttl: float | None = None) -> bytes:
+    """A control-file request: ``rels`` relative to ``base`` (relative to the mount root),
+    with a lease ttl when given."""
+    head = f"\0ttl {ttl}\n" if ttl else ""
+    if base and base != ".":
+        head += f"\0base {base}\n"
+    return (head + "\n".join(rels) + "\n").encode("utf-8", "surrogateescape")
+
+
+# ---- lease entries -----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Backing:
+    tier: str
+    path: str
+    offset: int
+    size: int
+    checksum: str
+    direct: bool
+
+
+def valid_backing(b: Backing) -> bool:
+    return b.offset >= 0 and b.size > 0 and len(b.checksum) == 16
+
+
+def encode_lease_entry(b: dict | None) -> str:
+    """A lease entry as JSON text from a backing dict (``Cache.backing_of``), or ``null``."""
+    if b is None:
+        return "null"
+    return json.dumps([b["tier"], b["path"], b["offset"], b["size"], b["checksum"], bool(b.get("direct"))],
+                      separators=(",", ":"))
+
+
+def decode_lease_entry(entry) -> Backing | None:
+    """A lease answer's ``[tier, path, offset, size, checksum, direct]`` (or null)."""
+    if entry is None:
+        return None
+    try:
+        tier, path, offset, size, checksum, direct = entry
+        b = Backing(str(tier), str(path), int(offset), int(size), str(checksum).lower(), bool(direct))
+    except (ValueError, TypeError) as e:
+        log.warning("unusable lease entry %r: %s", entry, e)
+        return None
+    return b if valid_backing(b) else None
+
+
+def decode_backing_xattr(raw: bytes) -> Backing | None:
+    """The ``user.kvfs.backing`` value (a JSON object), or None if it is unusable."""
+    try:
+        d = json.loads(raw)
+        b = Backing(str(d["tier"]), str(d["path"]), int(d["offset"]), int(d["size"]),
+                    str(d["checksum"]).lower(), bool(d.get("direct", False)))
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("unusable %s value %r: %s", BACKING_XATTR, raw[:200], e)
+        return None
+    if not valid_backing(b):
+        log.warning("unusable %s value %r", BACKING_XATTR, raw[:200])
+        return None
+    return b

@@ -1,0 +1,373 @@
+"""Files being read and written: handles, the write state shared by a file's writers, and
+sealing (a mixin of ``Cache``, kvfs/store/cache.py).
+
+A file being written has a WriteState shared by all its writers: a staging
+buffer (tmpfs, spilled to NVMe when RAM is full). When the last writer flushes
+or releases it, the buffer is sealed into a new immutable object and the inode
+is pointed at it in one index transaction. Readers bind to the sealed object
+they opened and keep reading it even after a new version is installed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import itertools
+import logging
+import os
+import stat
+import time
+
+import trio
+
+from kvfs.errors import NamespaceError
+from kvfs.store.objects import Obj
+from kvfs.store.ram import Staging
+from kvfs.store.sniff import peek_block_header
+
+log = logging.getLogger(__name__)
+
+CREATE_MTIME_SLACK = 1_000_000_000   # ns: writes this soon after create() keep its mtime
+
+
+@dataclasses.dataclass(eq=False)
+class WriteState:
+    ino: int
+    staging: Staging | None = None
+    base: Obj | None = None         # the sealed version the buffer started from / became
+    writers: int = 0
+    handles: int = 0
+    dirty: bool = False
+    sealing: trio.Event | None = None   # set while the buffer is being sealed: writes wait
+    ready: trio.Event = dataclasses.field(default_factory=trio.Event)
+    serial: int = dataclasses.field(default_factory=itertools.count(1).__next__)
+    # the mtime reported while writing and recorded by the seal (None: the seal's time): of the
+    # last write, or one set by utimens after it. A file created and written within
+    # CREATE_MTIME_SLACK keeps its creation time: the kernel got that in the create reply, and
+    # a different mtime later would make it drop the cached pages.
+    mtime: int | None = None
+    created: int = 0
+
+    def touch(self) -> None:
+        """A write or truncate changed the buffer now."""
+        now = time.time_ns()
+        if now - self.created > CREATE_MTIME_SLACK:
+            self.mtime = now
+
+
+@dataclasses.dataclass(eq=False)
+class Handle:
+    ino: int
+    write: bool = False
+    append: bool = False            # writes go to the end of the buffer (see KvfsOperations)
+    ws: WriteState | None = None    # writers and readers of a file being written
+    obj: Obj | None = None          # readers of a sealed version
+
+    def content_key(self) -> tuple[str, int]:
+        """What this handle reads: a sealed object, or one write state's buffer."""
+        return ("obj", self.obj.oid) if self.obj is not None else ("ws", self.ws.serial)
+
+
+class FileHandles:
+    """Attributes, open/create, read/write/flush/release and sealing of ``Cache``."""
+
+    # ---- attributes -----------------------------------------------------------
+    def getattr(self, ino: int) -> dict:
+        return self.live_attrs(ino, self.ns.inode(ino))
+
+    def live_attrs(self, ino: int, rec: dict) -> dict:
+        """``rec`` (the inode's record) with what a write in progress changed: the size of its
+        buffer and the mtime of its last write (the record has them once it is sealed).
+        Every path that reports attributes to the kernel goes through here (getattr, lookup,
+        readdirplus): the kernel keeps one size per inode and trusts the latest answer."""
+        ws = self.writers.get(ino)
+        if ws is not None:
+            over = {}
+            if ws.staging is not None:
+                over["size"] = ws.staging.size
+            if ws.mtime is not None:
+                over["mtime"] = ws.mtime
+            if over:
+                rec = dict(rec, **over)
+        return rec
+
+    def is_open(self, ino: int) -> bool:
+        return self.open_count.get(ino, 0) > 0
+
+    async def setattr(self, ino: int, *, size=None, mode=None, uid=None, gid=None,
+                      atime=None, mtime=None) -> dict:
+        rec = self.ns.inode(ino)
+        fields = {}
+        if mode is not None:
+            fields["mode"] = (rec["mode"] & ~0o7777) | (mode & 0o7777)
+        if uid is not None:
+            fields["uid"] = uid
+        if gid is not None:
+            fields["gid"] = gid
+        if atime is not None:
+            fields["atime"] = atime
+        if mtime is not None:
+            fields["mtime"] = mtime
+        if fields:
+            rec = self.ns.update(ino, **fields)
+            ws = self.writers.get(ino)
+            if mtime is not None and ws is not None:
+                ws.mtime, ws.created = mtime, 0     # set after the last write: the seal keeps it
+        if size is not None:
+            if not stat.S_ISREG(rec["mode"]):
+                raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec["mode"]) else errno.EINVAL)
+            ws = self.writers.get(ino)
+            if ws is not None:
+                await (await self._staging(ws)).truncate(size)
+                ws.dirty = True
+                ws.touch()
+                if mtime is not None:
+                    ws.mtime = mtime
+            else:
+                ws = await self._begin_write(ino, truncate=size == 0)
+                ws.handles += 1
+                try:
+                    await (await self._staging(ws)).truncate(size)
+                    ws.dirty = True
+                    ws.mtime = mtime if mtime is not None else time.time_ns()
+                    await self._seal(ws)
+                finally:
+                    await self._end(ws)
+        return self.getattr(ino)
+
+    # ---- opening --------------------------------------------------------------
+    def _new_fh(self, h: Handle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = h
+        self.open_count[h.ino] = self.open_count.get(h.ino, 0) + 1
+        return fh
+
+    async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
+                     flags: int = os.O_RDWR) -> tuple[int, int, dict]:
+        ino, rec = self.ns.make(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid, oid=None)
+        ws = WriteState(ino, staging=self.store.ram.new_staging(), dirty=True,
+                        mtime=rec["mtime"], created=rec["mtime"])
+        ws.ready.set()
+        self.writers[ino] = ws
+        ws.handles = 1
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            # O_RDONLY|O_CREAT: an empty file, sealed now; the descriptor only reads
+            try:
+                await self._seal(ws)
+            except BaseException:
+                self._abandon(ws)
+                raise
+            finally:
+                await self._end(ws)
+            return await self.open(ino, flags), ino, self.getattr(ino)
+        ws.writers = 1
+        return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws)), ino, rec
+
+    async def open(self, ino: int, flags: int) -> int:
+        rec = self.ns.inode(ino)
+        if stat.S_ISDIR(rec["mode"]):
+            raise NamespaceError(errno.EISDIR)
+        acc = flags & os.O_ACCMODE
+        if acc != os.O_RDONLY:
+            ws = self.writers.get(ino)
+            if ws is None:
+                ws = await self._begin_write(ino, truncate=bool(flags & os.O_TRUNC))
+            else:
+                await ws.ready.wait()
+                if flags & os.O_TRUNC:
+                    await (await self._staging(ws)).truncate(0)
+                    ws.dirty = True
+                    ws.touch()
+            ws.writers += 1
+            ws.handles += 1
+            return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws))
+        ws = self.writers.get(ino)
+        if ws is not None:
+            await ws.ready.wait()
+            ws.handles += 1
+            return self._new_fh(Handle(ino, ws=ws))
+        obj = self.store.objs.get(rec.get("oid"))
+        if obj is None:
+            raise NamespaceError(errno.ENOENT)
+        obj.refs += 1
+        self.store.note_open(obj)
+        return self._new_fh(Handle(ino, obj=obj))
+
+    async def _begin_write(self, ino: int, truncate: bool) -> WriteState:
+        rec = self.ns.inode(ino)
+        base = self.store.objs.get(rec.get("oid"))
+        ws = WriteState(ino, base=base, dirty=truncate)
+        if base is not None:
+            base.refs += 1
+        self.writers[ino] = ws
+        try:
+            if truncate or base is None:
+                ws.staging = self.store.ram.new_staging()
+        finally:
+            ws.ready.set()
+        return ws
+
+    async def _staging(self, ws: WriteState) -> Staging:
+        """The write buffer, materialised from the sealed base on first need. Waits while
+        the buffer is being sealed (a change now would be lost, or start from the old base)."""
+        while ws.sealing is not None:
+            await ws.sealing.wait()
+        if ws.staging is None:
+            staging = self.store.ram.new_staging()
+            try:
+                if ws.base is not None and ws.base.size:
+                    await staging.fill_from(await self.store.read_all(ws.base))
+            except BaseException:
+                staging.discard()
+                raise
+            if ws.staging is None:
+                ws.staging = staging
+            else:
+                staging.discard()
+        return ws.staging
+
+    # ---- data ---------------------------------------------------------------
+    async def read(self, fh: int, offset: int, size: int):
+        h = self.handles[fh]
+        if h.ws is not None:
+            ws = h.ws
+            if ws.staging is not None:
+                return await ws.staging.read(offset, size)
+            if ws.base is None:
+                return b""
+            return await self.store.read(ws.base, offset, size)
+        return await self.store.read(h.obj, offset, size)
+
+    async def write(self, fh: int, offset: int, data) -> int:
+        h = self.handles[fh]
+        if not h.write:
+            raise NamespaceError(errno.EBADF)
+        ws = h.ws
+        staging = await self._staging(ws)
+        if h.append:
+            offset = staging.size
+        n = await staging.write(offset, data)
+        ws.dirty = True
+        ws.touch()
+        ram = self.store.ram
+        if ram.used > ram.capacity and not staging.spilled:
+            self.store.kick()
+            await staging.spill(self.spill_dir)
+        elif ram.used > ram.capacity * self.store.high:
+            self.store.kick()
+        return n
+
+    async def flush(self, fh: int) -> None:
+        """close(2): seal now if this is the only writer, so errors reach the caller."""
+        h = self.handles[fh]
+        if h.write and h.ws.dirty and h.ws.writers == 1:
+            await self._seal(h.ws)
+
+    async def fsync(self, fh: int) -> None:
+        """fsync(2): seal (as close does), then the index record is committed and on disk."""
+        await self.flush(fh)
+        self.index.commit()
+        await trio.to_thread.run_sync(self.index.sync)
+
+    async def release(self, fh: int) -> None:
+        self._releasing += 1            # still counted in open_handles until its seal is done
+        try:
+            await self._release(self.handles.pop(fh))
+        finally:
+            self._releasing -= 1
+
+    async def _release(self, h: Handle) -> None:
+        n = self.open_count.get(h.ino, 1) - 1
+        if n:
+            self.open_count[h.ino] = n
+        else:
+            self.open_count.pop(h.ino, None)
+            self.ns.orphans.pop(h.ino, None)
+        if h.ws is not None:
+            ws = h.ws
+            if h.write:
+                ws.writers -= 1
+                if ws.writers == 0 and ws.dirty:
+                    try:
+                        await self._seal(ws)
+                    except Exception as e:
+                        log.error("sealing %s failed at release: %s", self.ns.path_of(ws.ino), e)
+                        self._abandon(ws)
+            await self._end(ws)
+        else:
+            h.obj.refs -= 1
+            await self.store.release_space(h.obj)
+
+    def _abandon(self, ws: WriteState) -> None:
+        """The last writer left and the new version could not be sealed."""
+        ws.dirty = False
+        rec = self.index.get_inode(ws.ino)
+        if rec is not None and rec.get("oid") is None:
+            # never sealed: it must not stay visible as an empty file
+            try:
+                self.ns.unlink(rec["parent"], rec["name"], self.is_open)
+            except NamespaceError:
+                pass
+
+    async def _end(self, ws: WriteState) -> None:
+        ws.handles -= 1
+        if ws.writers == 0 and self.writers.get(ws.ino) is ws:
+            del self.writers[ws.ino]
+        if ws.handles == 0:
+            if ws.staging is not None:
+                ws.staging.discard()
+                ws.staging = None
+            if ws.base is not None:
+                ws.base.refs -= 1
+                await self.store.release_space(ws.base)
+                ws.base = None
+
+    async def _seal(self, ws: WriteState) -> None:
+        while ws.sealing is not None:        # one seal of a buffer at a time
+            await ws.sealing.wait()
+        if not ws.dirty:
+            return
+        staging = await self._staging(ws)
+        rec = self.index.get_inode(ws.ino)
+        if rec is None:                      # unlinked while open: nothing to keep
+            orphan = self.ns.orphans.get(ws.ino)
+            if orphan is not None:           # its readers still see its size (POSIX)
+                orphan["size"] = staging.size
+                orphan["mtime"] = ws.mtime or orphan["mtime"]
+            ws.dirty = False
+            return
+        # until the new object is installed, writes and truncates of this file wait (they
+        # would change a buffer being hashed, or start over from the old version); reads
+        # keep reading the buffer
+        done = ws.sealing = trio.Event()
+        t0 = time.perf_counter()
+        try:
+            kv = await peek_block_header(staging)
+            key = self.ns.path_of(ws.ino)
+            obj = await self.store.create(ws.ino, staging, key, rec.get("gen", 0) + 1)
+            ws.staging = None
+            if staging.fd >= 0:
+                staging.discard()
+            kvrec = None
+            if kv:
+                kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")}
+            old, installed = self.ns.install(ws.ino, obj, kvrec, mtime=ws.mtime)
+            ws.dirty = False
+            if old is not None:
+                self.telemetry.events.emit("removed", old, None, path=key, kv=rec.get("kv"))
+                await self.store.release_space(old)
+            if not installed:
+                await self.store.release_space(obj)
+                return
+            obj.refs += 1
+            if ws.base is not None:
+                ws.base.refs -= 1
+                await self.store.release_space(ws.base)
+            ws.base = obj
+            self.telemetry.latency["seal"].observe(time.perf_counter() - t0)
+            self.telemetry.events.emit("stored", obj, self.store.top_tier(obj), path=key, kv=kvrec or {})
+        finally:
+            ws.sealing = None
+            done.set()
+        self.on_sealed(ws.ino, ws.serial, obj.oid)
+

@@ -1,0 +1,116 @@
+"""Extended attributes: user xattrs kept in the index and the read-only ``user.kvfs.*`` ones
+computed from the object (tier, checksum, backing, ...); a mixin of ``Cache``."""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import stat
+
+from kvfs.errors import NamespaceError
+from kvfs.store import checksum
+from kvfs.store.objects import Obj
+from kvfs.store.tier import Tier
+
+log = logging.getLogger(__name__)
+
+KV_PREFIX = b"user.kvfs."
+XATTR_MAX = 64 * 1024
+
+
+class Xattrs:
+    """``Cache``'s xattr requests."""
+
+    # ---- xattrs -----------------------------------------------------------------
+    def get_xattr(self, ino: int, name: bytes) -> bytes:
+        rec = self.ns.inode(ino)
+        if name.startswith(KV_PREFIX):
+            value = self._kv_xattr(ino, rec, name[len(KV_PREFIX):].decode("ascii", "replace"))
+            if value is None:
+                raise NamespaceError(errno.ENODATA)
+            return value.encode()
+        try:
+            return rec["xattrs"][name]
+        except KeyError:
+            raise NamespaceError(errno.ENODATA) from None
+
+    def _kv_xattr(self, ino: int, rec: dict, key: str) -> str | None:
+        if not stat.S_ISREG(rec["mode"]):
+            return None
+        obj = self.store.objs.get(rec.get("oid"))
+        kv = rec.get("kv") or {}
+        if key == "pin":
+            return "1" if rec.get("pin") else "0"
+        if key == "tier":
+            if ino in self.writers and self.writers[ino].dirty:
+                return self.store.ram.name
+            return self.store.top_tier(obj) if obj else None
+        if obj is None:
+            return None
+        if key == "checksum":
+            return checksum.hexdigest(obj.checksum)
+        if key == "hits":
+            return str(obj.hits)
+        if key == "atime":
+            return f"{obj.atime:.3f}"
+        if key in ("tokens", "parent", "hash", "namespace"):
+            return kv.get(key) if kv else None
+        if key == "backing":
+            return self._backing(obj)
+        return None
+
+    def _backing(self, obj: Obj) -> str | None:
+        b = self.backing_of(obj)
+        return None if b is None else json.dumps(b)
+
+    def _fast_copy(self, obj: Obj) -> tuple[Tier, bytes] | None:
+        """The copy the fast path reads: ``obj``'s highest copy on an available tier."""
+        for t in self.store.tiers:
+            if t.name in obj.place and t.available:
+                return t, obj.place[t.name]
+        return None
+
+    def backing_of(self, obj: Obj) -> dict | None:
+        """Where the fast path reads ``obj``: its highest available copy, if that tier has
+        a location a loader can read (tmpfs or NVMe file); None otherwise."""
+        copy = self._fast_copy(obj)
+        b = copy and copy[0].backing(obj.oid, copy[1])
+        if not b:
+            return None
+        return dict(b, tier=copy[0].name, size=obj.size, checksum=checksum.hexdigest(obj.checksum))
+
+    def list_xattrs(self, ino: int) -> list[bytes]:
+        rec = self.ns.inode(ino)
+        names = list(rec["xattrs"])
+        if stat.S_ISREG(rec["mode"]):
+            names += [KV_PREFIX + k for k in (b"tier", b"checksum", b"pin", b"hits", b"atime")]
+            if rec.get("kv"):
+                names += [KV_PREFIX + b"tokens", KV_PREFIX + b"parent"]
+        return names
+
+    def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        rec = self.ns.inode(ino)
+        if not name.startswith(b"user."):
+            raise NamespaceError(errno.ENOTSUP)
+        if name.startswith(KV_PREFIX):
+            if name != KV_PREFIX + b"pin":
+                raise NamespaceError(errno.EPERM, f"{name.decode()} is read-only")
+            if not stat.S_ISREG(rec["mode"]):
+                raise NamespaceError(errno.EINVAL)
+            v = value.strip()
+            if v not in (b"0", b"1"):
+                raise NamespaceError(errno.EINVAL, "user.kvfs.pin takes 1 or 0")
+            self.ns.update(ino, pin=v == b"1")
+            obj = self.store.objs.get(rec.get("oid"))
+            if obj is not None:
+                obj.pinned = v == b"1"
+            return
+        if len(value) > XATTR_MAX:
+            raise NamespaceError(errno.E2BIG)
+        self.ns.set_user_xattr(ino, name, value)
+
+    def remove_xattr(self, ino: int, name: bytes) -> None:
+        if name.startswith(KV_PREFIX):
+            raise NamespaceError(errno.EPERM)
+        self.ns.remove_user_xattr(ino, name)
+

@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 
 from kvfs.bench import BenchMount  # noqa: E402
 from kvfs.config import Config  # noqa: E402
-from kvfs.daemon import build_store  # noqa: E402
+from kvfs.build import build_store  # noqa: E402
 from kvfs.store.cache import Cache  # noqa: E402
 from kvfs.store.index import ROOT_INO, Index  # noqa: E402
 from kvfs.store.nvme import NvmeTier  # noqa: E402

@@ -18,15 +18,13 @@ import time
 import pyfuse3
 import trio
 
+from kvfs.build import build_store, build_tiers
 from kvfs.config import Config
 from kvfs.errors import ConfigError
 from kvfs.fs.ops import KvfsOperations
 from kvfs.store.cache import Cache
 from kvfs.store.index import Index
-from kvfs.store.nvme import NvmeTier
-from kvfs.store.objects import ObjectStore
 from kvfs.store import safedir
-from kvfs.store.ram import RamTier
 
 log = logging.getLogger(__name__)
 
@@ -111,23 +109,6 @@ def mount_options(allow_other: bool) -> set[str]:
     if allow_other:
         options.update(("allow_other", "default_permissions"))
     return options
-
-
-def build_tiers(cfg: Config, index: Index, holder: str | None = None) -> list:
-    """RAM, local NVMe and (when configured) the remote tier, top to bottom."""
-    tiers = [RamTier(cfg.ram_bytes(), cfg.shm_dir, index.instance_id, mapped_min=cfg.ram_mapped_min),
-             NvmeTier(cfg.nvme_bytes(), cfg.nvme_dir, holder=holder)]
-    if cfg.remote:
-        from kvfs.remote import make_remote_tier
-        tiers.append(make_remote_tier(cfg, index.instance_id))
-    return tiers
-
-
-def build_store(cfg: Config, index: Index, tiers: list) -> ObjectStore:
-    return ObjectStore(index, tiers, chunk_size=cfg.chunk_size, high=cfg.high_watermark,
-                       low=cfg.low_watermark, promote_hits=cfg.promote_hits,
-                       promote_window=cfg.promote_window, admit_after=cfg.admission(),
-                       read_deadline=float(cfg.read_deadline))
 
 
 async def serve(cfg: Config, ready: _Ready) -> None:

@@ -49,7 +49,7 @@ def run_fsck(cfg: Config, *, repair: bool = False, rebuild_remote: bool = False,
 
 
 async def _fsck(cfg: Config, repair: bool, rebuild_remote: bool, progress: Progress) -> FsckReport:
-    from kvfs.daemon import build_tiers
+    from kvfs.build import build_tiers
     report = FsckReport()
     index = None
     try:
@@ -200,7 +200,7 @@ async def _check_orphans(index: Index, tiers: list, report: FsckReport, repair: 
 
 async def _rebuild_index(cfg: Config, report: FsckReport, progress: Progress) -> Index:
     """Move the damaged index aside and rebuild it from the tiers' own object records."""
-    from kvfs.daemon import build_tiers
+    from kvfs.build import build_tiers
     from kvfs.store.nvme import NvmeTier
     nvme = NvmeTier(0, cfg.nvme_dir)
     await nvme.open()

@@ -10,7 +10,7 @@ from pathlib import Path
 import trio
 
 from kvfs.config import Config  # noqa: E402
-from kvfs.daemon import build_store  # noqa: E402
+from kvfs.build import build_store  # noqa: E402
 from kvfs.store.cache import Cache  # noqa: E402
 from kvfs.store.index import Index  # noqa: E402
 from kvfs.store.nvme import NvmeTier  # noqa: E402

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfs.config import Config
-from kvfs.daemon import build_store
+from kvfs.build import build_store
 from kvfs.errors import NamespaceError, StoreError, TierFull
 from kvfs.store.cache import Cache
 from kvfs.store.index import ROOT_INO, Index

@@ -396,86 +396,93 @@ class Loader:
                 # O_DIRECT iovecs became one small disk request each: measured 0.56x)
                 b = backing(i)
                 return in_place and not xattr and (b is None or not b.direct)
-            if all(map(direct, range(len(plans)))):
-                # Every block goes straight into out. The blocks are dealt round-robin to a few
-                # groups, one task per group (not per block: fewer thread handoffs), the calling
-                # thread taking the first. Blocks in shared memory (a kernel copy and a hash each,
-                # memory bound) use one group per CPU: more measured slower on two vCPUs. Blocks
-                # read through the mount wait on the daemon, so those use every reader.
-                futs = []
-                shm = len(leased) == len(plans) and all(b is not None for b in leased)
-                n_groups = min(self.shm_readers if shm else self.readers, len(plans))
-                try:
-                    for k in range(1, n_groups):
-                        futs.append(self._pool.submit(self._read_group, plans, backing, out_mv, T,
-                                                      range(k, len(plans), n_groups)))
-                    sources.update(self._read_group(plans, backing, out_mv, T, range(0, len(plans), n_groups)))
-                    for f in futs:
-                        sources.update(f.result())
-                finally:
-                    for f in futs:
-                        try:
-                            f.result()
-                        except BaseException:
-                            pass
-                    self._release(leased if own else None, wait=False)
-                dt = time.perf_counter() - t0
-                return LoadStats(len(plans), len(plans) * lay.block_bytes, dt, dict(sources))
-            bufs = self._staging(pin=copier.cuda)
-            free = collections.deque(bufs)
-            window = max(len(bufs), 2 * self.readers)
-            pending: collections.deque = collections.deque()
-            copying: collections.deque = collections.deque()
-            nxt = 0
-            B = lay.block_tokens
             try:
-                for i in range(len(plans)):
-                    while nxt < len(plans) and len(pending) < window:
-                        if direct(nxt):
-                            fut = self._pool.submit(self._read_in_place, plans[nxt], backing(nxt), out_mv, T, nxt)
-                            pending.append((fut, None))
-                        else:
-                            if not free:
-                                if not copying:
-                                    break
-                                tok, st = copying.popleft()
-                                copier.wait(tok)
-                                free.append(st)
-                            st = free.popleft()
-                            if copier.cuda:
-                                fut = self._pool.submit(self._read_one, plans[nxt], st, backing(nxt), xattr)
-                                pending.append((fut, st))
-                            else:     # the reader copies too (numpy, without the GIL): copies in parallel
-                                fut = self._pool.submit(self._read_copy, plans[nxt], st, backing(nxt), xattr,
-                                                        out, nxt, copier)
-                                pending.append((fut, (st,)))
-                        nxt += 1
-                    fut, st = pending.popleft()
-                    if st is None:
-                        sources[fut.result()] += 1
-                        continue
-                    if isinstance(st, tuple):
-                        sources[fut.result()] += 1
-                        free.append(st[0])
-                        continue
-                    info, source = fut.result()
-                    sources[source] += 1
-                    src = st.tensor[info.data_offset:info.data_offset + lay.block_bytes]
-                    src = src.view(lay.torch_dtype).view(lay.block_shape())
-                    tok = copier.copy(out[:, :, i * B:(i + 1) * B], src, pinned=st.pinned)
-                    copying.append((tok, st))
-                copier.finish()
+                if all(map(direct, range(len(plans)))):
+                    self._load_all_direct(plans, backing, out_mv, T, leased, sources)
+                else:
+                    self._load_staged(plans, backing, direct, xattr, out, out_mv, T, copier, sources)
             finally:
-                for fut, _ in pending:    # an error: let in-flight reads finish before reuse
-                    try:
-                        fut.result()
-                    except BaseException:
-                        pass
-                for tok, st in copying:
-                    copier.wait(tok)
                 self._release(leased if own else None, wait=False)
         dt = time.perf_counter() - t0
         return LoadStats(len(plans), len(plans) * lay.block_bytes, dt, dict(sources))
+
+    def _load_all_direct(self, plans, backing, out_mv, T, leased, sources) -> None:
+        """Every block straight into ``out``'s bytes (CPU, contiguous, no O_DIRECT backing),
+        dealt round-robin to a few groups, one task per group (fewer thread handoffs than one
+        per block), the calling thread taking the first. Blocks in shared memory (memory bound)
+        use one group per CPU; blocks read through the mount wait on the daemon: every reader."""
+        futs = []
+        shm = len(leased) == len(plans) and all(b is not None for b in leased)
+        n_groups = min(self.shm_readers if shm else self.readers, len(plans))
+        try:
+            for k in range(1, n_groups):
+                futs.append(self._pool.submit(self._read_group, plans, backing, out_mv, T,
+                                              range(k, len(plans), n_groups)))
+            sources.update(self._read_group(plans, backing, out_mv, T, range(0, len(plans), n_groups)))
+            for f in futs:
+                sources.update(f.result())
+        finally:
+            for f in futs:
+                try:
+                    f.result()
+                except BaseException:
+                    pass
+
+    def _load_staged(self, plans, backing, direct, xattr, out, out_mv, T, copier, sources) -> None:
+        """Blocks through staging buffers (O_DIRECT backings, devices, strided ``out``)."""
+        lay = self.layout
+        bufs = self._staging(pin=copier.cuda)
+        free = collections.deque(bufs)
+        window = max(len(bufs), 2 * self.readers)
+        pending: collections.deque = collections.deque()
+        copying: collections.deque = collections.deque()
+        nxt = 0
+        B = lay.block_tokens
+        try:
+            for i in range(len(plans)):
+                while nxt < len(plans) and len(pending) < window:
+                    if direct(nxt):
+                        fut = self._pool.submit(self._read_in_place, plans[nxt], backing(nxt), out_mv, T, nxt)
+                        pending.append((fut, None))
+                    else:
+                        if not free:
+                            if not copying:
+                                break
+                            tok, st = copying.popleft()
+                            copier.wait(tok)
+                            free.append(st)
+                        st = free.popleft()
+                        if copier.cuda:
+                            fut = self._pool.submit(self._read_one, plans[nxt], st, backing(nxt), xattr)
+                            pending.append((fut, st))
+                        else:     # the reader copies too (numpy, without the GIL): copies in parallel
+                            fut = self._pool.submit(self._read_copy, plans[nxt], st, backing(nxt), xattr,
+                                                    out, nxt, copier)
+                            pending.append((fut, (st,)))
+                    nxt += 1
+                fut, st = pending.popleft()
+                if st is None:
+                    sources[fut.result()] += 1
+                    continue
+                if isinstance(st, tuple):
+                    sources[fut.result()] += 1
+                    free.append(st[0])
+                    continue
+                info, source = fut.result()
+                sources[source] += 1
+                src = st.tensor[info.data_offset:info.data_offset + lay.block_bytes]
+                src = src.view(lay.torch_dtype).view(lay.block_shape())
+                tok = copier.copy(out[:, :, i * B:(i + 1) * B], src, pinned=st.pinned)
+                copying.append((tok, st))
+            copier.finish()
+        finally:
+            for fut, _ in pending:    # an error: let in-flight reads finish before reuse
+                try:
+                    fut.result()
+                except BaseException:
+                    pass
+            for tok, st in copying:
+                copier.wait(tok)
 
     def _check_out(self, out: torch.Tensor, n_blocks: int) -> None:
         lay = self.layout

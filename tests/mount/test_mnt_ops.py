@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -301,16 +302,20 @@ def test_bad_admission_and_deadline_settings_are_refused(kvfs_cli, tmp_path):
 
 
 # ---- kvfs top ------------------------------------------------------------------------------------
-def _pty_run(argv: list[str], until=None, timeout: float = 60) -> tuple[int, str]:
-    """Run ``argv`` with a pseudo-terminal as stdout; ``until(text)`` true: SIGINT it."""
+def _pty_run(argv: list[str], until=None, hang_guard: float = 180) -> tuple[int, str]:
+    """Run ``argv`` with a pseudo-terminal as stdout; ``until(text)`` true: SIGINT it.
+
+    Reads until the program exits (the pty reports EOF). ``hang_guard`` only stops a program
+    that never gets there (it is not a performance bound): the test then fails with the
+    output seen so far."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env={**_env(), "TERM": "xterm",
                             "COLUMNS": "120", "LINES": "40"}, start_new_session=True)
     os.close(slave)
     out = b""
+    give_up = time.monotonic() + hang_guard
     try:
-        deadline_reads = int(timeout / 0.1)
-        for _ in range(deadline_reads):
+        while time.monotonic() < give_up:
             r, _, _ = select.select([master], [], [], 0.1)
             if r:
                 try:
@@ -325,7 +330,10 @@ def _pty_run(argv: list[str], until=None, timeout: float = 60) -> tuple[int, str
                     until = None
             elif proc.poll() is not None:
                 break
-        return proc.wait(timeout=30), out.decode(errors="replace")
+        else:
+            pytest.fail(f"{argv[-3:]} did not finish (condition met: {until is None}); "
+                        f"last output: {out[-2000:].decode(errors='replace')!r}")
+        return proc.wait(timeout=hang_guard), out.decode(errors="replace")
     finally:
         if proc.poll() is None:
             proc.kill()

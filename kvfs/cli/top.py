@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -102,6 +103,13 @@ def frame(new: dict, old: dict | None, dt: float):
     return Group(head, tier_table(new, old, dt), namespace_table(new, old, dt))
 
 
+def quit_on_ctrl_c() -> None:
+    """Ctrl-C (SIGINT) is how these views stop, also when started from a context that
+    ignores SIGINT (a background job of a non-interactive shell passes SIG_IGN on, and Python
+    then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @click.command("top")
 @click.argument("mountpoint", type=click.Path())
 @click.option("--interval", "-n", type=click.FloatRange(min=0.05), default=1.0, show_default=True,
@@ -109,6 +117,7 @@ def frame(new: dict, old: dict | None, dt: float):
 @click.option("--once", is_flag=True, help="Print one frame (rates over one interval) and exit.")
 def top_cmd(mountpoint, interval, once):
     """Live view of the kvfs mount at MOUNTPOINT: tiers, rates, top namespaces (Ctrl-C quits)."""
+    quit_on_ctrl_c()
     console = Console(highlight=False)
     old = read_stats(mountpoint)
     t_old = time.monotonic()
@@ -135,6 +144,7 @@ def top_cmd(mountpoint, interval, once):
 @click.option("--idle", is_flag=True, help="Also print the idle lines (one per second without events).")
 def events_cmd(mountpoint, count, idle):
     """Follow the KV events of the mount at MOUNTPOINT (JSON lines, see docs/operations.md)."""
+    quit_on_ctrl_c()
     read_stats(mountpoint)                    # one-line errors for a missing or dead mount
     path = os.path.join(mountpoint, protocol.CONTROL_NAME, protocol.EVENTS_FILE)
     try:

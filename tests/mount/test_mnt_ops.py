@@ -309,8 +309,11 @@ def _pty_run(argv: list[str], until=None, hang_guard: float = 180) -> tuple[int,
     that never gets there (it is not a performance bound): the test then fails with the
     output seen so far."""
     master, slave = pty.openpty()
+    # started with SIGINT ignored, as a background job of a non-interactive shell (CI) is:
+    # Ctrl-C must still stop the view
     proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env={**_env(), "TERM": "xterm",
-                            "COLUMNS": "120", "LINES": "40"}, start_new_session=True)
+                            "COLUMNS": "120", "LINES": "40"}, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     os.close(slave)
     out = b""
     give_up = time.monotonic() + hang_guard

@@ -15,19 +15,6 @@ import torch
 from integration.released import L1Object, released_defs
 
 
-def spin(predicate, timeout: float, what: str):
-    """Poll ``predicate`` with no sleep between tries (benchmarks: a scheduler that steps)."""
-    import time
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0)
-
-
 # -- vLLM --------------------------------------------------------------------------------
 def vllm_spec(v, *, model="org/Model-8B", chunk_bytes=1 << 20, tp_size=1, rank=0, dtype="bfloat16",
               agnostic=False):

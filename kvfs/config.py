@@ -63,6 +63,10 @@ class Config:
     remote: str = ""                   # nvme-tcp://host:port/nqn?... or a block device / file
     remote_size: str | int = "100%"
     remote_format: bool = False
+    share: bool = False                # the remote volume is shared by several nodes (format 2)
+    share_max_nodes: int = 8           # node slots when formatting a shared volume
+    share_poll: float = 0.5            # seconds between polls of the other nodes' logs
+    node_id: str = ""                  # this node on a shared volume (default: the instance id)
     allow_other: bool = False
     volatile_ram: bool = False         # clean unmount does not write RAM-only objects down
     high_watermark: float = 0.90
@@ -129,6 +133,15 @@ class Config:
             # the remote tier resolves "%" against the volume size itself
             if not str(self.remote_size).strip().endswith("%"):
                 parse_size(self.remote_size)
+        if self.share:
+            if not self.remote:
+                raise ConfigError("share = true needs a remote volume (--remote)")
+            if not isinstance(self.share_max_nodes, int) or not 1 <= self.share_max_nodes <= 255:
+                raise ConfigError("share_max_nodes must be an integer from 1 to 255")
+            if not isinstance(self.share_poll, (int, float)) or not 0.01 <= self.share_poll <= 60:
+                raise ConfigError("share_poll must be a number of seconds from 0.01 to 60")
+            if len(str(self.node_id).encode()) > 64:
+                raise ConfigError("node_id must be at most 64 bytes")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ConfigError("watermarks must satisfy 0 < low_watermark < high_watermark <= 1")
         if self.promote_hits < 1:

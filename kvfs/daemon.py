@@ -135,6 +135,9 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                             "instance": index.instance_id,
                             "recovered": recovered, "started": started, **served}
         ops = KvfsOperations(cache, describe)
+        if cfg.share:
+            from kvfs.remote.share import attach
+            ops.shared = attach(cache, tiers)
         if cfg.metrics:
             from kvfs.metrics import MetricsServer
             metrics = MetricsServer(cfg.metrics, cache, trio.lowlevel.current_trio_token())

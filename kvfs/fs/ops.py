@@ -123,6 +123,7 @@ class Notifier:
 
 class KvfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
+    shared = None          # kvfs.remote.share.adopt.SharedNames on a shared remote volume
 
     def __init__(self, cache: Cache, describe):
         super().__init__()
@@ -197,6 +198,14 @@ class KvfsOperations(pyfuse3.Operations):
             try:
                 ino = self.cache.ns.lookup(parent_inode, name)
             except NamespaceError as e:
+                if e.errno == errno.ENOENT and self.shared is not None:
+                    # then the other nodes' published blocks; no negative entry (a block
+                    # published later must be found)
+                    ino = await self.shared.lookup(parent_inode, name)
+                    if ino is not None:
+                        return _entry(ino, self.cache.getattr(ino))
+                    self._missed(parent_inode, name)
+                    raise
                 if e.errno == errno.ENOENT:
                     self._missed(parent_inode, name)
                 if e.errno == errno.ENOENT and NEGATIVE_TIMEOUT > 0:
@@ -287,6 +296,8 @@ class KvfsOperations(pyfuse3.Operations):
             return inode
         if not stat.S_ISDIR(self.cache.ns.inode(inode)["mode"]):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
+        if self.shared is not None:
+            await self.shared.fill(inode)
         return inode
 
     @translate

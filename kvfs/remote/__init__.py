@@ -37,6 +37,13 @@ def make_remote_tier(cfg, instance_id: str):
     if not str(size).strip().endswith("%"):
         create = parse_size(size)
     vol = make_volume(target, instance_id=instance_id, create_size=create)
+    if getattr(cfg, "share", False):
+        from kvfs.remote.share.tier import SharedRemoteTier
+        url = getattr(vol, "url", None)
+        return SharedRemoteTier(vol, instance_id=instance_id, node_id=cfg.node_id,
+                                hostnqn=url.hostnqn if url is not None else "",
+                                format=bool(cfg.remote_format), max_nodes=cfg.share_max_nodes,
+                                poll=float(cfg.share_poll), describe=target.split("?", 1)[0])
     return RemoteTier(vol, instance_id=instance_id, size=size, format=bool(cfg.remote_format),
                       describe=target.split("?", 1)[0])
 

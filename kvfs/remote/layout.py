@@ -83,6 +83,10 @@ class Superblock:
             return None
         if b[:8] != SB_MAGIC:
             raise ValueError("not a kvfs volume (no superblock magic)")
+        ver = struct.unpack_from("<I", b, 8)[0]
+        if ver == 2:
+            raise ValueError("kvfs volume version 2 is not supported here: it is a shared volume "
+                             "(mount it with share = true)")
         n = _SB.size
         if struct.unpack_from("<I", b, n)[0] != crc32c(b[:n]):
             raise ValueError("kvfs superblock checksum mismatch")

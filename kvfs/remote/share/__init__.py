@@ -1,0 +1,12 @@
+"""Scale-out: several kvfs nodes on one shared remote volume (format 2; docs/scale-out.md)."""
+from __future__ import annotations
+
+
+def attach(cache, tiers):
+    """The SharedNames of the mount when its remote tier is shared, else None."""
+    from kvfs.remote.share.adopt import SharedNames
+    from kvfs.remote.share.tier import SharedRemoteTier
+    for t in tiers:
+        if isinstance(t, SharedRemoteTier) and t.sb2 is not None:
+            return SharedNames(cache, t)
+    return None

@@ -1,0 +1,115 @@
+"""Names from the shared view in this node's namespace.
+
+A lookup that misses the local table asks ``SharedNames.lookup``: a path another node
+published becomes a local file whose only copy is the owner's record ("foreign" location on
+the remote tier), after its record header was read and still names the published block;
+a path under which blocks were published becomes a local directory. Reading it goes
+through the store like any remote object (every chunk's xxh3 checked against the header's
+sums). When the owner frees or replaces the block (its log says so), the local name is
+dropped the way an evicted one is, and the kernel is told.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+
+import trio
+
+from kvfs.errors import NamespaceError, TierUnavailable
+from kvfs.remote.share import format as F
+from kvfs.store.objects import Obj
+
+log = logging.getLogger(__name__)
+
+
+class SharedNames:
+    def __init__(self, cache, tier):
+        self.cache = cache
+        self.tier = tier
+        self.adopted = 0
+        self.dropped = 0
+        tier.on_dropped = self.dropped_by_owner
+        tier.names = self
+
+    def _path(self, parent: int, name: bytes) -> str:
+        return self.cache.ns.path_of(parent).rstrip("/") + "/" + name.decode("utf-8", "surrogateescape")
+
+    async def lookup(self, parent: int, name: bytes) -> int | None:
+        """The inode of ``name`` made from the shared view, or None when the view lacks it."""
+        path = self._path(parent, name)
+        view = self.tier.view
+        p = view.get(path)
+        uid, gid = os.getuid(), os.getgid()
+        if p is None:
+            if not view.children(path):
+                return None
+            return self._make(parent, name, stat.S_IFDIR | 0o755, uid, gid)
+        try:
+            info = await self.tier.foreign_header(p)
+        except TierUnavailable:
+            return None
+        if info is None:
+            return None
+        # the name may have appeared while the header was read (a local write, another lookup)
+        ino = self._make(parent, name, stat.S_IFREG | 0o644, uid, gid)
+        rec = self.cache.index.get_inode(ino)
+        if rec is None or rec.get("oid") is not None:
+            return ino
+        store = self.cache.store
+        obj = Obj(self.cache.index.new_id(b"oid"), info.size, info.checksum, info.chunk_size, info.chunk_sums,
+                  {self.tier.name: F.pack_foreign_loc(p.slot, p.entry)}, ino, path, info.generation,
+                  atime=time.time())
+        store._adopt(obj)
+        _old, installed = self.cache.ns.install(ino, obj, None, mtime=p.entry.mtime_ns)
+        if not installed:
+            await store.release_space(obj)
+            return None
+        self.adopted += 1
+        log.debug("adopted %s from node %r (object %x)", path, p.node_id, p.entry.oid)
+        return ino
+
+    def _make(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> int:
+        try:
+            ino, _rec = self.cache.ns.make(parent, name, mode, uid, gid)
+            return ino
+        except NamespaceError as e:
+            if e.errno != errno.EEXIST:
+                raise
+            return self.cache.ns.lookup(parent, name)
+
+    async def fill(self, dir_ino: int) -> None:
+        """Make every name the view has directly in this directory (before a readdir)."""
+        names = self.tier.view.children(self.cache.ns.path_of(dir_ino))
+        index = self.cache.index
+        for name in sorted(names):
+            b = name.encode("utf-8", "surrogateescape")
+            if index.lookup(dir_ino, b) is None:
+                await self.lookup(dir_ino, b)
+
+    def _local(self, path: str) -> Obj | None:
+        ino = 1
+        index = self.cache.index
+        for part in path.strip("/").split("/"):
+            ino = index.lookup(ino, part.encode("utf-8", "surrogateescape"))
+            if ino is None:
+                return None
+        return self.cache.ns.sealed.get(ino)
+
+    async def dropped_by_owner(self, gone: list) -> None:
+        """The owners freed or replaced these published blocks: drop the names made of them."""
+        for path, p in gone:
+            obj = self._local(path)
+            if obj is None:
+                continue
+            f = F.unpack_foreign_loc(obj.place.get(self.tier.name, b""))
+            if f is None or f[0] != p.slot or f[5] != p.entry.oid:
+                continue                    # a local file of that name, or another version
+            self.dropped += 1
+            await self.cache.store.lose(obj)
+            await trio.lowlevel.checkpoint()
+
+    def status(self) -> dict:
+        return {"adopted": self.adopted, "dropped": self.dropped}

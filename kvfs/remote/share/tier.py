@@ -1,0 +1,252 @@
+"""SharedRemoteTier: the remote tier on a format-2 (shared) volume.
+
+At open the node joins (slot, epoch), claims one data region and runs the ordinary
+format-1 object store (RemoteTier) inside it through a RegionVolume. Each committed put and
+each free is then published to the node's log (Publisher role); ``serve`` also tails the
+other nodes' logs every ``poll`` seconds into ``view`` (Tailer role) and rewrites the node's
+slot with a heartbeat. Reads of another node's block (a "foreign" location, version 2) go to
+that node's region by location and are accepted only if the record header still names the
+published object (region uuid, oid, generation); the store then checks every chunk's xxh3.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from kvfs.errors import ConfigError, NoSuchObject, TierUnavailable
+from kvfs.remote import layout as L
+from kvfs.remote.share import format as F
+from kvfs.remote.share.member import LogWriter, claim_region, join, write_unit
+from kvfs.remote.share.region import RegionVolume
+from kvfs.remote.share.view import Published, SharedView, Tailer
+from kvfs.remote.tier import _LOC, RemoteTier
+from kvfs.remote.volume import Volume
+from kvfs.store.tier import ObjectInfo
+
+log = logging.getLogger(__name__)
+
+
+class SharedRemoteTier(RemoteTier):
+    def __init__(self, volume: Volume, *, instance_id: str, node_id: str = "", hostnqn: str = "",
+                 format: bool = False, max_nodes: int = 8, poll: float = 0.5, lease: float = 10.0,
+                 settle: float = 0.2, describe: str = ""):
+        super().__init__(volume, instance_id=instance_id, size="100%", format=False,
+                         describe=describe or volume.describe)
+        self.parent = volume
+        self.node_id = node_id or instance_id
+        self.hostnqn = hostnqn
+        self.format_shared = format
+        self.max_nodes = max_nodes
+        self.poll = poll
+        self.lease = lease
+        self.settle = settle
+        self.sb2: F.Superblock2 | None = None
+        self.slot = -1
+        self.node: F.NodeSlot | None = None
+        self.region = -1
+        self.view = SharedView()
+        self.tailer: Tailer | None = None
+        self.logw: LogWriter | None = None
+        self.published = 0
+        self.publish_errors = 0
+        self.foreign_misses = 0
+        self.on_dropped = None          # async (list of (path, Published)): set by SharedNames
+        self.names = None               # the SharedNames of the mount (status only)
+
+    # ---- open: format 2, join, claim ------------------------------------------
+    async def open(self) -> None:
+        try:
+            await self.parent.open()
+        except TierUnavailable as e:
+            raise ConfigError(f"shared remote volume {self.describe} is unreachable: {e}") from None
+        try:
+            await self._join()
+        except BaseException:
+            await self.parent.close()
+            raise
+
+    async def _join(self) -> None:
+        unit = max(4096, self.parent.block_size)
+        raw = await self.parent.read(0, unit)
+        ver = F.version_of(raw)
+        if ver == F.VERSION and not self.format_shared:
+            try:
+                sb2 = F.Superblock2.unpack(raw)
+            except ValueError as e:
+                self._refuse(f"remote volume {self.describe}: {e}")
+        elif ver is None or self.format_shared:
+            sb2 = await self._format_shared()
+        else:
+            what = "a single-node (format 1) kvfs volume" if ver == 1 else "not a kvfs volume"
+            self._refuse(f"remote volume {self.describe} is {what}; pass --format-remote to format it "
+                         f"as a shared volume")
+        self.sb2 = sb2
+        self.slot, self.node = await join(self.parent, sb2, self.node_id, self.hostnqn, settle=self.settle)
+        fresh = not (await _own_claim(self.parent, sb2, self.slot))
+        self.region = await claim_region(self.parent, sb2, self.slot, self.node.epoch)
+        self.vol = RegionVolume(self.parent, sb2.region_off(self.region), sb2.region_bytes)
+        self.format = fresh                 # a newly claimed region is formatted (format 1 inside)
+        await self._load(first=True)
+        self.logw = LogWriter(self.parent, sb2, self.slot)
+        await self.logw.recover()
+        self.tailer = Tailer(self.parent, sb2, self.slot, self.view)
+        await self.tailer.poll()
+        log.info("shared volume %s: node %r slot %d epoch %d region %d, log at %d, %d published by others",
+                 self.describe, self.node_id, self.slot, self.node.epoch, self.region,
+                 self.logw.next_seq, len(self.view))
+
+    async def _format_shared(self) -> F.Superblock2:
+        try:
+            sb2 = F.Superblock2.plan(size=self.parent.size, lba_size=self.parent.block_size,
+                                     max_nodes=self.max_nodes, created=time.time())
+        except ValueError as e:
+            raise ConfigError(f"remote volume {self.describe}: {e}") from None
+        log.warning("formatting remote volume %s as shared (format 2): %d nodes, %d regions of %d bytes",
+                    self.describe, sb2.max_nodes, sb2.regions, sb2.region_bytes)
+        zero = self.parent.buffer(1 << 20)
+        pos, end = sb2.unit, sb2.data_start * sb2.unit
+        while pos < end:
+            n = min(len(zero), end - pos)
+            await self.parent.write(pos, memoryview(zero)[:n])
+            pos += n
+        for r in range(sb2.regions):        # region superblocks: blank, so a claim formats them
+            await self.parent.write(sb2.region_off(r), memoryview(zero)[:sb2.unit])
+        await write_unit(self.parent, 0, sb2.pack(), sb2.unit)
+        self.format_shared = False
+        return sb2
+
+    # ---- publishing ---------------------------------------------------------------
+    async def _publish(self, op: int, oid: int, loc: bytes, info: ObjectInfo | None) -> None:
+        _v, _slot, start, units, hu = _LOC.unpack(loc)
+        key = info.key if info else ""
+        if info is not None and len(key.encode("utf-8", "surrogateescape")) > F.MAX_KEY:
+            log.warning("not publishing %s: name longer than %d bytes", key, F.MAX_KEY)
+            return
+
+        def make(seq: int) -> F.LogEntry:
+            return F.LogEntry(seq, self.node.epoch, op, self.region, start, units, hu, oid,
+                              info.generation if info else 0, info.size if info else 0,
+                              info.checksum if info else 0, info.chunk_size if info else 0,
+                              self.sb.volume_uuid, time.time_ns(), key)
+        try:
+            await self.logw.append(make)
+            self.published += 1
+        except TierUnavailable as e:
+            self.publish_errors += 1
+            log.warning("could not publish %s of object %x: %s", "put" if op == F.OP_PUT else "free", oid, e)
+
+    async def put(self, info: ObjectInfo, data: memoryview) -> bytes:
+        loc = await super().put(info, data)
+        await self._publish(F.OP_PUT, info.oid, loc, info)
+        return loc
+
+    async def delete(self, oid: int, loc: bytes) -> None:
+        if F.unpack_foreign_loc(loc) is not None:
+            return                          # another node's block: its owner decides
+        try:
+            self._entry(oid, loc)
+        except NoSuchObject:
+            return
+        await self._publish(F.OP_FREE, oid, bytes(loc), None)   # tailers drop it before the space goes
+        _v, _slot, start, _units, _hu = _LOC.unpack(bytes(loc))
+        try:        # no header, no block: a reader by location now misses even before reuse
+            await write_unit(self.vol, start * self.sb.unit, bytes(self.sb.unit), self.sb.unit)
+        except TierUnavailable as e:
+            log.warning("could not clear the record header of object %x: %s", oid, e)
+        await super().delete(oid, loc)
+
+    # ---- reading other nodes' blocks ------------------------------------------------
+    async def foreign_header(self, p: Published, *, check_size: bool = True) -> ObjectInfo | None:
+        """The record header of a published block if it still names that block, else None."""
+        e = p.entry
+        sb2 = self.sb2
+        if self.sb2 is None or not 0 <= e.region < sb2.regions or (e.start + e.units) > sb2.region_units:
+            return None
+        self._need_parent()
+        raw = await self.parent.read(sb2.region_off(e.region) + e.start * sb2.unit, e.hdr_units * sb2.unit)
+        try:
+            info = L.unpack_header(raw, e.region_uuid)
+        except ValueError:
+            info = None
+        if info is None or info.oid != e.oid or info.generation != e.generation or (
+                check_size and info.size != e.size):
+            self.foreign_misses += 1
+            return None
+        return info
+
+    def _need_parent(self) -> None:
+        if not self.parent.available:
+            raise TierUnavailable(f"remote tier {self.describe} is {self.current_state()}")
+
+    async def read(self, oid: int, loc: bytes, offset: int, length: int) -> memoryview:
+        f = F.unpack_foreign_loc(loc)
+        if f is None:
+            return await super().read(oid, loc, offset, length)
+        slot, region, start, units, hu, foid, gen, vid = f
+        e = F.LogEntry(0, 0, F.OP_PUT, region, start, units, hu, foid, gen, 0, 0, 0, vid)
+        info = await self.foreign_header(Published(slot, "", e), check_size=False)
+        if info is None or offset < 0 or length < 0:
+            raise NoSuchObject(f"remote: block {foid:x} of node slot {slot} is no longer there")
+        length = max(0, min(length, info.size - offset))
+        if length == 0:
+            return memoryview(b"")
+        sb2 = self.sb2
+        bs = self.parent.block_size
+        base = sb2.region_off(region) + (start + hu) * sb2.unit + offset
+        lo, hi = base // bs * bs, L.round_up(base + length, bs)
+        view = await self.parent.read(lo, hi - lo)
+        return view[base - lo:base - lo + length]
+
+    # ---- background: heartbeat and tailing -------------------------------------------
+    async def serve(self) -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(super().serve)
+            n.start_soon(self._tail_loop)
+            n.start_soon(self._heartbeat_loop)
+
+    async def _tail_loop(self) -> None:
+        while True:
+            await trio.sleep(self.poll)
+            if not self.available:
+                continue
+            try:
+                await self.tailer.poll()
+            except TierUnavailable as e:
+                log.debug("tailing the shared volume: %s", e)
+            gone, self.view.dropped = self.view.dropped, []
+            if gone and self.on_dropped is not None:
+                await self.on_dropped(gone)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await trio.sleep(self.lease / 4)
+            if not self.available:
+                continue
+            self.node.heartbeat += 1
+            self.node.log_seq = self.logw.next_seq
+            self.node.updated = time.time()
+            try:
+                await write_unit(self.parent, self.sb2.slot_off(self.slot), self.node.pack(self.sb2.unit),
+                                 self.sb2.unit)
+            except TierUnavailable as e:
+                log.debug("heartbeat: %s", e)
+
+    def status(self) -> dict:
+        st = super().status()
+        if self.sb2 is not None:
+            st["share"] = {"node_id": self.node_id, "slot": self.slot, "epoch": self.node.epoch,
+                           "region": self.region, "max_nodes": self.sb2.max_nodes,
+                           "volume_uuid": self.sb2.volume_uuid.hex(), "published": self.published,
+                           "log_next_seq": self.logw.next_seq if self.logw else 0,
+                           "publish_errors": self.publish_errors, "view": len(self.view),
+                           "foreign_misses": self.foreign_misses,
+                           "tail": self.tailer.status() if self.tailer else {},
+                           **(self.names.status() if self.names is not None else {})}
+        return st
+
+
+async def _own_claim(vol: Volume, sb2: F.Superblock2, slot: int) -> bool:
+    from kvfs.remote.share.member import read_claims
+    return bool((await read_claims(vol, sb2))[slot])

@@ -1,0 +1,169 @@
+"""The read-only view of other nodes' published blocks, fed by tailing their logs.
+
+``SharedView`` maps a path to the newest published record of it (owner slot + log entry).
+``Tailer.poll`` reads the node slots, then each other node's log from where it left off:
+entries are applied in sequence order and the first entry that is missing, torn or out of
+sequence ends that node's batch (it is read again at the next poll). A node more than a ring
+ahead of us (a sequence gap) is re-read whole. Nothing here is written to the local index.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from kvfs.remote.share import format as F
+from kvfs.remote.share.member import read_slots, read_units
+from kvfs.remote.volume import Volume
+
+log = logging.getLogger(__name__)
+
+_READ_UNITS = 16          # log units read per node per poll at most
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    slot: int             # the owner's node slot
+    node_id: str
+    entry: F.LogEntry
+
+
+class SharedView:
+    def __init__(self) -> None:
+        self.by_path: dict[str, Published] = {}
+        self._by_oid: dict[tuple[int, int], str] = {}
+        self.dirs: dict[str, dict[str, int]] = {}     # directory -> child name -> published paths under it
+        # (path, Published) of names that went away or were replaced, for the node to drop
+        self.dropped: list[tuple[str, Published]] = []
+
+    def __len__(self) -> int:
+        return len(self.by_path)
+
+    def get(self, path: str) -> Published | None:
+        return self.by_path.get(path)
+
+    def children(self, dirpath: str) -> set[str]:
+        return set(self.dirs.get(dirpath.rstrip("/") or "/", ()))
+
+    def apply(self, slot: int, node_id: str, e: F.LogEntry) -> None:
+        if e.op == F.OP_PUT:
+            old = self.by_path.get(e.key)
+            p = Published(slot, node_id, e)
+            if old is not None:
+                self._remove(e.key, old)
+            self.by_path[e.key] = p
+            self._by_oid[(slot, e.oid)] = e.key
+            self._link(e.key)
+        elif e.op == F.OP_FREE:
+            path = self._by_oid.get((slot, e.oid))
+            if path is not None:
+                self._remove(path, self.by_path[path])
+
+    def drop_owner(self, slot: int) -> None:
+        for path, p in list(self.by_path.items()):
+            if p.slot == slot:
+                self._remove(path, p)
+
+    def _remove(self, path: str, p: Published) -> None:
+        del self.by_path[path]
+        self._by_oid.pop((p.slot, p.entry.oid), None)
+        self._unlink(path)
+        self.dropped.append((path, p))
+
+    def _levels(self, path: str):
+        parts = path.strip("/").split("/")
+        for i in range(len(parts)):
+            yield "/" + "/".join(parts[:i]), parts[i]
+
+    def _link(self, path: str) -> None:
+        for parent, name in self._levels(path):
+            counts = self.dirs.setdefault(parent, {})
+            counts[name] = counts.get(name, 0) + 1
+
+    def _unlink(self, path: str) -> None:
+        for parent, name in self._levels(path):
+            counts = self.dirs.get(parent, {})
+            n = counts.get(name, 0) - 1
+            if n > 0:
+                counts[name] = n
+                continue
+            counts.pop(name, None)
+            if not counts:
+                self.dirs.pop(parent, None)
+
+
+class Tailer:
+    def __init__(self, vol: Volume, sb: F.Superblock2, my_slot: int, view: SharedView):
+        self.vol, self.sb, self.my_slot, self.view = vol, sb, my_slot, view
+        self.next_seq: dict[int, int] = {}        # slot -> next sequence number expected
+        self.nodes: dict[int, F.NodeSlot] = {}
+        self.polls = 0
+        self.entries = 0
+        self.rescans = 0
+
+    async def poll(self) -> int:
+        """One pass over every other node's log; returns how many entries were applied."""
+        slots = await read_slots(self.vol, self.sb)
+        n = 0
+        for i, s in enumerate(slots):
+            if i == self.my_slot or s is None or s.free:
+                continue
+            self.nodes[i] = s
+            if i not in self.next_seq:
+                n += await self._rescan(i, s)
+            else:
+                n += await self._tail(i, s)
+        self.polls += 1
+        self.entries += n
+        return n
+
+    async def _rescan(self, slot: int, s: F.NodeSlot) -> int:
+        """Read the whole ring: apply the run of consecutive entries that ends at the newest."""
+        sb = self.sb
+        raw = await read_units(self.vol, sb.log_off(slot), sb.log_units, sb.unit)
+        found: dict[int, F.LogEntry] = {}
+        for k in range(sb.log_entries):
+            e = F.unpack_entry(raw, k * F.ENTRY)
+            if e is not None and (e.seq - 1) % sb.log_entries == k:
+                found[e.seq] = e
+        if slot in self.next_seq:
+            self.rescans += 1
+            self.view.drop_owner(slot)
+        if not found:
+            self.next_seq[slot] = 1
+            return 0
+        top = max(found)
+        first = top
+        while first - 1 in found:
+            first -= 1
+        for seq in range(first, top + 1):
+            self.view.apply(slot, s.node_id, found[seq])
+        self.next_seq[slot] = top + 1
+        return top + 1 - first
+
+    async def _tail(self, slot: int, s: F.NodeSlot) -> int:
+        sb = self.sb
+        per = sb.unit // F.ENTRY
+        seq = self.next_seq[slot]
+        pos = (seq - 1) % sb.log_entries
+        first_unit = pos // per
+        units = min(_READ_UNITS, sb.log_units - first_unit)
+        raw = await read_units(self.vol, sb.log_off(slot) + first_unit * sb.unit, units, sb.unit)
+        n = 0
+        k = pos - first_unit * per
+        while k < units * per:
+            e = F.unpack_entry(raw, k * F.ENTRY)
+            if e is None or e.seq < seq:
+                break
+            if e.seq > seq:                 # lapped: we missed a ring's worth
+                log.warning("log of node %r is more than a ring ahead; re-reading it", s.node_id)
+                return await self._rescan(slot, s)
+            self.view.apply(slot, s.node_id, e)
+            seq += 1
+            n += 1
+            k += 1
+        self.next_seq[slot] = seq
+        return n
+
+    def status(self) -> dict:
+        return {"polls": self.polls, "entries": self.entries, "rescans": self.rescans,
+                "peers": {s.node_id: {"slot": i, "epoch": s.epoch, "next_seq": self.next_seq.get(i, 0)}
+                          for i, s in self.nodes.items()}}

@@ -1,0 +1,156 @@
+"""Volume format 2 (shared) on a file volume: join, claim, publish, tail, verified foreign reads.
+
+Two SharedRemoteTiers (two nodes) open one file as the shared volume, as two daemons do on
+one NVMe/TCP namespace (the target path is tests/remote/test_share.py). No target VM here.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import xxhash
+
+from kvfs.errors import ConfigError, NoSuchObject
+from kvfs.remote import make_volume
+from kvfs.remote.share import format as F
+from kvfs.remote.share.tier import SharedRemoteTier
+from kvfs.remote.tier import RemoteTier
+from kvfs.store.tier import ObjectInfo
+
+CHUNK = 1 << 20
+VOL = 64 << 20
+
+
+def info_of(oid: int, data: bytes, key: str, gen: int = 1) -> ObjectInfo:
+    sums = tuple(xxhash.xxh3_64_intdigest(data[i:i + CHUNK]) for i in range(0, max(len(data), 1), CHUNK))
+    return ObjectInfo(oid, len(data), xxhash.xxh3_64_intdigest(data), CHUNK, sums, key, gen)
+
+
+async def node(path, name: str, *, fmt: bool = False) -> SharedRemoteTier:
+    t = SharedRemoteTier(make_volume(str(path), create_size=VOL), instance_id=name, format=fmt, max_nodes=4,
+                         settle=0.01)
+    await t.open()
+    return t
+
+
+async def foreign_read(b: SharedRemoteTier, path: str) -> bytes:
+    p = b.view.get(path)
+    assert p is not None, f"{path} not in the view"
+    loc = F.pack_foreign_loc(p.slot, p.entry)
+    return bytes(await b.read(999, loc, 0, p.entry.size))
+
+
+async def test_two_nodes_publish_tail_and_miss_after_free(tmp_path):
+    vol = tmp_path / "shared.img"
+    a = await node(vol, "node-a")
+    b = await node(vol, "node-b")
+    try:
+        assert (a.slot, b.slot) == (0, 1) and a.region != b.region
+        rnd = random.Random(7)
+        blocks = {f"/m/{i:03x}.bin": rnd.randbytes(rnd.choice([1, 4096, 5000, 2 << 20])) for i in range(12)}
+        locs = {}
+        for oid, (key, data) in enumerate(blocks.items(), 1):
+            locs[key] = (oid, await a.put(info_of(oid, data, key), memoryview(data)))
+        assert await b.tailer.poll() == 12
+        for key, data in blocks.items():
+            assert await foreign_read(b, key) == data
+        assert a.view.get("/m/000.bin") is None          # a node does not tail itself
+
+        # A frees a block and reuses its space: B's tailer drops the name; a read by the old
+        # location (a reader that had not polled yet) is a miss, never the new bytes
+        key = "/m/003.bin"
+        p_old = b.view.get(key)
+        oid, loc = locs[key]
+        await a.delete(oid, loc)
+        new = b"N" * len(blocks[key])
+        await a.put(info_of(100, new, "/m/other.bin"), memoryview(new))
+        with pytest.raises(NoSuchObject):
+            await b.read(999, F.pack_foreign_loc(p_old.slot, p_old.entry), 0, 10)
+        assert await b.tailer.poll() == 2
+        assert b.view.get(key) is None
+        assert [path for path, _p in b.view.dropped] == [key]
+        assert await foreign_read(b, "/m/other.bin") == new
+
+        # rewrite: a new version of a name replaces the view's entry
+        v2 = b"2" * 7000
+        await a.put(info_of(101, v2, "/m/000.bin", gen=2), memoryview(v2))
+        await b.tailer.poll()
+        assert await foreign_read(b, "/m/000.bin") == v2
+        assert b.view.get("/m/000.bin").entry.generation == 2
+    finally:
+        await a.close()
+        await b.close()
+
+    # restart: each node gets its own slot and region back with a bumped epoch, its log goes on
+    a2 = await node(vol, "node-a")
+    try:
+        assert (a2.slot, a2.region, a2.node.epoch) == (0, a.region, a.node.epoch + 1)
+        assert a2.logw.next_seq == a.logw.next_seq
+        assert a2.objects == a.objects
+        assert len(a2.view) == 0                 # B published nothing
+    finally:
+        await a2.close()
+    c = await node(vol, "node-c")
+    try:
+        assert c.slot == 2 and c.region not in (a.region, b.region)
+        assert await foreign_read(c, "/m/000.bin") == v2        # a full rescan at join
+        assert c.view.get("/m/003.bin") is None
+    finally:
+        await c.close()
+
+
+async def test_format_1_and_format_2_refuse_each_other(tmp_path):
+    vol = tmp_path / "v.img"
+    one = RemoteTier(make_volume(str(vol), create_size=VOL), instance_id="single", size="100%")
+    await one.open()
+    await one.close()
+    with pytest.raises(ConfigError, match="single-node"):
+        await node(vol, "node-a")
+    a = await node(vol, "node-a", fmt=True)          # --format-remote turns it into a shared volume
+    await a.close()
+    with pytest.raises(ConfigError, match="version 2 is not supported"):
+        await RemoteTier(make_volume(str(vol)), instance_id="single", size="100%").open()
+    # a format-1 volume still belongs to one instance
+    vol1 = tmp_path / "v1.img"
+    await (await _open1(vol1, "first")).close()
+    with pytest.raises(ConfigError, match="belongs to kvfs instance"):
+        await _open1(vol1, "second")
+
+
+async def _open1(path, iid: str) -> RemoteTier:
+    t = RemoteTier(make_volume(str(path), create_size=VOL), instance_id=iid, size="100%")
+    await t.open()
+    return t
+
+
+async def test_claims_race_keeps_one_owner(tmp_path):
+    """Two claims of one region written before either reads back: both see the other and
+    withdraw (at most one owner), then retry on distinct regions."""
+    from kvfs.remote.share import member
+    vol = make_volume(str(tmp_path / "c.img"), create_size=VOL)
+    await vol.open()
+    try:
+        sb = F.Superblock2.plan(size=vol.size, lba_size=vol.block_size, max_nodes=2, regions=2)
+        await member.write_unit(vol, 0, sb.pack(), sb.unit)
+        await member.write_unit(vol, sb.claim_off(0), F.pack_claims({0: (1, 5)}, 1, 2, sb.unit), sb.unit)
+        await member.write_unit(vol, sb.claim_off(1), F.pack_claims({0: (1, 6)}, 1, 2, sb.unit), sb.unit)
+        rows = await member.read_claims(vol, sb)
+        assert 0 in member._taken(rows, 0, 2) and 0 in member._taken(rows, 1, 2)
+        # a torn row counts as claiming everything
+        torn = bytearray(F.pack_claims({1: (1, 6)}, 1, 2, sb.unit))
+        torn[20] ^= 0xFF
+        await member.write_unit(vol, sb.claim_off(1), bytes(torn), sb.unit)
+        assert (await member.read_claims(vol, sb))[1] is None
+        assert member._taken(await member.read_claims(vol, sb), 0, 2) == {0, 1}
+    finally:
+        await vol.close()
+
+
+def test_log_entry_roundtrip_and_torn_entry():
+    e = F.LogEntry(5, 2, F.OP_PUT, 1, 300, 3, 1, 77, 4, 9000, 123, CHUNK, b"u" * 16, 42, "/ns/abc.bin")
+    raw = bytearray(e.pack())
+    assert F.unpack_entry(raw) == e
+    raw[100] ^= 1
+    assert F.unpack_entry(raw) is None
+    with pytest.raises(ValueError):
+        F.LogEntry(1, 1, F.OP_PUT, 0, key="x" * 600).pack()

@@ -166,6 +166,12 @@ def size_option(name: str, help: str):
 @size_option("--remote-size", "Remote tier budget (default 100% of the volume).")
 @click.option("--format-remote", "remote_format", is_flag=True, default=None,
               help="Format the remote volume (destroys what is on it).")
+@click.option("--share", is_flag=True, default=None,
+              help="Share the remote volume with other kvfs nodes (format 2; see docs/scale-out.md).")
+@click.option("--share-max-nodes", type=int, default=None,
+              help="Node slots when a shared volume is formatted (default 8).")
+@click.option("--node-id", metavar="ID", default=None,
+              help="This node's id on a shared volume (default: the instance id).")
 @click.option("--volatile-ram", is_flag=True, default=None,
               help="On clean unmount, do not write RAM-only objects down to NVMe.")
 @click.option("--metrics", metavar="HOST:PORT", default=None,

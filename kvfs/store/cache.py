@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 from kvfs.store.cred import ROOT, Cred  # noqa: F401  (re-exported: fs imports them from here)
 from kvfs.store.files import CREATE_MTIME_SLACK, FileHandles, Handle, WriteState  # noqa: F401
@@ -38,6 +38,8 @@ class Cache(FileHandles, Xattrs, Leases):
         self.on_sealed: Callable[[int, int, int], None] = lambda ino, serial, oid: self.on_content_changed(ino)
         self.leases: dict[int, Lease] = {}
         self._next_lease = 1
+        # (new parent, new name) after a rename: a shared volume republishes the moved block
+        self.on_renamed: Callable[[int, bytes], Awaitable[None]] | None = None
         self._lease_entries: dict[int, tuple[str, bytes, str]] = {}    # see lease_entry
         self._released: list[Obj] = []       # objects of leases dropped in sync code
         self._releasing = 0                  # releases in progress (a seal may be running)
@@ -84,6 +86,8 @@ class Cache(FileHandles, Xattrs, Leases):
         if obj is not None:
             self._removed(obj, gone)
             await self.store.release_space(obj)
+        if self.on_renamed is not None:
+            await self.on_renamed(np, new)
 
     # ---- KV events (kvfs.events): what a removed name was -----------------------
     def _describe(self, obj: Obj) -> tuple[str, dict | None]:

@@ -77,6 +77,20 @@ async def test_two_nodes_publish_tail_and_miss_after_free(tmp_path):
         await b.tailer.poll()
         assert await foreign_read(b, "/m/000.bin") == v2
         assert b.view.get("/m/000.bin").entry.generation == 2
+
+        # a block put under a runtime's temp name, then renamed: republished, the temp name dropped
+        tmp = b"T" * 3000
+        info = info_of(102, tmp, "/m/t.bin_1.tmp")
+        loc = await a.put(info, memoryview(tmp))
+        await b.tailer.poll()
+        assert await foreign_read(b, "/m/t.bin_1.tmp") == tmp
+        b.view.dropped.clear()
+        import dataclasses
+        await a.republish(dataclasses.replace(info, key="/m/t.bin"), loc)
+        await b.tailer.poll()
+        assert b.view.get("/m/t.bin_1.tmp") is None and await foreign_read(b, "/m/t.bin") == tmp
+        assert [path for path, _p in b.view.dropped] == ["/m/t.bin_1.tmp"]
+        assert b.view.children("/m") >= {"t.bin", "000.bin"} and "t.bin_1.tmp" not in b.view.children("/m")
     finally:
         await a.close()
         await b.close()
@@ -123,9 +137,9 @@ async def _open1(path, iid: str) -> RemoteTier:
     return t
 
 
-async def test_claims_race_keeps_one_owner(tmp_path):
-    """Two claims of one region written before either reads back: both see the other and
-    withdraw (at most one owner), then retry on distinct regions."""
+async def test_claim_rows_see_each_other_and_a_torn_row_claims_all(tmp_path):
+    """Two claims of one region written before either reads back: each node's check sees the
+    other's claim (so neither keeps it); a row that does not verify counts as claiming all."""
     from kvfs.remote.share import member
     vol = make_volume(str(tmp_path / "c.img"), create_size=VOL)
     await vol.open()

@@ -32,6 +32,7 @@ class SharedNames:
         self.adopted = 0
         self.dropped = 0
         tier.on_dropped = self.dropped_by_owner
+        cache.on_renamed = self.renamed
         tier.names = self
 
     def _path(self, parent: int, name: bytes) -> str:
@@ -88,6 +89,17 @@ class SharedNames:
             b = name.encode("utf-8", "surrogateescape")
             if index.lookup(dir_ino, b) is None:
                 await self.lookup(dir_ino, b)
+
+    async def renamed(self, parent: int, name: bytes) -> None:
+        """A file of ours on the shared volume got a new name (a runtime's temp-then-rename
+        after the block was already written down): publish it under the new name."""
+        ino = self.cache.index.lookup(parent, name)
+        obj = self.cache.ns.sealed.get(ino) if ino is not None else None
+        loc = obj.place.get(self.tier.name) if obj is not None else None
+        if loc is None or F.unpack_foreign_loc(loc) is not None:
+            return
+        self.cache.store._rekey(obj)
+        await self.tier.republish(obj.info(), loc)
 
     def _local(self, path: str) -> Obj | None:
         ino = 1

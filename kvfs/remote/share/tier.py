@@ -142,6 +142,15 @@ class SharedRemoteTier(RemoteTier):
         await self._publish(F.OP_PUT, info.oid, loc, info)
         return loc
 
+    async def republish(self, info: ObjectInfo, loc: bytes) -> None:
+        """Publish one of our records again under its current name (after a rename)."""
+        if F.unpack_foreign_loc(loc) is None and self.available:
+            try:
+                self._entry(info.oid, loc)
+            except NoSuchObject:
+                return
+            await self._publish(F.OP_PUT, info.oid, bytes(loc), info)
+
     async def delete(self, oid: int, loc: bytes) -> None:
         if F.unpack_foreign_loc(loc) is not None:
             return                          # another node's block: its owner decides

@@ -45,6 +45,9 @@ class SharedView:
 
     def apply(self, slot: int, node_id: str, e: F.LogEntry) -> None:
         if e.op == F.OP_PUT:
+            prev = self._by_oid.get((slot, e.oid))
+            if prev is not None and prev != e.key:      # republished under a new name (rename)
+                self._remove(prev, self.by_path[prev])
             old = self.by_path.get(e.key)
             p = Published(slot, node_id, e)
             if old is not None:

@@ -129,16 +129,20 @@ def test_two_nodes_on_the_nvmet_target(kvfs_mount, fresh_target, tmp_path):
     two_nodes(kvfs_mount, tmp_path, f"{url}{sep}hostnqn=nqn.2024-01.io.kvfs:node-a",
               f"{url}{sep}hostnqn=nqn.2024-01.io.kvfs:node-b")
     # the same namespace as a format-1 volume: single-node as before, a second instance refused
-    one = tmp_path / "one"
-    res = run_kvfs("mount", one / "mnt", "--nvme", one / "nvme", "--state", one / "state", "--ram", "8MiB",
-                   "--nvme-size", "16MiB", "--remote", url)
-    assert res.returncode != 0 and "shared volume" in res.stderr, res.stderr
+
+    def refused(*flags) -> str:
+        one = tmp_path / "one"
+        (one / "mnt").mkdir(parents=True, exist_ok=True)
+        res = run_kvfs("mount", one / "mnt", "--nvme", one / "nvme", "--state", one / "state", "--ram", "8MiB",
+                       "--nvme-size", "16MiB", "--remote", url, *flags)
+        if res.returncode == 0:
+            run_kvfs("umount", one / "mnt")
+        assert res.returncode != 0, "a mount that should have been refused was not"
+        return res.stderr
+
+    assert "shared volume" in refused()
     first = kvfs_mount(ram="8MiB", nvme_size="16MiB", remote=url, format_remote=True)
     assert "share" not in first.stats()["tiers"]["remote"]
-    res = run_kvfs("mount", one / "mnt", "--nvme", one / "nvme", "--state", one / "state", "--ram", "8MiB",
-                   "--nvme-size", "16MiB", "--remote", url)
-    assert res.returncode != 0 and "belongs to kvfs instance" in res.stderr, res.stderr
-    res = run_kvfs("mount", one / "mnt", "--nvme", one / "nvme", "--state", one / "state", "--ram", "8MiB",
-                   "--nvme-size", "16MiB", "--remote", url, "--share")
-    assert res.returncode != 0 and "single-node" in res.stderr, res.stderr
+    assert "belongs to kvfs instance" in refused()
+    assert "single-node" in refused("--share")
     first.umount()

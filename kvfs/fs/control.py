@@ -163,6 +163,7 @@ def parse_request(raw: bytes) -> tuple[list[tuple[bytes, list[bytes]]], dict[byt
 
 
 class Control:
+    shared = None          # kvfs.remote.share.adopt.SharedNames on a shared remote volume
     def __init__(self, cache, describe):
         self.cache = cache
         self.describe = describe      # () -> dict of mount facts (pid, mountpoint, ...)
@@ -234,6 +235,8 @@ class Control:
             raw, h.request = bytes(h.request), bytearray()
             groups, opts = parse_request(raw)
             if h.ino == LOOKUP:
+                if self.shared is not None:       # names other nodes published, not yet local
+                    await self.shared.adopt_paths(groups)
                 h.answer = _json(self._lookup_answer(groups, h.cred))
             else:
                 await self.release(h)

@@ -9,6 +9,7 @@ nvmet-tcp target (marked target) and, cheaper, on a file volume.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 from pathlib import Path
@@ -88,6 +89,17 @@ def two_nodes(kvfs_mount, tmp_path, remote_a: str, remote_b: str, **extra) -> No
     d = remote[0] % 4
     in_dir = {Path(rel(i)).parent.name for i in remote if i % 4 == d}
     assert in_dir <= set(os.listdir(b.path / f"model_cfg/{d:03x}"))
+    # the one-call prefix lookup (.kvfs/lookup) finds them too (those in other directories
+    # are adopted by it: nothing looked them up before)
+    from kvfs.kv.lookup import transact
+    fd = os.open(b.path / ".kvfs" / "lookup", os.O_RDWR)
+    try:
+        unseen = [rel(i) for i in range(NFILES) if i in remote and i % 4 != d]
+        assert unseen
+        answer = json.loads(transact(fd, ("\n".join(unseen) + "\n").encode()))
+    finally:
+        os.close(fd)
+    assert answer["prefix"] == len(unseen) and set(answer["tiers"]) == {"remote"}, answer
     for i in remote:
         p = b.path / rel(i)
         assert os.stat(p).st_size == MiB

@@ -81,6 +81,21 @@ class SharedNames:
                 raise
             return self.cache.ns.lookup(parent, name)
 
+    async def adopt_paths(self, groups) -> None:
+        """For a ``.kvfs/lookup`` request: make the published paths of its prefix local, up
+        to the first path that is neither local nor published (where the prefix ends)."""
+        index = self.cache.index
+        for base, paths in groups:
+            for p in paths:
+                ino = 1
+                for c in [c for c in (base + b"/" + p).split(b"/") if c and c != b"."]:
+                    nxt = index.lookup(ino, c)
+                    if nxt is None:
+                        nxt = await self.lookup(ino, c)
+                    if nxt is None:
+                        return
+                    ino = nxt
+
     async def fill(self, dir_ino: int) -> None:
         """Make every name the view has directly in this directory (before a readdir)."""
         names = self.tier.view.children(self.cache.ns.path_of(dir_ino))

@@ -123,6 +123,19 @@ def two_nodes(kvfs_mount, tmp_path, remote_a: str, remote_b: str, **extra) -> No
     assert share(b)["dropped"] >= 2
     for i in remote[2:]:
         assert outcome(b.path / rel(i)) == content(i)
+
+    # B restarts after A freed one more block meanwhile: B drops that adopted name at mount
+    # (the view is rebuilt from A's log); the others still read; B's own use of the volume
+    # counts only B's records (it wrote none)
+    b.umount()
+    os.unlink(files[remote[2]])
+    wait_for(lambda: share(a)["published"] >= len(remote) + 3, 60, "A to publish the free")
+    b.mount()
+    assert outcome(b.path / rel(remote[2])) == errno.ENOENT
+    assert share(b)["dropped"] >= 1
+    assert b.stats()["tiers"]["remote"]["used"] == 0
+    for i in remote[3:]:
+        assert outcome(b.path / rel(i)) == content(i)
     a.umount()
     b.umount()
 

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 
-def attach(cache, tiers):
-    """The SharedNames of the mount when its remote tier is shared, else None."""
+async def attach(cache, tiers):
+    """The SharedNames of the mount when its remote tier is shared, else None (after the
+    store has loaded: it reconciles the names adopted before a restart with the view)."""
     from kvfs.remote.share.adopt import SharedNames
     from kvfs.remote.share.tier import SharedRemoteTier
     for t in tiers:
         if isinstance(t, SharedRemoteTier) and t.sb2 is not None:
-            return SharedNames(cache, t)
+            names = SharedNames(cache, t)
+            await names.reconcile()
+            return names
     return None

@@ -105,6 +105,28 @@ class SharedNames:
             if index.lookup(dir_ino, b) is None:
                 await self.lookup(dir_ino, b)
 
+    async def reconcile(self) -> int:
+        """At mount: drop adopted names whose block the view no longer publishes (freed or
+        replaced while this node was down), and count only this node's records as the remote
+        tier's use (the store's load counts every object placed there)."""
+        tier, store = self.tier, self.cache.store
+        tier.used = sum(e[3] for e in tier.entries.values()) * tier.sb.unit
+        tier.objects = len(tier.entries)
+        stale = []
+        for obj in list(store.objs.values()):
+            f = F.unpack_foreign_loc(obj.place.get(tier.name, b""))
+            if f is None:
+                continue
+            p = tier.view.get(obj.key)
+            if p is None or p.slot != f[0] or p.entry.oid != f[5]:
+                stale.append(obj)
+        for obj in stale:
+            await store.lose(obj)
+        self.dropped += len(stale)
+        if stale:
+            log.info("dropped %d adopted names their owners freed while this node was down", len(stale))
+        return len(stale)
+
     async def renamed(self, parent: int, name: bytes) -> None:
         """A file of ours on the shared volume got a new name (a runtime's temp-then-rename
         after the block was already written down): publish it under the new name."""

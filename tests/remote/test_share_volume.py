@@ -26,9 +26,9 @@ def info_of(oid: int, data: bytes, key: str, gen: int = 1) -> ObjectInfo:
     return ObjectInfo(oid, len(data), xxhash.xxh3_64_intdigest(data), CHUNK, sums, key, gen)
 
 
-async def node(path, name: str, *, fmt: bool = False) -> SharedRemoteTier:
+async def node(path, name: str, *, fmt: bool = False, log_units: int = 256) -> SharedRemoteTier:
     t = SharedRemoteTier(make_volume(str(path), create_size=VOL), instance_id=name, format=fmt, max_nodes=4,
-                         settle=0.01)
+                         settle=0.01, log_units=log_units)
     await t.open()
     return t
 
@@ -168,3 +168,27 @@ def test_log_entry_roundtrip_and_torn_entry():
     assert F.unpack_entry(raw) is None
     with pytest.raises(ValueError):
         F.LogEntry(1, 1, F.OP_PUT, 0, key="x" * 600).pack()
+
+
+async def test_a_tailer_a_ring_behind_rereads_the_log(tmp_path):
+    """A one-unit log (8 entries): B falls 12 entries behind, notices the sequence gap, re-reads
+    A's whole ring and ends with exactly what the ring still holds (older names dropped)."""
+    vol = tmp_path / "ring.img"
+    a = await node(vol, "node-a", log_units=1)
+    b = await node(vol, "node-b")
+    try:
+        assert a.sb2.log_entries == 8
+        data = b"x" * 4096
+        await a.put(info_of(1, data, "/r/first.bin"), memoryview(data))
+        await b.tailer.poll()
+        assert b.view.get("/r/first.bin") is not None
+        for oid in range(2, 14):
+            await a.put(info_of(oid, data, f"/r/{oid}.bin"), memoryview(data))
+        await b.tailer.poll()
+        assert b.tailer.rescans == 1
+        assert sorted(b.view.by_path) == sorted(f"/r/{oid}.bin" for oid in range(6, 14))
+        assert await foreign_read(b, "/r/13.bin") == data
+        assert b.tailer.next_seq[a.slot] == a.logw.next_seq == 14
+    finally:
+        await a.close()
+        await b.close()

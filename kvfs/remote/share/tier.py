@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 class SharedRemoteTier(RemoteTier):
     def __init__(self, volume: Volume, *, instance_id: str, node_id: str = "", hostnqn: str = "",
                  format: bool = False, max_nodes: int = 8, poll: float = 0.5, lease: float = 10.0,
-                 settle: float = 0.2, describe: str = ""):
+                 settle: float = 0.2, log_units: int = 256, describe: str = ""):
         super().__init__(volume, instance_id=instance_id, size="100%", format=False,
                          describe=describe or volume.describe)
         self.parent = volume
@@ -42,6 +42,7 @@ class SharedRemoteTier(RemoteTier):
         self.poll = poll
         self.lease = lease
         self.settle = settle
+        self.log_units = log_units
         self.sb2: F.Superblock2 | None = None
         self.slot = -1
         self.node: F.NodeSlot | None = None
@@ -52,6 +53,7 @@ class SharedRemoteTier(RemoteTier):
         self.published = 0
         self.publish_errors = 0
         self.foreign_misses = 0
+        self.tail_errors = 0
         self.on_dropped = None          # async (list of (path, Published)): set by SharedNames
         self.names = None               # the SharedNames of the mount (status only)
 
@@ -100,7 +102,8 @@ class SharedRemoteTier(RemoteTier):
     async def _format_shared(self) -> F.Superblock2:
         try:
             sb2 = F.Superblock2.plan(size=self.parent.size, lba_size=self.parent.block_size,
-                                     max_nodes=self.max_nodes, created=time.time())
+                                     max_nodes=self.max_nodes, log_units=self.log_units,
+                                     created=time.time())
         except ValueError as e:
             raise ConfigError(f"remote volume {self.describe}: {e}") from None
         log.warning("formatting remote volume %s as shared (format 2): %d nodes, %d regions of %d bytes",
@@ -224,9 +227,16 @@ class SharedRemoteTier(RemoteTier):
                 await self.tailer.poll()
             except TierUnavailable as e:
                 log.debug("tailing the shared volume: %s", e)
+            except Exception:       # noqa: BLE001 - a bad log must not take the mount down
+                self.tail_errors += 1
+                log.exception("tailing the shared volume failed; next try in %.1f s", self.poll)
             gone, self.view.dropped = self.view.dropped, []
             if gone and self.on_dropped is not None:
-                await self.on_dropped(gone)
+                try:
+                    await self.on_dropped(gone)
+                except Exception:   # noqa: BLE001 - the names stay; their reads still verify
+                    self.tail_errors += 1
+                    log.exception("dropping %d names freed by their owners failed", len(gone))
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -250,7 +260,7 @@ class SharedRemoteTier(RemoteTier):
                            "volume_uuid": self.sb2.volume_uuid.hex(), "published": self.published,
                            "log_next_seq": self.logw.next_seq if self.logw else 0,
                            "publish_errors": self.publish_errors, "view": len(self.view),
-                           "foreign_misses": self.foreign_misses,
+                           "foreign_misses": self.foreign_misses, "tail_errors": self.tail_errors,
                            "tail": self.tailer.status() if self.tailer else {},
                            **(self.names.status() if self.names is not None else {})}
         return st

@@ -63,6 +63,12 @@ def stat_cmd(mountpoint, as_json):
         t = tiers[name] or {}
         if t.get("last_error"):
             stdout.print(f"{name} last error: {t['last_error']}", markup=False)
+    share = (tiers.get("remote") or {}).get("share")
+    if share:                   # a shared remote volume (docs/scale-out.md)
+        peers = share.get("tail", {}).get("peers", {})
+        stdout.print(f"remote share: node {share['node_id']} (slot {share['slot']}, epoch {share['epoch']}, "
+                     f"region {share['region']}), published {share['published']}, {share['view']} blocks "
+                     f"of {len(peers)} other node(s) in view", markup=False)
     extras = {k: v for k, v in data.items()
               if k not in ("tiers", "pid", "mountpoint", "time", "started")
               and not isinstance(v, (dict, list))}

@@ -108,6 +108,8 @@ def two_nodes(kvfs_mount, tmp_path, remote_a: str, remote_b: str, **extra) -> No
     local = next(i for i, p in files.items() if tier_of(p) in ("ram", "nvme"))
     assert outcome(b.path / rel(local)) == errno.ENOENT       # never demoted: not published
     assert share(b)["adopted"] >= len(remote)
+    shown = run_kvfs("stat", b.path)
+    assert shown.returncode == 0 and "remote share: node node-b (slot 1" in shown.stdout, shown.stdout
     print(f"{len(remote)} of {NFILES} blocks demoted to the shared volume; B: {share(b)}")
 
     # A frees one and rewrites another (the new version stays above the remote tier): once B

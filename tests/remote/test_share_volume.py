@@ -192,3 +192,29 @@ async def test_a_tailer_a_ring_behind_rereads_the_log(tmp_path):
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_node_whose_slot_was_taken_over_is_fenced(tmp_path):
+    """A restarted process of the same node id (A frozen, restarted elsewhere) takes the slot
+    with a higher epoch: the old process's next write finds the slot changed and refuses; it
+    never writes again, and the new one owns the region and its records."""
+    from kvfs.errors import TierUnavailable
+    vol = tmp_path / "fence.img"
+    old = await node(vol, "node-a")
+    data = b"o" * 5000
+    await old.put(info_of(1, data, "/f/old.bin"), memoryview(data))
+    new = await node(vol, "node-a")
+    try:
+        assert (new.slot, new.region, new.node.epoch) == (old.slot, old.region, old.node.epoch + 1)
+        with pytest.raises(TierUnavailable, match="fenced"):
+            await old.put(info_of(2, data, "/f/stale.bin"), memoryview(data))
+        assert not old.available and old.status()["state"] == "fenced"
+        assert "epoch 2" in old.status()["share"]["fenced"]
+        with pytest.raises(TierUnavailable):
+            await old.put(info_of(3, data, "/f/stale2.bin"), memoryview(data))
+        loc = await new.put(info_of(4, data, "/f/new.bin"), memoryview(data))
+        assert bytes(await new.read(4, loc, 0, len(data))) == data
+        assert new.objects == 2 and new.logw.next_seq == 3       # the old put, then the new one
+    finally:
+        await old.close()
+        await new.close()

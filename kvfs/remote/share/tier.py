@@ -54,6 +54,7 @@ class SharedRemoteTier(RemoteTier):
         self.publish_errors = 0
         self.foreign_misses = 0
         self.tail_errors = 0
+        self.fenced = ""                # why this node may no longer write (empty: it may)
         self.on_dropped = None          # async (list of (path, Published)): set by SharedNames
         self.names = None               # the SharedNames of the mount (status only)
 
@@ -120,6 +121,34 @@ class SharedRemoteTier(RemoteTier):
         self.format_shared = False
         return sb2
 
+    # ---- fencing ----------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return super().available and not self.fenced
+
+    def current_state(self) -> str:
+        return "fenced" if self.fenced else super().current_state()
+
+    async def _check_fence(self) -> None:
+        """Before every write to our region or log: is our slot still ours (node id, nonce)?
+
+        Another process that joined with our node id (a restart while this one was frozen)
+        has bumped the epoch and written a new nonce: this one is fenced and stops writing
+        for good (its region now belongs to the new holder). The window left is the time
+        between this read and the write that follows it; only target-side fencing closes it.
+        """
+        if self.fenced:
+            raise TierUnavailable(f"remote tier {self.describe} is fenced: {self.fenced}")
+        raw = await self.parent.read(self.sb2.slot_off(self.slot), self.sb2.unit)
+        s = F.NodeSlot.unpack(raw)
+        if s is None or s.node_id != self.node_id or s.nonce != self.node.nonce:
+            self.fenced = (f"slot {self.slot} now holds node {s.node_id!r} epoch {s.epoch}" if s is not None
+                           else f"slot {self.slot} does not verify")
+            self.state = "fenced"
+            log.error("shared volume: this node (epoch %d) is fenced (%s); it writes nothing more",
+                      self.node.epoch, self.fenced)
+            raise TierUnavailable(f"remote tier {self.describe} is fenced: {self.fenced}")
+
     # ---- publishing ---------------------------------------------------------------
     async def _publish(self, op: int, oid: int, loc: bytes, info: ObjectInfo | None) -> None:
         _v, _slot, start, units, hu = _LOC.unpack(loc)
@@ -141,6 +170,8 @@ class SharedRemoteTier(RemoteTier):
             log.warning("could not publish %s of object %x: %s", "put" if op == F.OP_PUT else "free", oid, e)
 
     async def put(self, info: ObjectInfo, data: memoryview) -> bytes:
+        self._need()
+        await self._check_fence()
         loc = await super().put(info, data)
         await self._publish(F.OP_PUT, info.oid, loc, info)
         return loc
@@ -161,6 +192,10 @@ class SharedRemoteTier(RemoteTier):
             self._entry(oid, loc)
         except NoSuchObject:
             return
+        if self.fenced:
+            return                          # not ours to free any more
+        if self.available:
+            await self._check_fence()
         await self._publish(F.OP_FREE, oid, bytes(loc), None)   # tailers drop it before the space goes
         _v, _slot, start, _units, _hu = _LOC.unpack(bytes(loc))
         try:        # no header, no block: a reader by location now misses even before reuse
@@ -242,6 +277,12 @@ class SharedRemoteTier(RemoteTier):
         while True:
             await trio.sleep(self.lease / 4)
             if not self.available:
+                if self.fenced:
+                    return
+                continue
+            try:
+                await self._check_fence()
+            except TierUnavailable:
                 continue
             self.node.heartbeat += 1
             self.node.log_seq = self.logw.next_seq
@@ -261,6 +302,7 @@ class SharedRemoteTier(RemoteTier):
                            "log_next_seq": self.logw.next_seq if self.logw else 0,
                            "publish_errors": self.publish_errors, "view": len(self.view),
                            "foreign_misses": self.foreign_misses, "tail_errors": self.tail_errors,
+                           "fenced": self.fenced,
                            "tail": self.tailer.status() if self.tailer else {},
                            **(self.names.status() if self.names is not None else {})}
         return st

@@ -164,6 +164,7 @@ def parse_request(raw: bytes) -> tuple[list[tuple[bytes, list[bytes]]], dict[byt
 
 class Control:
     shared = None          # kvfs.remote.share.adopt.SharedNames on a shared remote volume
+
     def __init__(self, cache, describe):
         self.cache = cache
         self.describe = describe      # () -> dict of mount facts (pid, mountpoint, ...)

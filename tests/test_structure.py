@@ -90,3 +90,15 @@ def test_the_checks_see_the_package():
     assert "kvfs.blockformat.parse_block_header" in imported(PKG / "store" / "sniff.py")
     assert offenders("store", ("kvfs.blockformat",)) == ["kvfs/store/sniff.py imports kvfs.blockformat",
                                                         "kvfs/store/sniff.py imports kvfs.blockformat.parse_block_header"]
+
+
+def test_tests_do_not_edit_the_import_path():
+    """Shared helpers are found through pyproject's pytest ``pythonpath``, not ``sys.path`` edits
+    (tests/integration/released.py alone puts the released runtime wheels on the path)."""
+    tests = PKG.parent / "tests"
+    found = [f"{p.relative_to(tests)}:{n.lineno}" for p in sorted(tests.rglob("*.py"))
+             if p.relative_to(tests).as_posix() != "integration/released.py"
+             for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Attribute) and n.attr == "insert" and isinstance(n.value, ast.Attribute)
+             and n.value.attr == "path"]
+    assert not found, "sys.path edited in tests:\n" + "\n".join(found)

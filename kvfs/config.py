@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 
 from kvfs.errors import ConfigError
+from kvfs.protocol import ALIGN
 
 _UNITS = {
     "": 1, "b": 1,
@@ -146,8 +147,8 @@ class Config:
             raise ConfigError("watermarks must satisfy 0 < low_watermark < high_watermark <= 1")
         if self.promote_hits < 1:
             raise ConfigError("promote_hits must be at least 1")
-        if self.chunk_size < 4096 or self.chunk_size % 4096:
-            raise ConfigError("chunk_size must be a positive multiple of 4096")
+        if self.chunk_size < ALIGN or self.chunk_size % ALIGN:
+            raise ConfigError(f"chunk_size must be a positive multiple of {ALIGN}")
         if self.metrics:
             from kvfs.metrics import parse_address
             parse_address(self.metrics)
@@ -156,8 +157,8 @@ class Config:
             raise ConfigError("events_queue must be an integer in [1, 1048576]")
         if not isinstance(self.read_deadline, (int, float)) or not 0 <= self.read_deadline <= 3600:
             raise ConfigError("read_deadline must be a number of seconds in [0, 3600] (0: no deadline)")
-        if not isinstance(self.ram_mapped_min, int) or not 4096 <= self.ram_mapped_min <= 1 << 30:
-            raise ConfigError("ram_mapped_min must be a whole number of bytes from 4096 to 1 GiB")
+        if not isinstance(self.ram_mapped_min, int) or not ALIGN <= self.ram_mapped_min <= 1 << 30:
+            raise ConfigError(f"ram_mapped_min must be a whole number of bytes from {ALIGN} to 1 GiB")
         self.check_shm_dir()
 
     def admission(self) -> dict[str, int]:

@@ -205,10 +205,9 @@ def kvfs_cli():
 
 
 # Fixtures of the real nvmet-tcp target (tests/target) and the store test kit
-# (tests/store/storekit.py), shared by every directory below. One conftest only:
-# test modules import helpers from it by name (``from conftest import ...``).
-sys.path.insert(0, str(REPO / "tests" / "target"))
-sys.path.insert(0, str(REPO / "tests" / "store"))
+# (tests/store/storekit.py), shared by every directory below (pyproject's pytest
+# ``pythonpath`` puts those folders on the path). One conftest only: test modules import
+# helpers from it by name (``from conftest import ...``).
 from nvmet_fixtures import fresh_target, nvmet_target, remote_tier, remote_url  # noqa: E402,F401
 
 

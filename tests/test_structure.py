@@ -11,7 +11,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "kvfs"
 MAX_FILE_LINES = 600
-
+MAX_FUNCTION_LINES = 80
 
 
 def modules(sub: str = "") -> list[Path]:
@@ -59,6 +59,17 @@ def test_no_file_over_the_line_limit():
     assert not big, f"files over {MAX_FILE_LINES} lines (split them along their concerns):\n" + "\n".join(big)
 
 
+def long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    return [f"kvfs/{rel(path)}:{n.lineno} {n.name}: {n.end_lineno - n.lineno + 1} lines"
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit]
+
+
+def test_no_function_over_the_line_limit():
+    long = [f for p in modules() for f in long_functions(p)]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(long)
+
+
 def test_no_task_outside_a_nursery():
     found = [f"kvfs/{rel(p)}:{n.lineno}" for p in modules() for n in ast.walk(ast.parse(p.read_text()))
              if isinstance(n, ast.Attribute) and n.attr == "spawn_system_task"]
@@ -75,6 +86,19 @@ def test_control_names_are_spelled_only_in_protocol():
 def test_the_checks_see_the_package():
     """The checks above would pass vacuously on an empty or moved tree."""
     assert len(modules("store")) >= 10 and len(modules("kv")) >= 5
+    assert long_functions(PKG / "remote" / "queue.py", limit=40) != []
     assert "kvfs.blockformat.parse_block_header" in imported(PKG / "store" / "sniff.py")
     assert offenders("store", ("kvfs.blockformat",)) == ["kvfs/store/sniff.py imports kvfs.blockformat",
                                                         "kvfs/store/sniff.py imports kvfs.blockformat.parse_block_header"]
+
+
+def test_tests_do_not_edit_the_import_path():
+    """Shared helpers are found through pyproject's pytest ``pythonpath``, not ``sys.path`` edits
+    (tests/integration/released.py alone puts the released runtime wheels on the path)."""
+    tests = PKG.parent / "tests"
+    found = [f"{p.relative_to(tests)}:{n.lineno}" for p in sorted(tests.rglob("*.py"))
+             if p.relative_to(tests).as_posix() != "integration/released.py"
+             for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Attribute) and n.attr == "insert" and isinstance(n.value, ast.Attribute)
+             and n.value.attr == "path"]
+    assert not found, "sys.path edited in tests:\n" + "\n".join(found)

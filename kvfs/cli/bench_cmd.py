@@ -50,7 +50,7 @@ def bench_cmd(base, tmpfs, size, block, runs, lookup_files, small, full, only, q
     except ConfigError as e:
         raise fail(str(e)) from None
     if block_b < ALIGN or block_b % ALIGN or size_b % block_b or size_b <= 0:
-        raise fail("--block must be a multiple of 4096 and --size a positive multiple of --block")
+        raise fail(f"--block must be a multiple of {ALIGN} and --size a positive multiple of --block")
     names = {"write", "read", "nvme", "lookup", "remount"}
     selected = set(names) if not only else {n.strip() for n in only.split(",") if n.strip()}
     if not selected <= names | {"runtime"}:

@@ -360,13 +360,7 @@ class Queue:
         if hlen != P.HLEN[ptype]:
             raise ProtocolError(f"queue {self.qid}: {name} with header length {hlen}")
         if ptype == P.C2H_TERM:
-            if not hlen <= plen <= _MAX_TERM_PLEN:
-                raise ProtocolError(f"queue {self.qid}: C2HTermReq with length {plen}")
-            body = bytes(await self._peek(plen))
-            self._consume(plen)
-            fes, fei = P.TERM_BODY.unpack_from(body, 8)
-            raise TargetTerminated(f"queue {self.qid}: target terminated the connection "
-                                   f"(fatal error status {fes:#x}, info {fei:#x})")
+            await self._on_term(hlen, plen)
         hd = 4 if self.hdgst else 0
         if bool(flags & P.F_HDGST) != self.hdgst:
             raise ProtocolError(f"queue {self.qid}: {name} header-digest flag does not match negotiation")
@@ -383,17 +377,7 @@ class Queue:
             raise ProtocolError(f"queue {self.qid}: {name} header digest mismatch")
         if ptype == P.CAPSULE_RESP:
             self._consume(hlen + hd)
-            result, _sqhd, _sqid, cid, status = P.CQE.unpack_from(h, 8)
-            c = self._inflight.get(cid)
-            if c is None:
-                raise ProtocolError(f"queue {self.qid}: response for unknown command id {cid}")
-            status >>= 1
-            if not status and c.buf is not None and c.received != c.length:
-                raise ProtocolError(f"queue {self.qid}: command {cid} completed with "
-                                    f"{c.received} of {c.length} data bytes")
-            if not status and c.write is not None and c.sent != c.length:
-                raise ProtocolError(f"queue {self.qid}: write {cid} completed before all data was requested")
-            self._complete(c, result, status)
+            self._on_response(h)
             return
         cid, ttag, off, length = P.DATA_HDR.unpack_from(h, 8)
         c = self._inflight.get(cid)
@@ -408,7 +392,32 @@ class Queue:
                                     f"[{off}, +{length}) of {c.length} (sent {c.sent})")
             await self._answer_r2t(c, ttag, off, length)
             return
-        # C2HData
+        await self._on_c2h_data(c, flags, hlen, hd, pdo, plen, off, length, cid)
+
+    async def _on_term(self, hlen: int, plen: int) -> None:
+        if not hlen <= plen <= _MAX_TERM_PLEN:
+            raise ProtocolError(f"queue {self.qid}: C2HTermReq with length {plen}")
+        body = bytes(await self._peek(plen))
+        self._consume(plen)
+        fes, fei = P.TERM_BODY.unpack_from(body, 8)
+        raise TargetTerminated(f"queue {self.qid}: target terminated the connection "
+                               f"(fatal error status {fes:#x}, info {fei:#x})")
+
+    def _on_response(self, h: bytes) -> None:
+        result, _sqhd, _sqid, cid, status = P.CQE.unpack_from(h, 8)
+        c = self._inflight.get(cid)
+        if c is None:
+            raise ProtocolError(f"queue {self.qid}: response for unknown command id {cid}")
+        status >>= 1
+        if not status and c.buf is not None and c.received != c.length:
+            raise ProtocolError(f"queue {self.qid}: command {cid} completed with "
+                                f"{c.received} of {c.length} data bytes")
+        if not status and c.write is not None and c.sent != c.length:
+            raise ProtocolError(f"queue {self.qid}: write {cid} completed before all data was requested")
+        self._complete(c, result, status)
+
+    async def _on_c2h_data(self, c: _Cmd, flags: int, hlen: int, hd: int, pdo: int, plen: int,
+                           off: int, length: int, cid: int) -> None:
         dd = 4 if self.ddgst else 0
         if c.buf is None:
             raise ProtocolError(f"queue {self.qid}: C2HData for non-read command {cid}")

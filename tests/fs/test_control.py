@@ -6,16 +6,13 @@ from __future__ import annotations
 import errno
 import json
 import os
-import sys
 import types
-from pathlib import Path
 
 import pyfuse3
 import pytest
 import trio
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
 
 from kvfs.fs import control  # noqa: E402
 from kvfs.fs.ops import KvfsOperations  # noqa: E402

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fsx  # noqa: E402
 from conftest import wait_for  # noqa: E402
 

@@ -7,14 +7,9 @@ import errno
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
-
-TESTS = Path(__file__).resolve().parent.parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
 
 from conftest import pid_alive, run_kvfs, wait_for  # noqa: E402,F401
 

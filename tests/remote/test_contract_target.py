@@ -1,11 +1,8 @@
 """The store's tier contract (tests/store/storekit.py) over the remote tier on the real target."""
-import sys
-from pathlib import Path
 
 import pytest
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "store"))
 
 from storekit import contract  # noqa: E402
 

@@ -1,7 +1,5 @@
 """pytest fixtures around the real nvmet-tcp target (import them into a conftest.py).
 
-    import sys, pathlib
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "target"))
     from nvmet_fixtures import nvmet_target, remote_url, remote_tier, fresh_target  # noqa: F401
 
 * ``nvmet_target`` (session): one VM for the whole run, 1 GiB namespace image on the host.

@@ -307,8 +307,9 @@ class ObjectStore(Policy, Moves):
     async def _chunks_within_deadline(self, obj: Obj, tier: Tier, first: int, last: int) -> list[bytes]:
         """Chunks ``first..last`` of ``obj`` from ``tier``; a read that takes longer than
         ``read_deadline`` (a stalled remote target, a hung disk) fails with TierUnavailable
-        (EIO) and counts ``deadline_exceeded``. Only a tier whose reads can be cancelled
-        (the remote tier's sockets) is cut short; a read in a worker thread runs to its end."""
+        (EIO) and counts ``deadline_exceeded``. The remote tier's reads are cancelled (sockets);
+        the NVMe tier's worker-thread reads are abandoned (the thread finishes when the disk
+        answers, the reader does not wait for it)."""
         if not self.read_deadline:
             return [await self._chunk(obj, tier, i) for i in range(first, last + 1)]
         with trio.move_on_after(self.read_deadline):

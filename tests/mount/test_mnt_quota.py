@@ -123,3 +123,29 @@ def test_eviction_under_pressure_is_fair_between_namespaces(kvfs_mount):
         assert read(m.path / "big" / name) == big[name], name
     ns = m.stats()["namespaces"]
     assert ns["small"]["blocks"] == 3 and ns["big"]["blocks"] == len(kept)
+
+
+def test_under_pressure_quotas_weigh_the_shares(kvfs_mount):
+    """Shares follow quotas: a namespace with a small quota that fills it loses blocks before a
+    namespace that holds more bytes but far less of its (larger) quota; with equal weights it
+    would be the other way round (the test above)."""
+    from mounthelp import put
+    m = kvfs_mount(ram="4MiB", nvme_size="12MiB")
+    for ns, size in (("big-quota", "64MiB"), ("small-quota", "8MiB")):
+        (m.path / ns).mkdir()
+        assert run_kvfs("quota", "set", m.path, ns, size).returncode == 0
+    small = {f"s{i}": content(f"sq{i}", MB) for i in range(6)}
+    for name, data in small.items():
+        put(m.path / "small-quota" / name, data)
+    _settled(m)
+    big = {f"b{i:02d}": content(f"bq{i}", MB) for i in range(10)}
+    for name, data in big.items():
+        put(m.path / "big-quota" / name, data)
+    st = _settled(m)
+    assert st["tiers"]["nvme"]["evictions"] > 0
+    for name, data in big.items():                           # 10 MB of 64: under its share
+        assert read(m.path / "big-quota" / name) == data, name
+    kept = sorted(p.name for p in (m.path / "small-quota").iterdir())
+    assert len(kept) < len(small) and kept == sorted(small)[len(small) - len(kept):]   # oldest first
+    for name in kept:
+        assert read(m.path / "small-quota" / name) == small[name]

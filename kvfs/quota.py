@@ -32,6 +32,7 @@ class Quotas:
         self.store = cache.store
         raw = cache.index.get_meta(META_KEY)
         self.limits: dict[str, int] = {str(k): int(v) for k, v in json.loads(raw).items()} if raw else {}
+        self.store.shares.set_quotas(self.limits)    # eviction under pressure weighs by quota
         self.evicted = 0                # files evicted to make room within a quota
         self.refused = 0                # writes answered EDQUOT
         self._fh_ns: dict[int, str] = {}
@@ -57,6 +58,7 @@ class Quotas:
             except ConfigError:
                 raise NamespaceError(errno.EINVAL, f"bad quota {text!r}") from None
         self.cache.index.put_meta(META_KEY, json.dumps(self.limits, sort_keys=True).encode())
+        self.store.shares.set_quotas(self.limits)
         log.info("quota of %s: %s", ns, format_size(self.limits[ns]) if ns in self.limits else "none")
 
     def get_xattr(self, ino: int) -> bytes:
@@ -113,9 +115,11 @@ class Quotas:
     def _victims(self, ns: str, keep) -> list:
         """``ns``'s idle sealed files, least recently used first (prefix-aware: a block whose
         descendants are cached is kept, as under pressure)."""
-        return sorted((o for o in self.store.objs.values()
+        objs = self.store.objs
+        mine = {oid: objs[oid] for lru in self.store.lru.values() for oid in lru.objects(ns) if oid in objs}
+        return sorted((o for o in mine.values()
                        if not (o.refs or o.pinned or o.busy or o.dead or o is keep)
-                       and namespace_of(o.key) == ns and self.store.may_evict(o)),
+                       and self.store.may_evict(o)),
                       key=lambda o: o.atime)
 
     def statistics(self) -> dict:

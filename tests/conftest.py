@@ -226,13 +226,13 @@ class Intruder:
                              extra_groups=[], capture_output=True, text=True, timeout=timeout, cwd="/",
                              env={"PATH": "/usr/bin:/bin", "HOME": str(self.home)})
         if check:
-            assert res.returncode == 0, f"as {INTRUDER}: rc={res.returncode}\n{res.stdout}{res.stderr}"
+            assert res.returncode == 0, f"as uid {self.uid}: rc={res.returncode}\n{res.stdout}{res.stderr}"
         return res
 
 
-@pytest.fixture
-def intruder():
-    """A real second user (``useradd``); skipped only where the machine cannot add users."""
+def _real_user(name: str):
+    """A real unprivileged local user ``name`` (``useradd``), with a scratch home; skipped
+    only where the machine cannot add users."""
     import pwd
     import tempfile
     if os.geteuid() != 0:
@@ -241,17 +241,29 @@ def intruder():
     if not os.access(python, os.X_OK):
         pytest.skip("no system python3 another user can run")
     try:
-        pw = pwd.getpwnam(INTRUDER)
+        pw = pwd.getpwnam(name)
     except KeyError:
         res = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                              INTRUDER], capture_output=True, text=True)
+                              name], capture_output=True, text=True)
         if res.returncode != 0:
             pytest.skip(f"cannot add a user here: {res.stderr.strip()}")
-        pw = pwd.getpwnam(INTRUDER)
-    home = Path(tempfile.mkdtemp(prefix="kvfs-intruder-"))
+        pw = pwd.getpwnam(name)
+    home = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     os.chown(home, pw.pw_uid, pw.pw_gid)
     yield Intruder(pw.pw_uid, pw.pw_gid, home, python)
     shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def intruder():
+    """A real second user (``useradd``); skipped only where the machine cannot add users."""
+    yield from _real_user(INTRUDER)
+
+
+@pytest.fixture
+def tenant():
+    """A real third user, the owner of a namespace in tests where ``intruder`` is the other one."""
+    yield from _real_user("kvfs-tenant")
 
 
 @contextlib.contextmanager

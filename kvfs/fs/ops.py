@@ -16,7 +16,7 @@ from kvfs.fs import control
 from kvfs.fs.errmap import translate
 from kvfs.protocol import ALIGN, CONTROL_NAME_B
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
-from kvfs.store.cache import Cache
+from kvfs.store.cache import Cache, Cred
 from kvfs.store.index import ROOT_INO
 
 log = logging.getLogger(__name__)
@@ -433,7 +433,7 @@ class KvfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENODATA)
         if name == QUOTA_XATTR:
             return self.quotas.get_xattr(inode)
-        return self.cache.get_xattr(inode, name)
+        return self.cache.get_xattr(inode, name, Cred(ctx.uid, ctx.gid))
 
     @translate
     async def setxattr(self, inode, name, value, ctx):

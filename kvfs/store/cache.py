@@ -2,7 +2,8 @@
 
 ``Cache`` is a facade over the store's concerns, each in its own module:
 files.py (handles, write state, sealing), xattrs.py, leases.py (prefix lookup and leases),
-sniff.py (is a sealed buffer a KV block), cred.py (who asks). Here: its state, startup and
+sniff.py (is a sealed buffer a KV block), cred.py (who asks), owners.py (who is handed which
+backing file). Here: its state, startup and
 recovery, the namespace pass-throughs that free bytes, KV-event descriptions and stats.
 """
 from __future__ import annotations
@@ -17,13 +18,14 @@ from kvfs.store.index import Index
 from kvfs.store.leases import Lease, Leases
 from kvfs.store.namespace import Namespace
 from kvfs.store.objects import Obj, ObjectStore
+from kvfs.store.owners import Owners
 from kvfs.store.tier import Tier
 from kvfs.store.xattrs import KV_PREFIX, XATTR_MAX, Xattrs  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 
-class Cache(FileHandles, Xattrs, Leases):
+class Cache(FileHandles, Xattrs, Leases, Owners):
     def __init__(self, index: Index, store: ObjectStore, spill_dir):
         self.index = index
         self.store = store
@@ -83,6 +85,7 @@ class Cache(FileHandles, Xattrs, Leases):
     async def rename(self, op: int, old: bytes, np: int, new: bytes, flags: int) -> None:
         gone = self._describe_name(np, new)
         obj = self.ns.rename(op, old, np, new, flags, self.is_open)
+        self.grants_follow_rename(op, np)
         if obj is not None:
             self._removed(obj, gone)
             await self.store.release_space(obj)

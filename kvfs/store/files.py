@@ -109,6 +109,7 @@ class FileHandles:
             fields["mtime"] = mtime
         if fields:
             rec = self.ns.update(ino, **fields)
+            self.grants_follow_setattr(ino, rec, uid is not None or gid is not None, mode is not None)
             ws = self.writers.get(ino)
             if mtime is not None and ws is not None:
                 ws.mtime, ws.created = mtime, 0     # set after the last write: the seal keeps it

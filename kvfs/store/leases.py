@@ -16,6 +16,7 @@ from kvfs.protocol import LEASE_TTL, LEASE_TTL_MAX, encode_lease_entry
 from kvfs.store.cred import ROOT, Cred
 from kvfs.store.index import ROOT_INO
 from kvfs.store.objects import Obj
+from kvfs.store.owners import DAEMON_UID
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class Leases:
             lease.objs.append(obj)
             lease.pinned += obj.size
             self.store.note_open(obj)
-            entries.append(self.lease_entry(obj))
+            entries.append(self.lease_entry(obj, cred))
         self.leases[lease.id] = lease
         answer = self.prefix_answer(objs)
         answer.update(lease=lease.id, ttl=ttl)
@@ -146,10 +147,13 @@ class Leases:
                 obj.refs -= 1
             self._released.extend(lease.objs)
 
-    def lease_entry(self, obj: Obj) -> str:
+    def lease_entry(self, obj: Obj, cred: Cred = ROOT) -> str:
         """``obj``'s lease entry as JSON text: ``[tier, path, offset, size, checksum, direct]``
         (its highest available copy) or ``null`` (no fast path). Memoised per object and
-        placement: a hot prefix is leased again and again."""
+        placement: a hot prefix is leased again and again. A caller other than the daemon's
+        user gets a path only to its own namespace's blocks (kvfs/store/owners.py)."""
+        if cred.uid not in (0, DAEMON_UID):
+            return encode_lease_entry(self.backing_for(obj, cred))
         copy = self._fast_copy(obj)
         if copy is None:
             return "null"

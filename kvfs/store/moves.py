@@ -52,7 +52,7 @@ class Moves:
                     await dst.delete(obj.oid, loc)
                     return
                 obj.place[dst.name] = loc
-                self.lru[dst.name][obj.oid] = None
+                self.lru[dst.name].add(obj)
             if obj.dead or src.name not in obj.place:
                 return
             # opened or leased while the copy was made: a loader may be about to read this
@@ -62,7 +62,7 @@ class Moves:
                 log.debug("demotion of %x: kept its %s copy (in use)", obj.oid, src.name)
             else:
                 loc = obj.place.pop(src.name)
-                self.lru[src.name].pop(obj.oid, None)
+                self.lru[src.name].discard(obj)
             with self.index.write() as txn:
                 txn.put_object(obj.oid, obj.record())
             if not keep:
@@ -93,7 +93,7 @@ class Moves:
                 await self.ram.delete(obj.oid, loc)
                 return
             obj.place[self.ram.name] = loc
-            self.lru[self.ram.name][obj.oid] = None
+            self.lru[self.ram.name].add(obj)
             src = self.top_tier_below_ram(obj)
             self.counters[src].promotions += 1
             self.events.emit("promoted", obj, self.ram.name)
@@ -160,7 +160,7 @@ class Moves:
                 errors.append(str(e))
                 continue
             obj.place[tier.name] = loc
-            self.lru[tier.name][obj.oid] = None
+            self.lru[tier.name].add(obj)
             self.counters[tier.name].bytes_written += obj.size
             with self.index.write() as txn:
                 txn.put_object(obj.oid, obj.record())

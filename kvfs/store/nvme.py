@@ -29,6 +29,7 @@ import trio
 from kvfs.errors import ConfigError, NoSuchObject, TierFull
 from kvfs.protocol import ALIGN
 from kvfs.store import checksum, safedir
+from kvfs.store.ownerlinks import OwnerLinks, can_grant
 from kvfs.store.safedir import Dir, DirLock
 from kvfs.store.tier import ObjectInfo, Tier
 
@@ -83,6 +84,7 @@ class NvmeTier(Tier):
         self._lock: DirLock | None = None
         self._limiter = trio.CapacityLimiter(threads)
         self._bufs = _Buffers()
+        self.grants = OwnerLinks()          # namespace owners' links, in <root>/grants/
         self._xattrs = True
 
     @property
@@ -113,6 +115,7 @@ class NvmeTier(Tier):
                 os.close(objs)
             self.staging = Dir(self.root / "staging", safedir.open_subdir(home, "staging", "NVMe staging"))
             safedir.clear_dir(self.staging.fd)          # leftovers of a crashed writer
+            self._clear_grants(home)
             try:
                 fd = os.open(".direct-probe", safedir.CREATE_FLAGS | os.O_DIRECT, 0o600, dir_fd=home)
             except FileExistsError:
@@ -149,7 +152,42 @@ class NvmeTier(Tier):
             self._lock = None
 
     async def close(self) -> None:
+        if self.grants.active:
+            try:
+                safedir.clear_dir(self.grants.fd)
+            except OSError as e:
+                log.warning("could not empty %s/grants: %s", self.root, e)
+        self.grants.close()
         self._close_fds()
+
+    @staticmethod
+    def _clear_grants(home: int) -> None:
+        """No grant outlives the daemon that made it: empty ``grants/`` (an earlier mount's)."""
+        try:
+            fd = os.open("grants", safedir.DIR_FLAGS, dir_fd=home)
+        except FileNotFoundError:
+            return
+        try:
+            safedir.clear_dir(fd)
+        finally:
+            os.close(fd)
+
+    def grant_read(self, oid: int, loc: bytes, uid: int) -> dict | None:
+        if not can_grant():
+            return None
+        if not self.grants.active:
+            fd = safedir.open_subdir(self.home.fd, "grants", "NVMe grants directory")
+            os.fchmod(self.home.fd, 0o711)     # owners traverse to grants/ (nothing else is theirs)
+            self.grants.attach(self.root / "grants", fd)
+        shard, name = self._shard(oid)
+        p = self.grants.grant(shard, name, oid, uid)
+        return None if p is None else {"path": p, "offset": 0, "direct": self.direct}
+
+    def revoke_read(self, oid: int, uid: int | None = None) -> None:
+        self.grants.revoke(oid, f"{oid:016x}", uid)
+
+    def granted(self) -> dict[int, set[int]]:
+        return self.grants.links
 
     def recorded_instance(self) -> str | None:
         raw = safedir.read_file(self.home.fd, INSTANCE_FILE)
@@ -214,7 +252,9 @@ class NvmeTier(Tier):
                 try:
                     os.setxattr(fd, RECORD_XATTR, self._record(info))
                 except OSError as e:
-                    if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                    # EPERM: a filesystem that refuses this name (under another kvfs mount the
+                    # user.kvfs.* names are its own); as without user xattrs, not a failed write
+                    if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
                         raise
                     self._xattrs = False
                     log.warning("nvme tier at %s: no user xattrs (%s); objects are not self-describing "
@@ -275,11 +315,16 @@ class NvmeTier(Tier):
             os.close(fd)
 
     async def read(self, oid: int, loc: bytes, offset: int, length: int) -> memoryview:
-        data = await trio.to_thread.run_sync(self._read_file, oid, offset, length, limiter=self._limiter)
+        # abandoned when cancelled (read_deadline): a read stuck on a hung disk keeps its worker
+        # thread and limiter slot until the disk answers, but the reader gets EIO at the deadline
+        # (and, once every slot is stuck, later reads wait for one, also cut at the deadline)
+        data = await trio.to_thread.run_sync(self._read_file, oid, offset, length, limiter=self._limiter,
+                                             abandon_on_cancel=True)
         return memoryview(data)
 
     async def delete(self, oid: int, loc: bytes) -> None:
         shard, name = self._shard(oid)
+        self.grants.revoke(oid, name)
         def rm() -> int:
             try:
                 size = os.stat(name, dir_fd=shard, follow_symlinks=False).st_size

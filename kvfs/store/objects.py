@@ -21,12 +21,13 @@ import trio
 
 from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable
 from kvfs.store import checksum
+from kvfs.store.fair import Shares, TierLRU
 from kvfs.store.index import Index, Txn
 from kvfs.store.moves import Moves
 from kvfs.store.policy import Policy
 from kvfs.store.ram import RamTier, Staging
 from kvfs.store.tier import ObjectInfo, Tier
-from kvfs.telemetry import Telemetry
+from kvfs.telemetry import Telemetry, namespace_of
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,9 @@ class ObjectStore(Policy, Moves):
         self.high, self.low = high, low
         self.promote_hits, self.promote_window = promote_hits, promote_window
         self.objs: dict[int, Obj] = {}
-        self.lru: dict[str, collections.OrderedDict[int, None]] = {t.name: collections.OrderedDict() for t in tiers}
+        # per tier, its objects by namespace in LRU order (fair victim choice, fair.py)
+        self.shares = Shares(lambda: sum(t.capacity for t in self.tiers))
+        self.lru: dict[str, TierLRU] = {t.name: TierLRU(self.shares) for t in tiers}
         self.counters = {t.name: TierCounters() for t in tiers}
         self.telemetry = Telemetry()     # histograms, namespaces, events (kvfs.telemetry)
         self.events = self.telemetry.events
@@ -136,7 +139,7 @@ class ObjectStore(Policy, Moves):
         self.objs[obj.oid] = obj
         self.telemetry.adopt(obj.size, obj.key)
         for name in obj.place:
-            self.lru[name][obj.oid] = None
+            self.lru[name].add(obj)
 
     # ---- creating and dropping ----------------------------------------------
     async def create(self, ino: int, staging: Staging, key: str, gen: int) -> Obj:
@@ -211,7 +214,7 @@ class ObjectStore(Policy, Moves):
             self.telemetry.forget(obj.size, obj.key)
         self._dirty.discard(obj.oid)
         for name in obj.place:
-            self.lru[name].pop(obj.oid, None)
+            self.lru[name].discard(obj)
 
     async def release_space(self, obj: Obj) -> None:
         """Free the copies of a dropped object unless a reader still holds it."""
@@ -233,9 +236,16 @@ class ObjectStore(Policy, Moves):
         """Refresh ``obj.key`` (its current path) before it is written to a tier."""
         key = self.key_of(obj)
         if key != obj.key:
-            if not obj.dead:
-                self.telemetry.rekey(obj.size, obj.key, key)
+            if obj.dead:
+                obj.key = key
+                return
+            self.telemetry.rekey(obj.size, obj.key, key)
+            moved = namespace_of(key) != namespace_of(obj.key)
+            for name in obj.place if moved else ():     # renamed into another namespace
+                self.lru[name].discard(obj)
             obj.key = key
+            for name in obj.place if moved else ():
+                self.lru[name].add(obj)
 
     def _tier(self, name: str) -> Tier:
         return next(t for t in self.tiers if t.name == name)
@@ -260,9 +270,7 @@ class ObjectStore(Policy, Moves):
                 break
             self.counters[t.name].misses += 1
         for name in obj.place:
-            lru = self.lru[name]
-            if obj.oid in lru:
-                lru.move_to_end(obj.oid)
+            self.lru[name].touch(obj)
         if now - obj.win_start > self.promote_window:
             obj.win_start, obj.win_count = now, 0
         obj.win_count += 1
@@ -299,8 +307,9 @@ class ObjectStore(Policy, Moves):
     async def _chunks_within_deadline(self, obj: Obj, tier: Tier, first: int, last: int) -> list[bytes]:
         """Chunks ``first..last`` of ``obj`` from ``tier``; a read that takes longer than
         ``read_deadline`` (a stalled remote target, a hung disk) fails with TierUnavailable
-        (EIO) and counts ``deadline_exceeded``. Only a tier whose reads can be cancelled
-        (the remote tier's sockets) is cut short; a read in a worker thread runs to its end."""
+        (EIO) and counts ``deadline_exceeded``. The remote tier's reads are cancelled (sockets);
+        the NVMe tier's worker-thread reads are abandoned (the thread finishes when the disk
+        answers, the reader does not wait for it)."""
         if not self.read_deadline:
             return [await self._chunk(obj, tier, i) for i in range(first, last + 1)]
         with trio.move_on_after(self.read_deadline):

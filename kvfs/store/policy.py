@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
@@ -34,30 +35,47 @@ class Policy:
         return any(t.name in obj.place for t in self.tiers[i + 1:])
 
     def _victim(self, tier: Tier, evict: bool) -> Obj | None:
+        """The next object to leave ``tier``: from the namespace furthest above its fair share
+        (kvfs/store/fair.py), least recently used first within it."""
         i = self.tiers.index(tier)
         # On the lowest *reachable* tier with an unreachable one below it (remote target
         # down), first take objects that also live down there: dropping this copy loses
         # nothing, they read again when the tier comes back.
         degraded = evict and i < len(self.tiers) - 1
         fallback = None
-        lru = self.lru[tier.name]
-        for oid in list(lru):
-            obj = self.objs.get(oid)
-            if obj is None or obj.dead or tier.name not in obj.place:
-                log.error("dropping a stale %s LRU entry %x", tier.name, oid)   # a bug elsewhere
-                lru.pop(oid, None)
-                continue
-            if obj.refs or obj.busy:
-                continue
-            if degraded and not obj.pinned and self._copy_below(obj, i):
-                return obj
-            if evict and (obj.pinned or not self.may_evict(obj)):
-                continue
-            if not degraded:
-                return obj
-            if fallback is None:
-                fallback = obj
+        with contextlib.closing(self.lru[tier.name].ranked()) as ranked:
+            for ns, lru in ranked:
+                found, first = self._victim_in(tier, ns, lru, evict, degraded, i)
+                if found is not None:
+                    return found
+                if fallback is None:
+                    fallback = first
         return fallback
+
+    def _victim_in(self, tier: Tier, ns: str, lru, evict: bool, degraded: bool, i: int):
+        """(victim, fallback) among one namespace's objects on ``tier``, LRU first."""
+        stale, fallback = [], None
+        try:
+            for oid in lru:
+                obj = self.objs.get(oid)
+                if obj is None or obj.dead or tier.name not in obj.place:
+                    stale.append(oid)
+                    continue
+                if obj.refs or obj.busy:
+                    continue
+                if degraded and not obj.pinned and self._copy_below(obj, i):
+                    return obj, None
+                if evict and (obj.pinned or not self.may_evict(obj)):
+                    continue
+                if not degraded:
+                    return obj, None
+                if fallback is None:
+                    fallback = obj
+            return None, fallback
+        finally:
+            for oid in stale:
+                log.error("dropping a stale %s LRU entry %x", tier.name, oid)   # a bug elsewhere
+                self.lru[tier.name].drop_stale(ns, oid)
 
     async def _make_way(self, victim: Obj, i: int, evict_ok: bool) -> None:
         """Move ``victim`` off tier ``i``: demote it, drop a copy that also lives below, or evict it."""

@@ -26,6 +26,7 @@ import trio
 
 from kvfs.errors import NoSuchObject, TierFull
 from kvfs.store import safedir
+from kvfs.store.ownerlinks import OwnerLinks, can_grant
 from kvfs.store.safedir import Dir
 from kvfs.store.tier import ObjectInfo, Tier
 
@@ -70,6 +71,7 @@ class RamTier(Tier):
         self.staged = 0                      # bytes held by write buffers (part of used)
         self._seq = itertools.count()
         self._spare: list[tuple[str, int]] = []      # (name, fd) of empty staging files
+        self.grants = OwnerLinks()          # namespace owners' links (a second fresh directory)
 
     @property
     def dir(self) -> Path:
@@ -109,6 +111,7 @@ class RamTier(Tier):
 
     async def close(self) -> None:
         self._maps.clear()
+        self._close_grants()
         if self.home is None:
             return
         try:
@@ -196,6 +199,7 @@ class RamTier(Tier):
         return memoryview(entry[0]) if entry else None
 
     async def delete(self, oid: int, loc: bytes) -> None:
+        self.grants.revoke(oid, f"{oid:016x}")
         entry = self._maps.pop(oid, None)
         if entry is None:
             return
@@ -218,6 +222,34 @@ class RamTier(Tier):
         if entry is None or not isinstance(entry[0], mmap.mmap) or oid in self._stale:
             return None
         return {"path": self._path(oid), "offset": 0, "direct": False}
+
+    def grant_read(self, oid: int, loc: bytes, uid: int) -> dict | None:
+        if self.backing(oid, loc) is None or not can_grant():
+            return None
+        if not self.grants.active:
+            path, fd = safedir.make_unique_dir(self.shm_dir, self.prefix)   # swept like the home
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.grants.attach(path, fd)
+        p = self.grants.grant(self.home.fd, f"{oid:016x}", oid, uid)
+        return None if p is None else {"path": p, "offset": 0, "direct": False}
+
+    def revoke_read(self, oid: int, uid: int | None = None) -> None:
+        self.grants.revoke(oid, f"{oid:016x}", uid)
+
+    def granted(self) -> dict[int, set[int]]:
+        return self.grants.links
+
+    def _close_grants(self) -> None:
+        if not self.grants.active:
+            return
+        path = self.grants.path
+        try:
+            safedir.clear_dir(self.grants.fd)
+            os.rmdir(path)
+        except OSError as e:
+            log.warning("could not remove the RAM tier's grants directory %s: %s", path, e)
+        finally:
+            self.grants.close()
 
     def _can_recycle(self, staging: "Staging") -> bool:
         return not staging.spilled and staging.dir is self.staging and len(self._spare) < SPARE_STAGING

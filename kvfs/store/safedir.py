@@ -38,7 +38,7 @@ def _owned(fd: int, path, what: str) -> int:
     try:
         st = os.fstat(fd)
         _check_owned(st, path, what)
-        if stat.S_IMODE(st.st_mode) & 0o077:
+        if stat.S_IMODE(st.st_mode) & 0o066:     # search (x) alone is allowed: ownerlinks.py
             os.fchmod(fd, 0o700)
             log.info("%s %s: mode %o tightened to 0700", what, path, stat.S_IMODE(st.st_mode))
     except BaseException:

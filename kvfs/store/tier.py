@@ -111,6 +111,19 @@ class Tier(abc.ABC):
         """
         return None
 
+    def grant_read(self, oid: int, loc: bytes, uid: int) -> dict[str, Any] | None:
+        """Like ``backing``, but a location user ``uid`` (a namespace's owner, not the
+        daemon's user) can open, made for it (kvfs/store/ownerlinks.py); None when the tier
+        offers none. Valid until ``revoke_read`` or the object's deletion."""
+        return None
+
+    def revoke_read(self, oid: int, uid: int | None = None) -> None:
+        """Take back what ``grant_read`` gave ``uid`` (every user when None)."""
+
+    def granted(self) -> dict[int, set[int]]:
+        """Objects with grants: oid -> uids."""
+        return {}
+
     def status(self) -> dict[str, Any]:
         """Extra state for ``kvfs stat`` (remote: connection state, error counts)."""
         return {}

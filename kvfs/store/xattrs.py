@@ -9,6 +9,7 @@ import stat
 
 from kvfs.errors import NamespaceError
 from kvfs.store import checksum
+from kvfs.store.cred import ROOT, Cred
 from kvfs.store.objects import Obj
 from kvfs.store.tier import Tier
 
@@ -22,10 +23,10 @@ class Xattrs:
     """``Cache``'s xattr requests."""
 
     # ---- xattrs -----------------------------------------------------------------
-    def get_xattr(self, ino: int, name: bytes) -> bytes:
+    def get_xattr(self, ino: int, name: bytes, cred: Cred = ROOT) -> bytes:
         rec = self.ns.inode(ino)
         if name.startswith(KV_PREFIX):
-            value = self._kv_xattr(ino, rec, name[len(KV_PREFIX):].decode("ascii", "replace"))
+            value = self._kv_xattr(ino, rec, name[len(KV_PREFIX):].decode("ascii", "replace"), cred)
             if value is None:
                 raise NamespaceError(errno.ENODATA)
             return value.encode()
@@ -34,7 +35,7 @@ class Xattrs:
         except KeyError:
             raise NamespaceError(errno.ENODATA) from None
 
-    def _kv_xattr(self, ino: int, rec: dict, key: str) -> str | None:
+    def _kv_xattr(self, ino: int, rec: dict, key: str, cred: Cred = ROOT) -> str | None:
         if not stat.S_ISREG(rec["mode"]):
             return None
         obj = self.store.objs.get(rec.get("oid"))
@@ -56,12 +57,9 @@ class Xattrs:
         if key in ("tokens", "parent", "hash", "namespace"):
             return kv.get(key) if kv else None
         if key == "backing":
-            return self._backing(obj)
+            b = self.backing_for(obj, cred)
+            return None if b is None else json.dumps(b)
         return None
-
-    def _backing(self, obj: Obj) -> str | None:
-        b = self.backing_of(obj)
-        return None if b is None else json.dumps(b)
 
     def _fast_copy(self, obj: Obj) -> tuple[Tier, bytes] | None:
         """The copy the fast path reads: ``obj``'s highest copy on an available tier."""

@@ -368,3 +368,50 @@ def test_top_live_shows_a_new_namespace(kvfs_mount):
     assert rc == 0, out
     assert "\x1b[?1049h" in out                     # rich Live took the full screen
     assert "later-ns" in out
+
+
+# ---- read deadline on a hung local disk --------------------------------------------------------
+def test_read_deadline_on_a_hung_nvme_disk(kvfs_mount, tmp_path):
+    """The NVMe tier's directory on a filesystem whose server stops answering: another kvfs
+    mount whose daemon is stopped (SIGSTOP), so every open and read there blocks in the kernel,
+    as on a hung disk. A read of a file that lives only on that NVMe gets EIO at
+    ``read_deadline`` (the worker thread stuck on the disk is abandoned), counted per tier;
+    after SIGCONT the same file reads back intact."""
+    lower = kvfs_mount(ram="256MiB")
+    (lower.path / "disk").mkdir()
+    cfg = tmp_path / "kvfs.toml"
+    cfg.write_text("read_deadline = 1.0\n")
+    m = kvfs_mount(ram="4MiB", nvme=lower.path / "disk" / "nvme", config=cfg, metrics="127.0.0.1:0")
+    files = {m.path / "ns" / f"b{i}": content(f"hung{i}", MiB) for i in range(8)}
+    for p, data in files.items():
+        put(p, data)
+    wait_for(lambda: settled(m) and any(os.getxattr(p, "user.kvfs.tier") == b"nvme" for p in files),
+             120, "files on the NVMe tier")
+    victim = next(p for p in files if os.getxattr(p, "user.kvfs.tier") == b"nvme")
+    buf = mmap.mmap(-1, 2 * MiB)
+
+    def direct_read() -> bytes:
+        fd = os.open(victim, os.O_RDONLY | os.O_DIRECT)     # past the kernel's page cache
+        try:
+            return bytes(buf[:os.preadv(fd, [buf], 0)])
+        finally:
+            os.close(fd)
+
+    from concurrent.futures import ThreadPoolExecutor, TimeoutError as Hung
+    os.kill(lower.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            stalled = pool.submit(direct_read)
+            try:    # a hang guard, not a timing check: without the deadline the read never returns
+                err = stalled.exception(timeout=90)
+            except Hung:
+                os.kill(lower.pid, signal.SIGCONT)
+                pytest.fail("the read waited for the hung disk past 90 s instead of failing at read_deadline")
+        assert isinstance(err, OSError) and err.errno == errno.EIO, err
+        assert m.stats()["deadline_exceeded"].get("nvme", 0) >= 1
+    finally:
+        os.kill(lower.pid, signal.SIGCONT)
+    assert direct_read() == files[victim]
+    buf.close()
+    assert scrape(m)[("kvfs_tier_read_deadline_exceeded_total", ("nvme",))] >= 1
+    m.umount()                        # before the filesystem under its NVMe tier goes

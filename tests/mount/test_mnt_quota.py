@@ -92,3 +92,60 @@ def test_quota_errors_are_one_line(kvfs_mount):
                        (("missing", "1MiB"), "no such directory")):
         res = run_kvfs("quota", "set", m.path, *args)
         assert res.returncode != 0 and word in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr
+
+
+def _settled(m) -> dict:
+    from conftest import wait_for
+    return wait_for(lambda: (lambda s: s if s["settled"] else None)(m.stats()), 120, "the store to settle")
+
+
+def test_eviction_under_pressure_is_fair_between_namespaces(kvfs_mount):
+    """Two namespaces, no quotas: one writes three blocks, the other far more than the tiers
+    hold. Under plain LRU the small one's blocks (the oldest) would go first; fair eviction
+    takes them from the namespace holding the most of the full tier."""
+    from mounthelp import put
+    m = kvfs_mount(ram="4MiB", nvme_size="12MiB")
+    small = {f"s{i}": content(f"small{i}", MB) for i in range(3)}
+    for name, data in small.items():
+        put(m.path / "small" / name, data)
+    _settled(m)
+    big = {f"b{i:02d}": content(f"big{i}", MB) for i in range(30)}
+    for name, data in big.items():
+        put(m.path / "big" / name, data)
+    st = _settled(m)
+    assert st["tiers"]["nvme"]["evictions"] > 0                 # the tiers were full
+    for name, data in small.items():
+        assert read(m.path / "small" / name) == data, name   # the small namespace kept them all
+    kept = sorted(p.name for p in (m.path / "big").iterdir())
+    assert 0 < len(kept) < len(big)
+    assert kept[-1] == "b29"                                  # the big one lost its own oldest first
+    for name in kept:
+        assert read(m.path / "big" / name) == big[name], name
+    ns = m.stats()["namespaces"]
+    assert ns["small"]["blocks"] == 3 and ns["big"]["blocks"] == len(kept)
+
+
+def test_under_pressure_quotas_weigh_the_shares(kvfs_mount):
+    """Shares follow quotas: a namespace with a small quota that fills it loses blocks before a
+    namespace that holds more bytes but far less of its (larger) quota; with equal weights it
+    would be the other way round (the test above)."""
+    from mounthelp import put
+    m = kvfs_mount(ram="4MiB", nvme_size="12MiB")
+    for ns, size in (("big-quota", "64MiB"), ("small-quota", "8MiB")):
+        (m.path / ns).mkdir()
+        assert run_kvfs("quota", "set", m.path, ns, size).returncode == 0
+    small = {f"s{i}": content(f"sq{i}", MB) for i in range(6)}
+    for name, data in small.items():
+        put(m.path / "small-quota" / name, data)
+    _settled(m)
+    big = {f"b{i:02d}": content(f"bq{i}", MB) for i in range(10)}
+    for name, data in big.items():
+        put(m.path / "big-quota" / name, data)
+    st = _settled(m)
+    assert st["tiers"]["nvme"]["evictions"] > 0
+    for name, data in big.items():                           # 10 MB of 64: under its share
+        assert read(m.path / "big-quota" / name) == data, name
+    kept = sorted(p.name for p in (m.path / "small-quota").iterdir())
+    assert len(kept) < len(small) and kept == sorted(small)[len(small) - len(kept):]   # oldest first
+    for name in kept:
+        assert read(m.path / "small-quota" / name) == small[name]

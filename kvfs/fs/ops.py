@@ -195,23 +195,19 @@ class KvfsOperations(pyfuse3.Operations):
         else:
             t0 = time.perf_counter()
             try:
-                ino = self.cache.ns.lookup(parent_inode, name)
-            except NamespaceError as e:
-                if e.errno == errno.ENOENT:
-                    self._missed(parent_inode, name)
-                if e.errno == errno.ENOENT and NEGATIVE_TIMEOUT > 0:
-                    return _negative()
-                raise
+                ino = self.cache.ns.find(parent_inode, name)     # a miss is common: no exception
+                if ino is None:
+                    self._missed(parent_inode)
+                    if NEGATIVE_TIMEOUT > 0:
+                        return _negative()
+                    raise pyfuse3.FUSEError(errno.ENOENT)
             finally:
                 self._latency["lookup"].observe(time.perf_counter() - t0)
         return _entry(ino, self.cache.getattr(ino))
 
-    def _missed(self, parent: int, name: bytes) -> None:
+    def _missed(self, parent: int) -> None:
         """A name looked up and not found: a miss of its namespace (the top-level directory)."""
-        if parent == ROOT_INO:
-            self.cache.telemetry.miss("/")
-        else:
-            self.cache.telemetry.miss(self.cache.ns.path_of(parent) + "/")
+        self.cache.telemetry.miss_in(self.cache.ns.top_of(parent))
 
     @translate
     async def getattr(self, inode, ctx=None):
@@ -422,7 +418,10 @@ class KvfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENODATA)
         if name == QUOTA_XATTR:
             return self.quotas.get_xattr(inode)
-        return self.cache.get_xattr(inode, name)
+        value = self.cache.find_xattr(inode, name)
+        if value is None:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return value
 
     @translate
     async def setxattr(self, inode, name, value, ctx):

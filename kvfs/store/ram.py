@@ -1,8 +1,9 @@
 """The RAM tier: objects as files in shared memory (tmpfs), mapped into the daemon.
 
 Living in /dev/shm lets the GPU loader map a sealed object directly (the fast
-path beside FUSE). Write staging buffers live here too and count against the
-same byte budget, so sealing into RAM is a rename, not a copy.
+path beside FUSE). Write staging buffers count against the same byte budget: in the
+daemon's memory below ``mapped_min`` (as the small object they become), a file here from
+it on, so sealing into RAM is a rename, not a copy.
 
 /dev/shm is writable by every user, so the tier's directory is created fresh at each
 mount with an unpredictable name (``kvfs-<instance>-<random>``, mode 0700, see

@@ -111,6 +111,10 @@ class Telemetry:
     def miss(self, path: str) -> None:
         self._ns(namespace_of(path))[1].misses += 1
 
+    def miss_in(self, namespace: str) -> None:
+        """A miss in ``namespace`` (a top-level directory's name, or ``/``)."""
+        self._ns(namespace)[1].misses += 1
+
     # ---- admission and deadlines ---------------------------------------------------
     def not_admitted(self, tier: str) -> None:
         self.admission_dropped[tier] = self.admission_dropped.get(tier, 0) + 1

@@ -196,31 +196,27 @@ class KvfsOperations(pyfuse3.Operations):
         else:
             t0 = time.perf_counter()
             try:
-                ino = self.cache.ns.lookup(parent_inode, name)
-            except NamespaceError as e:
-                if e.errno == errno.ENOENT and self.shared is not None:
+                ino = self.cache.ns.find(parent_inode, name)     # a miss is common: no exception
+                if ino is None and self.shared is not None:
                     # then the other nodes' published blocks; no negative entry (a block
                     # published later must be found)
                     ino = await self.shared.lookup(parent_inode, name)
                     if ino is not None:
                         return _entry(ino, self.cache.getattr(ino))
-                    self._missed(parent_inode, name)
-                    raise
-                if e.errno == errno.ENOENT:
-                    self._missed(parent_inode, name)
-                if e.errno == errno.ENOENT and NEGATIVE_TIMEOUT > 0:
-                    return _negative()
-                raise
+                    self._missed(parent_inode)
+                    raise pyfuse3.FUSEError(errno.ENOENT)
+                if ino is None:
+                    self._missed(parent_inode)
+                    if NEGATIVE_TIMEOUT > 0:
+                        return _negative()
+                    raise pyfuse3.FUSEError(errno.ENOENT)
             finally:
                 self._latency["lookup"].observe(time.perf_counter() - t0)
         return _entry(ino, self.cache.getattr(ino))
 
-    def _missed(self, parent: int, name: bytes) -> None:
+    def _missed(self, parent: int) -> None:
         """A name looked up and not found: a miss of its namespace (the top-level directory)."""
-        if parent == ROOT_INO:
-            self.cache.telemetry.miss("/")
-        else:
-            self.cache.telemetry.miss(self.cache.ns.path_of(parent) + "/")
+        self.cache.telemetry.miss_in(self.cache.ns.top_of(parent))
 
     @translate
     async def getattr(self, inode, ctx=None):
@@ -433,7 +429,10 @@ class KvfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENODATA)
         if name == QUOTA_XATTR:
             return self.quotas.get_xattr(inode)
-        return self.cache.get_xattr(inode, name, Cred(ctx.uid, ctx.gid))
+        value = self.cache.find_xattr(inode, name, Cred(ctx.uid, ctx.gid))
+        if value is None:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return value
 
     @translate
     async def setxattr(self, inode, name, value, ctx):

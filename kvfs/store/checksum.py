@@ -16,8 +16,11 @@ def chunk_sums(data: memoryview, chunk_size: int) -> tuple[int, ...]:
 
 
 def summarize(data: memoryview, chunk_size: int) -> tuple[int, tuple[int, ...]]:
-    """(whole-object xxh3_64, per-chunk xxh3_64s). Run in a worker thread."""
-    return digest(data), chunk_sums(data, chunk_size)
+    """(whole-object xxh3_64, per-chunk xxh3_64s). Large buffers: run in a worker thread."""
+    whole = digest(data)
+    if len(data) <= chunk_size:         # one chunk: its sum is the whole object's
+        return whole, (whole,) if len(data) else ()
+    return whole, chunk_sums(data, chunk_size)
 
 
 def pack_sums(sums: tuple[int, ...]) -> bytes:

@@ -347,8 +347,7 @@ class FileHandles:
             key = self.ns.path_of(ws.ino)
             obj = await self.store.create(ws.ino, staging, key, rec.get("gen", 0) + 1)
             ws.staging = None
-            if staging.fd >= 0:
-                staging.discard()
+            staging.discard()                # what adopt did not take (a spilled file, empty)
             kvrec = None
             if kv:
                 kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")}

@@ -551,9 +551,9 @@ class Txn:
         raw = self._get(DIRENTS, k64(parent) + name)
         return _U64x2.unpack(raw)[0] if raw is not None else None
 
-    def link(self, parent: int, name: bytes, child: int) -> None:
+    def link(self, parent: int, name: bytes, child: int, new: bool = False) -> None:
         p = k64(parent)
-        old = self._get(DIRENTS, p + name)
+        old = None if new else self._get(DIRENTS, p + name)    # new: the caller knows it is free
         if old is not None:
             self.w[(DIRORDER, p + k64(_U64x2.unpack(old)[1]))] = _DEL
         eid = self.ix.new_id(b"eid")

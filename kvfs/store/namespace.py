@@ -115,6 +115,25 @@ class Namespace:
             raise _err(errno.ENOENT)
         return ino
 
+    def find(self, parent: int, name: bytes) -> int | None:
+        """``lookup`` that answers a missing name with None (ENAMETOOLONG still raises)."""
+        if len(name) > NAME_MAX:
+            raise _err(errno.ENAMETOOLONG)
+        return self.index.lookup(parent, name)
+
+    def top_of(self, ino: int) -> str:
+        """The namespace of what lies in directory ``ino``: its top-level directory's name
+        (``/`` for the root; what kvfs.telemetry.namespace_of gives for a path under it)."""
+        name = None
+        for _ in range(4096):
+            if ino == ROOT_INO:
+                break
+            rec = self.index.get_inode(ino)
+            if rec is None:
+                break
+            name, ino = rec["name"], rec["parent"]
+        return "/" if name is None else name.decode("utf-8", "surrogateescape")
+
     def path_of(self, ino: int) -> str:
         parts = []
         for _ in range(4096):
@@ -129,6 +148,7 @@ class Namespace:
 
     # ---- namespace changes --------------------------------------------------
     def _check_new(self, txn: Txn, parent: int, name: bytes) -> dict:
+        """The parent directory's record (a copy the caller may change and put back)."""
         if len(name) > NAME_MAX:
             raise _err(errno.ENAMETOOLONG)
         if parent == ROOT_INO and name == CONTROL_NAME:
@@ -145,7 +165,7 @@ class Namespace:
     def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, **extra) -> tuple[int, dict]:
         """Create a directory, file or symlink (mode carries the type)."""
         with self.index.write() as txn:
-            self._check_new(txn, parent, name)
+            prec = self._check_new(txn, parent, name)
             ino = txn.new_id(b"ino")
             now = time.time_ns()
             rec = dict(mode=mode, uid=uid, gid=gid, size=0, nlink=1, atime=now, mtime=now, ctime=now,
@@ -153,8 +173,9 @@ class Namespace:
             if stat.S_ISLNK(mode):
                 rec["size"] = len(extra["target"])
             txn.put_inode(ino, rec)
-            txn.link(parent, name, ino)
-            self._touch_dir(txn, parent)
+            txn.link(parent, name, ino, new=True)
+            prec["mtime"] = prec["ctime"] = now
+            txn.put_inode(parent, prec)
         return ino, rec
 
     def _touch_dir(self, txn: Txn, ino: int) -> None:
@@ -250,12 +271,14 @@ class Namespace:
                 else:
                     dropped = self._remove(txn, new_parent, new, target, trec, is_open(target))
             txn.unlink(old_parent, old)
-            txn.link(new_parent, new, ino)
-            rec["parent"], rec["name"], rec["ctime"] = new_parent, new, time.time_ns()
+            txn.link(new_parent, new, ino, new=True)      # no name left there (removed above)
+            now = time.time_ns()
+            rec["parent"], rec["name"], rec["ctime"] = new_parent, new, now
             txn.put_inode(ino, rec)
-            self._touch_dir(txn, old_parent)
+            prec["mtime"] = prec["ctime"] = now
+            txn.put_inode(new_parent, prec)
             if new_parent != old_parent:
-                self._touch_dir(txn, new_parent)
+                self._touch_dir(txn, old_parent)
         return dropped
 
     def update(self, ino: int, **fields) -> dict:

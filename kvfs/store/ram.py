@@ -1,8 +1,9 @@
 """The RAM tier: objects as files in shared memory (tmpfs), mapped into the daemon.
 
 Living in /dev/shm lets the GPU loader map a sealed object directly (the fast
-path beside FUSE). Write staging buffers live here too and count against the
-same byte budget, so sealing into RAM is a rename, not a copy.
+path beside FUSE). Write staging buffers count against the same byte budget: in the
+daemon's memory below ``mapped_min`` (as the small object they become), a file here from
+it on, so sealing into RAM is a rename, not a copy.
 
 /dev/shm is writable by every user, so the tier's directory is created fresh at each
 mount with an unpredictable name (``kvfs-<instance>-<random>``, mode 0700, see
@@ -14,13 +15,14 @@ re-creates it (objects already mapped keep working; their fast-path paths are go
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import logging
 import mmap
 import os
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 import trio
 
@@ -168,6 +170,12 @@ class RamTier(Tier):
         """Turn a RAM staging buffer into the object itself (no copy; a small object's bytes
         are copied into memory and its emptied staging file is kept for the next write)."""
         assert not staging.spilled and staging.size == info.size
+        if staging.mem is not None:             # a small buffer, already the daemon's memory
+            self._maps[info.oid] = (staging.mem, info.size)
+            self.objects += 1
+            self.staged -= staging.size
+            staging.mem, staging.size = None, 0
+            return b""
         if info.size < self.mapped_min and self._can_recycle(staging):
             self._maps[info.oid] = (os.pread(staging.fd, info.size, 0), info.size)
             self.objects += 1
@@ -262,11 +270,17 @@ class RamTier(Tier):
         staging.fd, staging.size = -1, 0
 
     def new_staging(self) -> "Staging":
+        """An empty write buffer (in memory until it reaches ``mapped_min``: no file yet)."""
+        return Staging(self, self.staging, f"w{next(self._seq):x}")
+
+    def staging_file(self) -> tuple[Dir, str, int]:
+        """(directory, name, descriptor) of an empty staging file: a spare one, or a new one."""
         self._ensure_dir()
         if self._spare:
             name, fd = self._spare.pop()
-            return Staging(self, self.staging, name, fd)
-        return Staging(self, self.staging, f"w{next(self._seq):x}")
+            return self.staging, name, fd
+        name = f"w{next(self._seq):x}"
+        return self.staging, name, safedir.create_file(self.staging.fd, name)
 
 
 def _unlink(where: Dir, name: str) -> None:
@@ -277,13 +291,16 @@ def _unlink(where: Dir, name: str) -> None:
 
 
 class Staging:
-    """A growable write buffer: a tmpfs file, or a file on NVMe once spilled."""
+    """A growable write buffer: bytes in the daemon's memory while it is smaller than the
+    tier's ``mapped_min`` (what a small object becomes at seal anyway: no file, no syscall),
+    then a tmpfs file (what a mapped object becomes), or a file on NVMe once spilled."""
 
-    def __init__(self, ram: RamTier, where: Dir, name: str, fd: int = -1):
+    def __init__(self, ram: RamTier, where: Dir | None, name: str):
         self.ram = ram
-        self.dir = where                # the directory holding the buffer (by descriptor)
+        self.dir = where                # the directory holding the buffer's file (by descriptor)
         self.name = name
-        self.fd = fd if fd >= 0 else safedir.create_file(where.fd, name)   # an empty file
+        self.fd = -1                    # the file, once there is one
+        self.mem: bytes | bytearray | None = b""    # the bytes while in memory (None: a file)
         self.size = 0
         self.spilled = False
         self._spilling: trio.Event | None = None    # set while spill copies: changes wait
@@ -292,6 +309,9 @@ class Staging:
     def path(self) -> Path:
         return self.dir.path / self.name
 
+    def _gone(self) -> bool:
+        return self.mem is None and self.fd < 0
+
     def _account(self, new_size: int) -> None:
         if not self.spilled:
             delta = new_size - self.size
@@ -299,10 +319,41 @@ class Staging:
             self.ram.staged += delta
         self.size = new_size
 
+    def _to_file(self) -> None:
+        """The buffer reaches ``mapped_min``: its bytes move to a tmpfs file."""
+        where, name, fd = self.ram.staging_file()
+        try:
+            if self.size:
+                os.pwrite(fd, self.mem, 0)
+        except BaseException:
+            os.close(fd)
+            _unlink(where, name)
+            raise
+        self.dir, self.name, self.fd, self.mem = where, name, fd, None
+
+    def _mem_write(self, offset: int, data, end: int) -> None:
+        mem = self.mem
+        if offset == 0 and end >= len(mem) and type(data) is bytes:
+            self.mem = data             # the whole buffer (a file's one write): kept, no copy
+            return
+        if type(mem) is not bytearray:
+            mem = self.mem = bytearray(mem)
+        if offset > len(mem):
+            mem.extend(bytes(offset - len(mem)))
+        mem[offset:end] = data
+
     async def write(self, offset: int, data) -> int:
         while self._spilling is not None:          # the copy would miss this write
             await self._spilling.wait()
-        end = offset + len(data)
+        n = len(data) if type(data) is bytes else memoryview(data).nbytes
+        end = offset + n
+        if self.mem is not None:
+            if end < self.ram.mapped_min:
+                self._mem_write(offset, data, end)
+                if end > self.size:
+                    self._account(end)
+                return n
+            self._to_file()
         if self.spilled:
             n = await trio.to_thread.run_sync(os.pwrite, self.fd, data, offset)
         else:
@@ -313,6 +364,11 @@ class Staging:
 
     async def read(self, offset: int, length: int) -> bytes:
         length = max(0, min(length, self.size - offset))
+        mem = self.mem
+        if mem is not None:
+            if type(mem) is bytes:
+                return mem[offset:offset + length]
+            return bytes(memoryview(mem)[offset:offset + length])    # a copy: the buffer may change
         if self.spilled:
             return await trio.to_thread.run_sync(os.pread, self.fd, length, offset)
         return os.pread(self.fd, length, offset)
@@ -320,6 +376,16 @@ class Staging:
     async def truncate(self, size: int) -> None:
         while self._spilling is not None:
             await self._spilling.wait()
+        if self.mem is not None:
+            if size < self.ram.mapped_min:
+                mem = self.mem
+                if size < len(mem):
+                    self.mem = mem[:size]
+                elif size > len(mem):
+                    self.mem = bytes(mem) + bytes(size - len(mem))
+                self._account(size)
+                return
+            self._to_file()
         if self.spilled:
             await trio.to_thread.run_sync(os.ftruncate, self.fd, size)
         else:
@@ -328,9 +394,31 @@ class Staging:
 
     async def fill_from(self, data: memoryview) -> None:
         """Initialise with existing content (opening a sealed file for writing)."""
+        if self.mem is not None and len(data) < self.ram.mapped_min:
+            self.mem = bytes(data)
+            self._account(len(data))
+            return
         await self.truncate(len(data))
         if len(data):
             await trio.to_thread.run_sync(os.pwrite, self.fd, data, 0)
+
+    @contextlib.contextmanager
+    def mapped(self) -> Iterator[memoryview]:
+        """The buffer's bytes, read-only, while the block runs (writes must wait meanwhile)."""
+        mm = None
+        if self.mem is not None:
+            view = memoryview(self.mem)
+        elif self.size:
+            mm = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
+            view = memoryview(mm)
+        else:
+            view = memoryview(b"")
+        try:
+            yield view
+        finally:
+            view.release()
+            if mm is not None:
+                mm.close()
 
     async def spill(self, to_dir: Dir) -> None:
         """Move the bytes to a file under ``to_dir`` (RAM is full), in a thread. Concurrent
@@ -338,15 +426,18 @@ class Staging:
         second spill of the same buffer waits for the first."""
         while self._spilling is not None:
             await self._spilling.wait()
-        if self.spilled or self.fd < 0:
+        if self.spilled or self._gone():
             return
-        size = self.size
+        size, src, mem = self.size, self.fd, self.mem
+
         def copy() -> int:
             fd = safedir.create_file(to_dir.fd, self.name)
             try:
+                if mem is not None:
+                    os.pwrite(fd, mem, 0)
                 off = 0
-                while off < size:
-                    buf = os.pread(self.fd, min(4 << 20, size - off), off)
+                while mem is None and off < size:
+                    buf = os.pread(src, min(4 << 20, size - off), off)
                     os.pwrite(fd, buf, off)
                     off += len(buf)
             except BaseException:
@@ -360,21 +451,19 @@ class Staging:
         finally:
             self._spilling = None
             done.set()
-        if self.fd < 0:                            # discarded meanwhile
+        if self._gone():                           # discarded meanwhile
             os.close(fd)
             _unlink(to_dir, self.name)
             return
         old_fd, old_dir = self.fd, self.dir
-        self.fd, self.dir = fd, to_dir
+        self.fd, self.dir, self.mem = fd, to_dir, None
         self.ram.used -= self.size
         self.ram.staged -= self.size
         self.spilled = True
-        os.close(old_fd)
-        _unlink(old_dir, self.name)
+        if old_fd >= 0:
+            os.close(old_fd)
+            _unlink(old_dir, self.name)
         log.debug("spilled write buffer %s (%d bytes) to %s", self.name, self.size, to_dir)
-
-    def map(self) -> mmap.mmap | None:
-        return mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ) if self.size else None
 
     def detach(self) -> None:
         """Forget the file without deleting it (it was adopted as an object)."""
@@ -383,11 +472,14 @@ class Staging:
         self.size = 0
 
     def discard(self) -> None:
-        if self.fd < 0:
+        if self._gone():
             return
         if not self.spilled:
             self.ram.used -= self.size
             self.ram.staged -= self.size
+        if self.mem is not None:
+            self.mem, self.size = None, 0
+            return
         if self.ram._can_recycle(self):
             try:
                 self.ram._recycle(self)

@@ -24,16 +24,19 @@ class Xattrs:
 
     # ---- xattrs -----------------------------------------------------------------
     def get_xattr(self, ino: int, name: bytes, cred: Cred = ROOT) -> bytes:
+        value = self.find_xattr(ino, name, cred)
+        if value is None:
+            raise NamespaceError(errno.ENODATA)
+        return value
+
+    def find_xattr(self, ino: int, name: bytes, cred: Cred = ROOT) -> bytes | None:
+        """The value, or None when the file has no such attribute (the kernel asks for
+        ``security.capability`` before every write: a miss is the common answer)."""
         rec = self.ns.inode(ino)
         if name.startswith(KV_PREFIX):
             value = self._kv_xattr(ino, rec, name[len(KV_PREFIX):].decode("ascii", "replace"), cred)
-            if value is None:
-                raise NamespaceError(errno.ENODATA)
-            return value.encode()
-        try:
-            return rec["xattrs"][name]
-        except KeyError:
-            raise NamespaceError(errno.ENODATA) from None
+            return None if value is None else value.encode()
+        return rec["xattrs"].get(name)
 
     def _kv_xattr(self, ino: int, rec: dict, key: str, cred: Cred = ROOT) -> str | None:
         if not stat.S_ISREG(rec["mode"]):

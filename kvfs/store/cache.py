@@ -84,7 +84,9 @@ class Cache(FileHandles, Xattrs, Leases):
         self.index.mark_clean({
             "version": CLEAN_VERSION, "objects": len(store.objs),
             "tiers": {t.name: [t.used, t.objects] for t in store.tiers if not t.volatile},
-            "namespaces": store.telemetry.totals()})
+            "namespaces": store.telemetry.totals(), 
+            # -1: not known (the scan of this session's clean start did not finish)
+            "kv_parents": len(self.ns.kv_children) if store.table_loaded else -1})
         return True
 
     async def sweep_orphans(self) -> int:

@@ -149,6 +149,8 @@ class ObjectStore(Policy, Moves):
                 t.used, t.objects = used
         self.telemetry.restore(marker["namespaces"])
         self.objs.count = marker["objects"]
+        self._scan_tiers = {t.name for t in self.tiers[1:] if marker["tiers"].get(t.name, [0, 1])[1]}
+        self._scan_kv = bool(marker.get("kv_parents", 1))
         self.objs.begin_scan()
         self._loaded = trio.Event()
 
@@ -179,8 +181,7 @@ class ObjectStore(Policy, Moves):
     async def _scan(self) -> None:
         self._scanning = True
         try:
-            durable = {t.name for t in self.tiers if not t.volatile}
-            await self.objs.scan(durable, self.lru, self.scan_inode)
+            await self.objs.scan(self._scan_tiers, self.lru, self.scan_inode if self._scan_kv else None)
             log.info("object table scanned: %d objects, %d built", len(self.objs), dict.__len__(self.objs))
         finally:
             self._scanning = False

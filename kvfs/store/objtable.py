@@ -134,15 +134,17 @@ class ObjTable(dict):
 
     _snap = None
 
-    async def scan(self, durable: set[str], lru: dict, kv_add: Callable[[dict], None]) -> None:
-        """Build the durable tiers' LRU order (oid order, as ``load`` does) and the KV
-        child counts from the mount-time records, ``SCAN_BATCH`` at a time. Objects used
-        meanwhile keep their place after the scanned ones (more recently used)."""
+    async def scan(self, durable: set[str], lru: dict, kv_add: Callable[[dict], None] | None) -> None:
+        """Build the LRU order of the ``durable`` tiers (oid order, as ``load`` does) and
+        the KV child counts (``kv_add`` of each KV inode; None: there are none) from the
+        mount-time records, ``SCAN_BATCH`` at a time. Objects used meanwhile keep their
+        place after the scanned ones (more recently used). Tiers that held no object at
+        the unmount and an index without KV children are not read at all."""
         if self._snap is None:
             return
         try:
             cold: dict[str, dict] = {name: {} for name in durable}
-            async for oid, raw in self._records(self.index.objects):
+            async for oid, raw in self._records(self.index.objects if durable else None):
                 if oid in self.forgotten:
                     continue
                 obj = dict.get(self, oid)
@@ -157,7 +159,7 @@ class ObjTable(dict):
                 merged.update(dict.fromkeys(session))
                 session.clear()
                 session.update(merged)
-            async for _ino, raw in self._records(self.index.inodes):
+            async for _ino, raw in self._records(self.index.inodes if kv_add else None):
                 if _KV in raw:
                     rec = records.decode_inode(raw)
                     if rec.get("oid") is not None:
@@ -168,7 +170,10 @@ class ObjTable(dict):
             self.forgotten = set()
 
     async def _records(self, db) -> AsyncIterator[tuple[int, bytes]]:
-        """(key, raw record) of every record of ``db`` in the snapshot, a batch per step."""
+        """(key, raw record) of every record of ``db`` in the snapshot, a batch per step
+        (none for ``db`` None)."""
+        if db is None:
+            return
         cur = self._snap.cursor(db=db)
         found = cur.first()
         while found:

@@ -14,6 +14,7 @@ from typing import Callable
 from kvfs.store.cred import ROOT, Cred  # noqa: F401  (re-exported: fs imports them from here)
 from kvfs.store.files import CREATE_MTIME_SLACK, FileHandles, Handle, WriteState  # noqa: F401
 from kvfs.store.index import Index
+from kvfs.store import marker
 from kvfs.store.leases import Lease, Leases
 from kvfs.store.namespace import Namespace
 from kvfs.store.objects import Obj, ObjectStore
@@ -22,7 +23,6 @@ from kvfs.store.xattrs import KV_PREFIX, XATTR_MAX, Xattrs  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-CLEAN_VERSION = 1       # of the clean-unmount marker's fields (Cache.mark_clean)
 
 
 class Cache(FileHandles, Xattrs, Leases):
@@ -51,9 +51,9 @@ class Cache(FileHandles, Xattrs, Leases):
         """After a clean unmount (its marker in the index): nothing to recover, nothing
         decoded (kvfs.store.objtable). Otherwise load the object table and recover the
         namespace (a crash, or a tool changed the index)."""
-        marker = self.index.clean
-        if marker is not None and marker.get("version") == CLEAN_VERSION:
-            self.store.load_clean(marker)
+        clean = self.index.clean
+        if clean is not None:
+            self.store.load_clean(clean)
             self.ns.start_clean()
             log.info("clean start: %d objects, table scanned in the background", len(self.store.objs))
             return {"clean": 1}
@@ -81,8 +81,8 @@ class Cache(FileHandles, Xattrs, Leases):
         if dropped:
             log.info("dropped %d files that were never sealed", dropped)
         store = self.store
-        self.index.mark_clean({
-            "version": CLEAN_VERSION, "objects": len(store.objs),
+        marker.write(self.index, {
+            "objects": len(store.objs),
             "tiers": {t.name: [t.used, t.objects] for t in store.tiers if not t.volatile},
             "namespaces": store.telemetry.totals(), 
             # -1: not known (the scan of this session's clean start did not finish)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import stat
 
+import lmdb
+
 from kvfs.store.index import Index, ROOT_INO
 from storekit import open_cache
 from test_prefix_eviction import block, hx
@@ -103,6 +105,12 @@ async def test_any_open_consumes_the_marker_and_unsealed_files_go_at_a_clean_unm
     async with open_cache(tmp_path, clean=True):
         pass
     Index(tmp_path / "state").close()                       # fsck or a tool opened it
+    async with open_cache(tmp_path, clean=True) as cache:
+        assert cache.store.table_loaded
+    env = lmdb.open(str(tmp_path / "state" / "index.lmdb"), max_dbs=8)
+    with env.begin(write=True) as txn:                      # written behind kvfs's back
+        txn.put(b"other", b"1", db=env.open_db(b"meta", txn=txn))
+    env.close()
     async with open_cache(tmp_path) as cache:
         assert cache.store.table_loaded
 

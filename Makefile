@@ -93,7 +93,7 @@ bench: setup
 	$(KVFS) bench --only runtime --write-docs docs/benchmarks.md
 	# metadata scale up to 1M files (~1 GB of scratch disk under /tmp, removed after; ~10 min)
 	$(PY) benchmarks/metadata_scale.py --counts 10000,100000,1000000 --dir /tmp/kvfs-bench-scale-$$$$ \
-		--json docs/metadata_scale.json
+		--json benchmarks/results/metadata_scale.json
 
 clean: demo-umount
 	rm -rf $(VENV) $(DEMO_DIR) .kvfs-bench

@@ -24,7 +24,6 @@ from kvfs.store.xattrs import KV_PREFIX, XATTR_MAX, Xattrs  # noqa: F401
 log = logging.getLogger(__name__)
 
 
-
 class Cache(FileHandles, Xattrs, Leases):
     def __init__(self, index: Index, store: ObjectStore, spill_dir):
         self.index = index
@@ -84,7 +83,7 @@ class Cache(FileHandles, Xattrs, Leases):
         marker.write(self.index, {
             "objects": len(store.objs),
             "tiers": {t.name: [t.used, t.objects] for t in store.tiers if not t.volatile},
-            "namespaces": store.telemetry.totals(), 
+            "namespaces": store.telemetry.totals(),
             # -1: not known (the scan of this session's clean start did not finish)
             "kv_parents": len(self.ns.kv_children) if store.table_loaded else -1})
         return True

@@ -114,6 +114,7 @@ class ObjectStore(Policy, Moves):
         self._loaded = trio.Event()        # set once the table scan is done (or not needed)
         self._loaded.set()
         self._scanning = False
+        self._scan_ended = trio.Event()
         self._chunks: collections.OrderedDict[tuple[int, int], bytes] = collections.OrderedDict()
         self._inflight: dict[tuple[int, int], trio.Event] = {}
         self._dirty: set[int] = set()
@@ -170,23 +171,24 @@ class ObjectStore(Policy, Moves):
         return self._loaded.is_set()
 
     async def wait_loaded(self) -> None:
-        """Wait for the background table scan; run it here when no ``serve`` runs it."""
-        if self._loaded.is_set():
-            return
-        if self._scanning:
-            await self._loaded.wait()
-        else:
-            await self._scan()
+        """Wait for the background table scan; run it here when no ``serve`` runs it (or
+        the one that ran was cancelled)."""
+        while not self._loaded.is_set():
+            if self._scanning:
+                await self._scan_ended.wait()
+            else:
+                await self._scan()
 
     async def _scan(self) -> None:
-        self._scanning = True
+        self._scanning, self._scan_ended = True, trio.Event()
         try:
             await self.objs.scan(self._scan_tiers, self.lru, self.scan_inode if self._scan_kv else None)
-            log.info("object table scanned: %d objects, %d built", len(self.objs), dict.__len__(self.objs))
         finally:
             self._scanning = False
-            self._loaded.set()
-            self.scan_inode = lambda rec: None
+            self._scan_ended.set()
+        log.info("object table scanned: %d objects, %d built", len(self.objs), dict.__len__(self.objs))
+        self.scan_inode = lambda rec: None
+        self._loaded.set()
         self.kick()
 
     def _adopt(self, obj: Obj) -> None:

@@ -117,10 +117,13 @@ class ObjTable(dict):
         """Take the snapshot the scan reads (before the first change of this session):
         the scan counts exactly the records as they were at mount, the session's own
         changes count themselves (a KV child removed before the scan met it is -1 until
-        the scan's +1)."""
+        the scan's +1). A scan that is cancelled resumes where it stopped, on the same
+        snapshot."""
         self.complete = False
         self.forgotten: set[int] = set()
         self._snap = self.index.env.begin()
+        self._cold: dict[str, dict] | None = None
+        self._phase, self._after = 0, None
 
     def forget(self, oid: int) -> bool:
         """``oid`` left the table (dropped; it was built: dropping takes an Obj). False
@@ -142,8 +145,10 @@ class ObjTable(dict):
         the unmount and an index without KV children are not read at all."""
         if self._snap is None:
             return
-        try:
-            cold: dict[str, dict] = {name: {} for name in durable}
+        if self._phase == 0:
+            if self._cold is None:
+                self._cold = {name: {} for name in durable}
+            cold = self._cold
             async for oid, raw in self._records(self.index.objects if durable else None):
                 if oid in self.forgotten:
                     continue
@@ -152,35 +157,36 @@ class ObjTable(dict):
                 for name in place:
                     if name in cold:
                         cold[name][oid] = None
-            forgotten = self.forgotten
             for name, order in cold.items():
                 session = lru[name]
-                merged = {o: None for o in order if o not in forgotten}
+                merged = {o: None for o in order if o not in self.forgotten}
                 merged.update(dict.fromkeys(session))
                 session.clear()
                 session.update(merged)
-            async for _ino, raw in self._records(self.index.inodes if kv_add else None):
-                if _KV in raw:
-                    rec = records.decode_inode(raw)
-                    if rec.get("oid") is not None:
-                        kv_add(rec)
-        finally:
-            snap, self._snap = self._snap, None
-            snap.abort()
-            self.forgotten = set()
+            self._phase, self._after, self._cold = 1, None, None
+        async for _ino, raw in self._records(self.index.inodes if kv_add else None):
+            if _KV in raw:
+                rec = records.decode_inode(raw)
+                if rec.get("oid") is not None:
+                    kv_add(rec)
+        snap, self._snap = self._snap, None
+        snap.abort()
+        self.forgotten = set()
 
     async def _records(self, db) -> AsyncIterator[tuple[int, bytes]]:
-        """(key, raw record) of every record of ``db`` in the snapshot, a batch per step
-        (none for ``db`` None)."""
+        """(key, raw record) of the records of ``db`` in the snapshot after ``_after``, a
+        batch per step (none for ``db`` None); a step ends with every record of its batch
+        handled by the caller, so a cancelled scan resumes after the last one."""
         if db is None:
             return
         cur = self._snap.cursor(db=db)
-        found = cur.first()
+        found = cur.set_range(self._after + b"\0") if self._after is not None else cur.first()
         while found:
             batch = []
             while found and len(batch) < SCAN_BATCH:
-                batch.append((_U64.unpack(cur.key())[0], cur.value()))
+                batch.append((cur.key(), cur.value()))
                 found = cur.next()
-            for item in batch:
-                yield item
+            for key, raw in batch:
+                yield _U64.unpack(key)[0], raw
+            self._after = batch[-1][0]
             await trio.sleep(0)

@@ -8,7 +8,9 @@ import os
 import stat
 
 import lmdb
+import trio
 
+from kvfs.store import objtable
 from kvfs.store.index import Index, ROOT_INO
 from storekit import open_cache
 from test_prefix_eviction import block, hx
@@ -133,13 +135,24 @@ async def test_eviction_after_a_clean_start_waits_for_the_scan_and_keeps_prefixe
         for i, h in enumerate(chain):
             await write(cache, ROOT_INO, names[i], block("ns", h, chain[i - 1] if i else "", 16 * (i + 1)))
         kv = dict(cache.ns.kv_children)
-    assert len(kv) == 3
+        await cache.store.write_down_volatile()
+        lru = list(cache.store.lru["nvme"])
+    assert len(kv) == 3 and len(lru) == 4
     async with open_cache(tmp_path, ram=256 << 10, nvme=1 << 20, clean=True) as cache:
         assert not cache.store.table_loaded      # closed before its scan ran: counts unknown
     async with open_cache(tmp_path, ram=256 << 10, nvme=1 << 20, clean=True) as cache:
         assert not cache.store.table_loaded and not cache.ns.kv_children
-        await cache.store.wait_loaded()
-        assert cache.ns.kv_children == kv
+        objtable.SCAN_BATCH = 1
+        try:
+            for _ in range(2):              # cancelled after its first step, twice: it resumes
+                with trio.CancelScope() as scope:
+                    scope.cancel()
+                    await cache.store.wait_loaded()
+                assert not cache.store.table_loaded
+            await cache.store.wait_loaded()
+        finally:
+            objtable.SCAN_BATCH = 500
+        assert cache.ns.kv_children == kv and list(cache.store.lru["nvme"]) == lru
     async with open_cache(tmp_path, ram=256 << 10, nvme=1 << 20) as cache:
         assert not cache.store.table_loaded
         k = 0

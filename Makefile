@@ -25,7 +25,7 @@ help:
 	@echo "make test       setup, then the default test selection (not slow)"
 	@echo "make test-slow  setup, then the slow tests"
 	@echo "make test-integration  setup, then the runtime adapters against the released runtimes"
-	@echo "make bench      setup, then kvfs bench, results into docs/benchmarks.md"
+	@echo "make bench      setup, then kvfs bench, results into docs/benchmarks.md (and metadata_scale.py to 1M files)"
 	@echo "make bench-adapters  setup, then the runtime backends vs the kvfs adapters, into docs/benchmarks.md"
 	@echo "make clean      unmount the demo and remove .venv, .kvfs-demo"
 
@@ -91,6 +91,9 @@ bench: setup
 	$(PIP) install -q -e '.[bench]'
 	$(KVFS) bench --write-docs docs/benchmarks.md
 	$(KVFS) bench --only runtime --write-docs docs/benchmarks.md
+	# metadata scale up to 1M files (~1 GB of scratch disk under /tmp, removed after; ~10 min)
+	$(PY) benchmarks/metadata_scale.py --counts 10000,100000,1000000 --dir /tmp/kvfs-bench-scale-$$$$ \
+		--json benchmarks/results/metadata_scale.json
 
 clean: demo-umount
 	rm -rf $(VENV) $(DEMO_DIR) .kvfs-bench

@@ -1,16 +1,23 @@
 """Scale of kvfs's metadata: mount time, daemon memory and lookup/stat latency against file count.
 
-    python benchmarks/metadata_scale.py [--counts 10000,100000] [--dirs 4096] [--dir DIR] [--json FILE]
+    python benchmarks/metadata_scale.py [--counts 10000,100000] [--dirs 4096] [--sample 3000]
+        [--rounds 3] [--dir DIR] [--keep DIR] [--json FILE]
 
 For each count N: a fresh state directory is filled with N empty files in ``--dirs`` directories
 through the store itself (``kvfs.store.cache.Cache``, in process: the same index operations a
-mount makes, without N FUSE round trips), then ``kvfs mount`` (the CLI, until ready) serves it.
-Measured on the mount: mount-until-ready seconds, the daemon's RSS after mounting and after the
-stats, and per-file latency of ``os.stat`` over a random sample of the files: **cold** (the
-kernel has no entry: a LOOKUP answered by the daemon), **warm** (the same names again: the
-kernel's cache) and **miss** (a name that does not exist: a LOOKUP the daemon answers with a
-negative entry). Flat latency from the smallest to the largest count means the daemon's lookup
-does not grow with the number of files. This VM is shared and noisy: compare within a run.
+mount makes, without N FUSE round trips) and closed as a clean unmount closes it, then
+``kvfs mount`` (the CLI, until ready) serves it. ``--keep DIR`` populates each count once into
+DIR and mounts copies (to compare two builds on the same state). Measured: mount-until-ready
+seconds, seconds until the daemon's background scan of its object table is done
+(``table_loaded`` in ``.kvfs/stats``), the daemon's RSS after mounting and after the stats
+(anonymous and file-backed: LMDB's mapped pages), and per-file latency of ``os.stat`` over
+random samples of the files: **cold** (the kernel has no entry: a LOOKUP answered by the
+daemon), **warm** (the same names again: the kernel's cache) and **miss** (a name that does not
+exist: a LOOKUP the daemon answers with a negative entry). All counts are mounted at once and
+the stats run in ``--rounds`` interleaved rounds (fresh names each round), so the counts are
+compared under the same load. Flat latency from the smallest to the largest count means the
+daemon's lookup does not grow with the number of files. This VM is shared and noisy: compare
+within a run.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import os
 import random
 import shutil
 import stat as statmod
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kvfs.bench import BenchMount  # noqa: E402
+from kvfs.bench import BenchMount, wait_for  # noqa: E402
 from kvfs.config import Config  # noqa: E402
 from kvfs.build import build_store  # noqa: E402
 from kvfs.store.cache import Cache  # noqa: E402
@@ -66,6 +74,8 @@ async def populate(root: Path, count: int, dirs: int, progress) -> float:
             await cache.release(fh)
             if i % 20000 == 19999:
                 progress(f"{count}: {i + 1} files")
+        await cache.store.write_down_volatile()     # what `kvfs umount` does at the end
+        cache.mark_clean()
     finally:
         for t in tiers:
             await t.close()
@@ -84,38 +94,95 @@ def _stat_us(paths: list[str], missing: bool = False) -> float:
     return (time.perf_counter() - t0) / len(paths) * 1e6
 
 
-def measure(base: Path, count: int, dirs: int, sample: int, progress) -> dict:
+def _populated(root: Path, count: int, dirs: int, keep: Path | None, progress) -> float | None:
+    """Fill ``root``'s state (and nvme) directories; with ``keep``, populate once into
+    ``keep`` and copy from there (seconds of the population, None when copied)."""
+    if keep is None:
+        return round(trio.run(populate, root, count, dirs, progress), 2)
+    tpl = keep / f"files-{count}-dirs-{dirs}"
+    if not (tpl / "done").exists():
+        shutil.rmtree(tpl, ignore_errors=True)
+        (tpl / "nvme").mkdir(parents=True)
+        (tpl / "state").mkdir(mode=0o700)
+        trio.run(populate, tpl, count, dirs, progress)
+        (tpl / "done").write_text("")
+    for d in ("state", "nvme"):
+        shutil.rmtree(root / d)
+        shutil.copytree(tpl / d, root / d, symlinks=True)
+    return None
+
+
+def _mount(base: Path, count: int, dirs: int, keep: Path | None, progress) -> tuple[BenchMount, dict]:
+    """A mount of ``count`` files: mount-until-ready, RSS, time until its table is scanned."""
     root = base / f"scale-{count}"
     shutil.rmtree(root, ignore_errors=True)
     m = BenchMount(root, ram=256 << 20, nvme_size=4 << 30)
     out: dict = {"files": count, "dirs": min(dirs, count)}
+    out["populate_s"] = _populated(root, count, dirs, keep, progress)
+    progress(f"{count}: mounting")
+    t0 = time.perf_counter()
+    out["mount_s"] = round(m.mount(), 3)
+    mem = m.memory()
+    out["rss_mounted"], out["anon_mounted"] = mem.get("VmRSS"), mem.get("RssAnon")
+    # the object table's background scan (a daemon without one reports nothing: loaded)
+    wait_for(lambda: m.stats().get("table_loaded", True), 3600, 0.05)
+    out["loaded_s"] = round(time.perf_counter() - t0, 2)
+    return m, out
+
+
+def measure_all(base: Path, counts: list[int], dirs: int, sample: int, rounds: int, progress,
+                keep: Path | None = None) -> list[dict]:
+    """Every count mounted at once, then ``rounds`` interleaved rounds of stats (each round
+    a fresh sample of names, so cold stays cold): the counts are compared under the same
+    load. Per count: medians over the rounds; ``cold_ratio``: per-round cold latency over
+    the smallest count's, median and min-max."""
+    mounts, rows = [], []
     try:
-        out["populate_s"] = round(trio.run(populate, root, count, dirs, progress), 2)
-        progress(f"{count}: mounting")
-        out["mount_s"] = round(m.mount(), 3)
-        out["rss_mounted"] = m.memory().get("VmRSS")
-        names = random.Random(count).sample(file_names(count, dirs), min(sample, count))
-        paths = [str(m.path / d / n) for d, n in names]
-        out["cold_us"] = round(_stat_us(paths), 1)
-        out["warm_us"] = round(_stat_us(paths), 1)
-        out["miss_us"] = round(_stat_us([p + ".missing" for p in paths], missing=True), 1)
-        out["rss_after"] = m.memory().get("VmRSS")
-        m.umount()
+        for c in counts:
+            m, out = _mount(base, c, dirs, keep, progress)
+            mounts.append(m)
+            rows.append(out)
+        per = [max(1, min(sample, c // rounds)) for c in counts]
+        names = [random.Random(c).sample(file_names(c, dirs), per[i] * rounds) for i, c in enumerate(counts)]
+        got: list[dict] = [{"cold": [], "warm": [], "miss": []} for _ in counts]
+        for r in range(rounds):
+            progress(f"stat round {r + 1}/{rounds}")
+            for i, m in enumerate(mounts):
+                paths = [str(m.path / d / n) for d, n in names[i][r * per[i]:(r + 1) * per[i]]]
+                got[i]["cold"].append(_stat_us(paths))
+                got[i]["warm"].append(_stat_us(paths))
+                got[i]["miss"].append(_stat_us([p + ".missing" for p in paths], missing=True))
+        for i, (m, out) in enumerate(zip(mounts, rows)):
+            for k in ("cold", "warm", "miss"):
+                out[f"{k}_us"] = round(statistics.median(got[i][k]), 1)
+            ratios = [a / b for a, b in zip(got[i]["cold"], got[0]["cold"])]
+            out["cold_ratio"] = [round(statistics.median(ratios), 2), round(min(ratios), 2), round(max(ratios), 2)]
+            mem = m.memory()
+            out["rss_after"], out["anon_after"], out["file_after"] = (mem.get("VmRSS"), mem.get("RssAnon"),
+                                                                      mem.get("RssFile"))
+        for m in mounts:
+            m.umount()
     finally:
-        m.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
-    return out
+        for m in mounts:
+            m.cleanup()
+            shutil.rmtree(m.root, ignore_errors=True)
+    return rows
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| files | directories | mount s | RSS mounted | RSS after stats | lookup (cold stat) µs "
-           "| warm stat µs | miss µs |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| files | mount s | table scanned s | RSS mounted | RSS after stats (anon + file) "
+           "| lookup (cold stat) µs | / smallest count | warm stat µs | miss µs |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    mib = lambda n: f"{n / 2**20:.0f}" if n is not None else "–"
     for r in rows:
-        out.append(f"| {r['files']:,} | {r['dirs']:,} | {r['mount_s']} | {r['rss_mounted'] >> 20} MiB | "
-                   f"{r['rss_after'] >> 20} MiB | {r['cold_us']} | {r['warm_us']} | {r['miss_us']} |")
+        ratio = "{}× ({}–{})".format(*r["cold_ratio"])
+        out.append(f"| {r['files']:,} | {r['mount_s']} | {r['loaded_s']} | {mib(r['rss_mounted'])} MiB | "
+                   f"{mib(r['rss_after'])} MiB ({mib(r['anon_after'])} + {mib(r['file_after'])}) | "
+                   f"{r['cold_us']} | {ratio} | {r['warm_us']} | {r['miss_us']} |")
     if len(rows) > 1 and rows[0]["cold_us"]:
         out += ["", f"lookup latency at {rows[-1]['files']:,} / at {rows[0]['files']:,} files: "
-                f"{rows[-1]['cold_us'] / rows[0]['cold_us']:.2f}×"]
+                f"{rows[-1]['cold_us'] / rows[0]['cold_us']:.2f}× (medians; per round "
+                "{}×, {}–{})".format(*rows[-1]["cold_ratio"])]
     return "\n".join(out)
 
 
@@ -123,13 +190,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--counts", default="10000,100000", help="comma-separated file counts")
     p.add_argument("--dirs", type=int, default=4096)
-    p.add_argument("--sample", type=int, default=5000, help="files stat()ed per count")
+    p.add_argument("--sample", type=int, default=3000, help="files stat()ed per count and round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of stats")
     p.add_argument("--dir", default=".kvfs-bench", help="scratch directory")
     p.add_argument("--json", default=None)
+    p.add_argument("--keep", default=None, help="populate each count once into this directory and "
+                   "mount copies of it (before/after comparisons of the same state)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    rows = [measure(Path(a.dir).resolve(), int(c), a.dirs, a.sample, lambda s: log.info("%s", s))
-            for c in a.counts.split(",")]
+    keep = Path(a.keep).resolve() if a.keep else None
+    rows = measure_all(Path(a.dir).resolve(), [int(c) for c in a.counts.split(",")], a.dirs, a.sample,
+                       a.rounds, lambda s: log.info("%s", s), keep)
     print(table(rows))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

@@ -171,6 +171,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         if not cfg.volatile_ram:
             n = await store.write_down_volatile()
             log.info("wrote %d RAM-only objects down", n)
+        cache.mark_clean()
     finally:
         if metrics is not None:
             metrics.close()

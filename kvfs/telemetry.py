@@ -105,6 +105,17 @@ class Telemetry:
             self.forget(size, old)
             self.adopt(size, new)
 
+    def totals(self) -> dict[str, list[int]]:
+        """Bytes and blocks per namespace (what ``restore`` takes back at the next mount)."""
+        return {name: [c.bytes, c.blocks] for name, c in self.namespaces.items() if c.blocks or c.bytes}
+
+    def restore(self, totals: dict) -> None:
+        """Add the ``totals`` a clean unmount recorded (the objects the store did not load)."""
+        for name, (size, blocks) in totals.items():
+            c = self._ns(name)[1]
+            c.bytes += size
+            c.blocks += blocks
+
     def hit(self, path: str) -> None:
         self._ns(namespace_of(path))[1].hits += 1
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.mount
 def test_metadata_scale_bench_reports_every_count(tmp_path):
     out = tmp_path / "scale.json"
     res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "metadata_scale.py"), "--counts", "40,160",
-                          "--dirs", "8", "--sample", "40", "--dir", str(tmp_path / "scratch"), "--json", str(out)],
+                          "--dirs", "8", "--sample", "10", "--dir", str(tmp_path / "scratch"), "--json", str(out)],
                          capture_output=True, text=True, timeout=600, env=_env())
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(out.read_text())
@@ -24,5 +24,7 @@ def test_metadata_scale_bench_reports_every_count(tmp_path):
     for r in rows:
         assert r["mount_s"] > 0 and r["rss_mounted"] > 0 and r["rss_after"] > 0
         assert r["cold_us"] > 0 and r["warm_us"] > 0 and r["miss_us"] > 0
+        assert r["loaded_s"] >= r["mount_s"] - 1 and r["anon_after"] > 0 and len(r["cold_ratio"]) == 3
+    assert rows[0]["cold_ratio"] == [1.0, 1.0, 1.0]
     assert "lookup latency at 160 / at 40 files" in res.stdout
     assert not any(p.is_mount() for p in (tmp_path / "scratch").rglob("mnt"))

@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 from kvfs.store.cred import ROOT, Cred  # noqa: F401  (re-exported: fs imports them from here)
 from kvfs.store.files import CREATE_MTIME_SLACK, FileHandles, Handle, WriteState  # noqa: F401
 from kvfs.store.index import Index
+from kvfs.store import marker
 from kvfs.store.leases import Lease, Leases
 from kvfs.store.namespace import Namespace
 from kvfs.store.objects import Obj, ObjectStore
@@ -50,7 +51,15 @@ class Cache(FileHandles, Xattrs, Leases, Owners):
 
     # ---- startup ------------------------------------------------------------
     async def start(self) -> dict[str, int]:
-        """Load the object table and recover the namespace after a restart or crash."""
+        """After a clean unmount (its marker in the index): nothing to recover, nothing
+        decoded (kvfs.store.objtable). Otherwise load the object table and recover the
+        namespace (a crash, or a tool changed the index)."""
+        clean = self.index.clean
+        if clean is not None:
+            self.store.load_clean(clean)
+            self.ns.start_clean()
+            log.info("clean start: %d objects, table scanned in the background", len(self.store.objs))
+            return {"clean": 1}
         lost = self.store.load()
         counts, unowned = self.ns.recover(lost)
         for obj in unowned:
@@ -58,6 +67,30 @@ class Cache(FileHandles, Xattrs, Leases, Owners):
         if any(counts.values()):
             log.info("recovery: %s", counts)
         return counts
+
+    def mark_clean(self) -> bool:
+        """At a clean unmount, after the write-down: drop the files never sealed (what
+        recovery would drop) and record the totals the next mount starts from. Not when
+        a file is still being written or an object has no durable copy: the next mount
+        then recovers as after a crash. Returns whether the marker was written."""
+        if self.writers or self.handles:
+            log.info("not marking the unmount clean: %d files still open", len(self.handles))
+            return False
+        volatile = {t.name for t in self.store.tiers if t.volatile}
+        if any(o.size and set(o.place) <= volatile for o in self.store.objs.loaded()):
+            log.info("not marking the unmount clean: RAM-only objects were not written down")
+            return False
+        dropped = self.ns.drop_unsealed()
+        if dropped:
+            log.info("dropped %d files that were never sealed", dropped)
+        store = self.store
+        marker.write(self.index, {
+            "objects": len(store.objs),
+            "tiers": {t.name: [t.used, t.objects] for t in store.tiers if not t.volatile},
+            "namespaces": store.telemetry.totals(),
+            # -1: not known (the scan of this session's clean start did not finish)
+            "kv_parents": len(self.ns.kv_children) if store.table_loaded else -1})
+        return True
 
     async def sweep_orphans(self) -> int:
         """Delete backing objects on durable tiers that the index does not know."""
@@ -125,4 +158,5 @@ class Cache(FileHandles, Xattrs, Leases, Owners):
         counts = self.index.counts()
         return {"tiers": self.store.statistics(), "inodes": counts["inodes"], "objects": len(self.store.objs),
                 "open_handles": len(self.handles) + self._releasing, "writing": len(self.writers), "leases": len(self.leases),
-                "settled": self.store.settled(), "time": time.time()}
+                "settled": self.store.settled(), "table_loaded": self.store.table_loaded,
+                "objects_built": dict.__len__(self.store.objs), "time": time.time()}

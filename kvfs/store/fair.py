@@ -83,6 +83,24 @@ class TierLRU:
         d[obj.oid] = obj.size
         self._account(ns, obj.size)
 
+    def merge_older(self, cold: dict[int, tuple[str, int]]) -> None:
+        """Objects found by the background scan after a clean mount (oid -> (namespace, size),
+        oldest first) go before those used since the mount, which stay more recently used."""
+        found: dict[str, collections.OrderedDict[int, int]] = {}
+        for oid, (ns, size) in cold.items():
+            if oid not in self.by_ns.get(ns, ()):
+                found.setdefault(ns, collections.OrderedDict())[oid] = size
+        for ns, d in found.items():
+            cur = self.by_ns.get(ns)
+            if cur is None:
+                self.used[ns] = 0
+                if self.shares.quotas:
+                    self._members += 1
+            else:
+                d.update(cur)
+            self.by_ns[ns] = d
+            self._account(ns, sum(d[o] for o in d if cur is None or o not in cur))
+
     def discard(self, obj: Obj) -> None:
         self._remove(namespace_of(obj.key), obj.oid)
 

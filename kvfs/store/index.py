@@ -1,7 +1,6 @@
 """The LMDB index: namespace tree, attributes, object placement, access statistics.
 
-One environment per process. Records are typed CBOR maps (kvfs.store.records),
-never pickle.
+One environment per process. Records are typed CBOR maps (kvfs.store.records), never pickle.
 
 Group commits: a namespace operation is one ``Txn`` that never spans an await. It
 buffers its changes and, when it ends cleanly, applies them to an in-memory table of
@@ -17,7 +16,7 @@ frees a durable copy's bytes only after the commit that dropped its record
 (``ObjectStore.release_space``), and records only point at bytes already written.
 
 Databases:
-  meta     name -> value (format header, instance id, id counters)
+  meta     name -> value (format header, instance id, id counters, kvfs.store.marker)
   inodes   ino(u64) -> inode record
   dirents  parent(u64) + name -> child(u64) + eid(u64)
   dirorder parent(u64) + eid(u64) -> name       (stable readdir offsets)
@@ -44,7 +43,7 @@ import lmdb
 import xxhash
 
 from kvfs.errors import IndexDamaged
-from kvfs.store import records
+from kvfs.store import marker, records
 from kvfs.store.records import FORMAT_VERSION, FSCK_HINT
 from kvfs.store.safedir import DirLock, holder_text, open_private_dir, read_file, write_file_atomic
 
@@ -229,6 +228,7 @@ class Index:
                 if txn.get(k64(ROOT_INO), db=self.inodes) is None:
                     raise IndexDamaged(f"the index in {self.state_dir} has no root directory; {FSCK_HINT}")
             self.instance_id = txn.get(b"instance", db=self.meta).decode()
+            self.clean = marker.take(txn, self.meta, self.state_dir)    # consumed by any opener
         if header is None:
             self.env.sync(True)
             write_file_atomic(self.dir_fd, HEADER_NAME, records.encode(make_header(self.instance_id)))

@@ -114,7 +114,7 @@ class Moves:
         fuller than its budget says, too). Least recently used RAM objects go first, so
         the newest survive when not all fit. What cannot be kept is logged, with a count.
         """
-        todo = sorted((o for o in self.objs.values() if o.size and set(o.place) == {self.ram.name}),
+        todo = sorted((o for o in self.objs.loaded() if o.size and set(o.place) == {self.ram.name}),
                       key=lambda o: o.atime)
         lost = 0
         lower = self.tiers[1:]

@@ -26,6 +26,40 @@ def _err(code: int, msg: str = "") -> NamespaceError:
     return NamespaceError(code, msg or os.strerror(code))
 
 
+class SealedMap(dict):
+    """inode -> its sealed object, for regular files that have one. After a clean mount
+    it starts empty and ``get``/``[]`` fill it from the inode record and the object table
+    (recovery after a crash fills it for every file)."""
+
+    def __init__(self, ns: "Namespace"):
+        super().__init__()
+        self.ns = ns
+        self.lazy = False
+
+    def _fill(self, ino):
+        if not self.lazy or ino is None:
+            return None
+        rec = self.ns.index.get_inode(ino)
+        if rec is None or not stat.S_ISREG(rec["mode"]) or rec.get("oid") is None:
+            return None
+        obj = self.ns.store.objs.get(rec["oid"])
+        if obj is not None:
+            dict.__setitem__(self, ino, obj)
+        return obj
+
+    def get(self, ino, default=None):
+        obj = dict.get(self, ino)
+        if obj is None:
+            obj = self._fill(ino)
+        return default if obj is None else obj
+
+    def __missing__(self, ino):
+        obj = self._fill(ino)
+        if obj is None:
+            raise KeyError(ino)
+        return obj
+
+
 class Namespace:
     def __init__(self, index: Index, store: ObjectStore):
         self.index = index
@@ -34,13 +68,41 @@ class Namespace:
         self.kv_children: dict[tuple[str, str], int] = {}
         # inode -> its sealed object, for regular files that have one: answers "is this name a
         # sealed file?" without reading and unpickling inode records (batched prefix lookups)
-        self.sealed: dict[int, Obj] = {}
+        self.sealed = SealedMap(self)
         self.orphans: dict[int, dict] = {}      # unlinked inodes still open
+        # regular files made in this session and not sealed yet (dropped at a clean unmount,
+        # as recovery would drop them: the next mount need not look for them)
+        self.unsealed: set[int] = set()
         # kernel cache invalidation of names the store removed on its own (eviction, corruption)
         self.on_name_removed = lambda parent, name, ino: None
         store.on_lost = self._lost
         store.may_evict = self._may_evict
         store.key_of = lambda obj: self.path_of(obj.ino)
+        store.on_materialize = self._materialized
+        store.scan_inode = self._kv_add
+
+    def start_clean(self) -> None:
+        """After a clean unmount: nothing to recover; sealed files and objects are looked
+        up when used, KV child counts come from the store's background scan."""
+        self.sealed.lazy = True
+
+    def _materialized(self, obj: Obj) -> None:
+        rec = self.index.get_inode(obj.ino)
+        obj.pinned = bool(rec and rec.get("oid") == obj.oid and rec.get("pin", False))
+
+    def drop_unsealed(self) -> int:
+        """Remove the files of this session that were never sealed (the clean unmount's
+        share of recovery); returns how many."""
+        n = 0
+        with self.index.write() as txn:
+            for ino in self.unsealed:
+                rec = txn.get_inode(ino)
+                if rec is not None and stat.S_ISREG(rec["mode"]) and rec.get("oid") is None:
+                    txn.unlink(rec["parent"], rec["name"])
+                    txn.del_inode(ino)
+                    n += 1
+        self.unsealed.clear()
+        return n
 
     # ---- recovery -----------------------------------------------------------
     def recover(self, lost: list[Obj]) -> tuple[dict[str, int], list[Obj]]:
@@ -90,7 +152,7 @@ class Namespace:
         if kv and kv.get("parent"):
             k = (kv["namespace"], kv["parent"])
             n = self.kv_children.get(k, 0) - 1
-            if n > 0:
+            if n > 0 or (n < 0 and not self.store.table_loaded):    # the scan adds it later
                 self.kv_children[k] = n
             else:
                 self.kv_children.pop(k, None)
@@ -176,6 +238,8 @@ class Namespace:
             txn.link(parent, name, ino, new=True)
             prec["mtime"] = prec["ctime"] = now
             txn.put_inode(parent, prec)
+        if stat.S_ISREG(mode) and rec.get("oid") is None:
+            self.unsealed.add(ino)
         return ino, rec
 
     def _touch_dir(self, txn: Txn, ino: int) -> None:
@@ -191,6 +255,7 @@ class Namespace:
         txn.del_inode(ino)
         self._kv_remove(rec)
         self.sealed.pop(ino, None)
+        self.unsealed.discard(ino)
         if keep_open:
             rec["nlink"] = 0
             self.orphans[ino] = rec
@@ -319,6 +384,7 @@ class Namespace:
             txn.put_object(obj.oid, obj.record())
             txn.put_inode(ino, rec)
         self.sealed[ino] = obj
+        self.unsealed.discard(ino)
         return old, True
 
     def _lost(self, txn: Txn, obj: Obj) -> None:

@@ -24,6 +24,7 @@ from kvfs.store import checksum
 from kvfs.store.fair import Shares, TierLRU
 from kvfs.store.index import Index, Txn
 from kvfs.store.moves import Moves
+from kvfs.store.objtable import ObjTable
 from kvfs.store.policy import Policy
 from kvfs.store.ram import RamTier, Staging
 from kvfs.store.tier import ObjectInfo, Tier
@@ -97,7 +98,8 @@ class ObjectStore(Policy, Moves):
         self.chunk_size = chunk_size
         self.high, self.low = high, low
         self.promote_hits, self.promote_window = promote_hits, promote_window
-        self.objs: dict[int, Obj] = {}
+        # oid -> Obj, built from its record on first use after a clean mount (objtable.py)
+        self.objs = ObjTable(index, self._materialize)
         # per tier, its objects by namespace in LRU order (fair victim choice, fair.py)
         self.shares = Shares(lambda: sum(t.capacity for t in self.tiers))
         self.lru: dict[str, TierLRU] = {t.name: TierLRU(self.shares) for t in tiers}
@@ -110,6 +112,12 @@ class ObjectStore(Policy, Moves):
         self.on_lost: Callable[[Txn, Obj], None] = lambda txn, obj: None
         self.may_evict: Callable[[Obj], bool] = lambda obj: True
         self.key_of: Callable[[Obj], str] = lambda obj: obj.key    # current path, for records
+        self.on_materialize: Callable[[Obj], None] = lambda obj: None   # set by the namespace
+        self.scan_inode: Callable[[dict], None] = lambda rec: None      # ditto (KV child counts)
+        self._loaded = trio.Event()        # set once the table scan is done (or not needed)
+        self._loaded.set()
+        self._scanning = False
+        self._scan_ended = trio.Event()
         self._chunks: collections.OrderedDict[tuple[int, int], bytes] = collections.OrderedDict()
         self._inflight: dict[tuple[int, int], trio.Event] = {}
         self._dirty: set[int] = set()
@@ -120,7 +128,8 @@ class ObjectStore(Policy, Moves):
 
     # ---- loading ------------------------------------------------------------
     def load(self) -> list[Obj]:
-        """Read the object table; return objects that lost every durable copy."""
+        """Read the whole object table (after a crash: recovery needs every record);
+        return objects that lost every durable copy."""
         durable = {t.name for t in self.tiers if not t.volatile}
         lost = []
         for oid, rec in self.index.iter_objects():
@@ -135,8 +144,59 @@ class ObjectStore(Policy, Moves):
             t.objects = sum(1 for o in self.objs.values() if t.name in o.place)
         return lost
 
+    def load_clean(self, marker: dict) -> None:
+        """After a clean unmount: take the totals from its marker and decode nothing; objects
+        are built on first use and the LRU order is scanned in the background (``serve``)."""
+        for t in self.tiers[1:]:
+            used = marker["tiers"].get(t.name)
+            if used is not None:
+                t.used, t.objects = used
+        self.telemetry.restore(marker["namespaces"])
+        self.objs.count = marker["objects"]
+        self._scan_tiers = {t.name for t in self.tiers[1:] if marker["tiers"].get(t.name, [0, 1])[1]}
+        self._scan_kv = bool(marker.get("kv_parents", 1))
+        self.objs.begin_scan()
+        self._loaded = trio.Event()
+
+    def _materialize(self, oid: int, rec: dict) -> Obj | None:
+        """The Obj of an object record not built yet (durable placement only)."""
+        obj = Obj.from_record(oid, rec)
+        obj.place = {k: v for k, v in obj.place.items() if not self._tier(k).volatile}
+        if obj.size and not obj.place:
+            log.error("object %x (%s) has no durable copy", oid, obj.key)
+            return None
+        self.on_materialize(obj)
+        return obj
+
+    @property
+    def table_loaded(self) -> bool:
+        """The LRU order and KV child counts cover every object (eviction may choose)."""
+        return self._loaded.is_set()
+
+    async def wait_loaded(self) -> None:
+        """Wait for the background table scan; run it here when no ``serve`` runs it (or
+        the one that ran was cancelled)."""
+        while not self._loaded.is_set():
+            if self._scanning:
+                await self._scan_ended.wait()
+            else:
+                await self._scan()
+
+    async def _scan(self) -> None:
+        self._scanning, self._scan_ended = True, trio.Event()
+        try:
+            await self.objs.scan(self._scan_tiers, self.lru, self.scan_inode if self._scan_kv else None)
+        finally:
+            self._scanning = False
+            self._scan_ended.set()
+        log.info("object table scanned: %d objects, %d built", len(self.objs), dict.__len__(self.objs))
+        self.scan_inode = lambda rec: None
+        self._loaded.set()
+        self.kick()
+
     def _adopt(self, obj: Obj) -> None:
-        self.objs[obj.oid] = obj
+        dict.__setitem__(self.objs, obj.oid, obj)
+        self.objs.count += 1
         self.telemetry.adopt(obj.size, obj.key)
         for name in obj.place:
             self.lru[name].add(obj)
@@ -192,6 +252,7 @@ class ObjectStore(Policy, Moves):
             except TierFull as e:
                 if i == 0 or tier.free() < tier.footprint(obj.size):
                     raise                       # full on the books: the caller makes room
+                await self.wait_loaded()
                 victim = self._victim(tier, i >= self._lowest())
                 if victim is None:
                     raise
@@ -206,7 +267,7 @@ class ObjectStore(Policy, Moves):
 
     def _forget(self, obj: Obj) -> None:
         obj.dead = True
-        if self.objs.pop(obj.oid, None) is not None:
+        if self.objs.forget(obj.oid):
             self.telemetry.forget(obj.size, obj.key)
         self._dirty.discard(obj.oid)
         for name in obj.place:
@@ -438,6 +499,8 @@ class ObjectStore(Policy, Moves):
                 nursery.start_soon(self._pressure_loop)
                 nursery.start_soon(self._promote_loop)
                 nursery.start_soon(self._stats_loop)
+                if not self._loaded.is_set() and not self._scanning:
+                    nursery.start_soon(self._scan)
                 task_status.started()
         finally:
             self._background = None
@@ -462,7 +525,7 @@ class ObjectStore(Policy, Moves):
 
     def settled(self) -> bool:
         """No demotion, eviction or promotion is running or queued (for tests and tools)."""
-        return (not self._moving and not self._kick.is_set()
+        return (not self._moving and not self._kick.is_set() and self._loaded.is_set()
                 and self._promote_send.statistics().current_buffer_used == 0)
 
     async def _stats_loop(self) -> None:

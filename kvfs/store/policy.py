@@ -106,6 +106,8 @@ class Policy:
         object: it raises TierFull instead of evicting.
         """
         tier = self.tiers[i]
+        if i and tier.free() < need:
+            await self.wait_loaded()        # a durable tier's LRU is complete once scanned
         while tier.free() < need:
             victim = self._victim(tier, i >= self._lowest())
             if victim is None:
@@ -118,6 +120,8 @@ class Policy:
             if not tier.available or tier.used <= tier.capacity * self.high:
                 continue
             target = tier.capacity * self.low
+            if i:
+                await self.wait_loaded()
             while tier.used > target:
                 victim = self._victim(tier, i >= self._lowest())
                 if victim is None:

@@ -22,8 +22,10 @@ from kvfs.store.tier import ObjectInfo  # noqa: E402
 
 @contextlib.asynccontextmanager
 async def open_cache(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chunk: int = 64 << 10,
-                     extra_tiers=(), high=0.9, low=0.6):
-    """A Cache over real tiers, without the kernel. Yields the Cache."""
+                     extra_tiers=(), high=0.9, low=0.6, clean: bool = False):
+    """A Cache over real tiers, without the kernel. Yields the Cache. ``clean``: close as a
+    clean unmount does (write-down, then the clean-unmount marker); otherwise the next
+    open recovers as after a crash."""
     index = Index(tmp / "state")
     tiers = [RamTier(ram, "/dev/shm", index.instance_id), NvmeTier(nvme, tmp / "nvme"), *extra_tiers]
     for t in tiers:
@@ -36,6 +38,9 @@ async def open_cache(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chu
         yield cache
     finally:
         store.flush_stats()
+        if clean:
+            await store.write_down_volatile()
+            cache.mark_clean()
         for t in tiers:
             await t.close()
         index.close()

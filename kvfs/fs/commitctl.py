@@ -6,12 +6,13 @@ Open ``.kvfs/commit`` read-write, write a request at offset 0, read the answer::
     line      := entry | directive
     entry     := OFFSET " " LENGTH " " PATH     decimal byte range of the current fd; PATH
                                                  relative to the current base
-    directive := "\\0fd N" | "\\0base DIR" | "\\0mode OCTAL"
+    directive := "\\0fd N" | "\\0base DIR" | "\\0mode OCTAL" | "\\0noreplace"
 
 ``\\0fd N`` names a descriptor of the process that opened the control file (required before
 the first entry; a regular file open for reading, e.g. a memfd, not a file of this mount);
 ``\\0base DIR`` as for ``lookup``; ``\\0mode`` the permission bits of later entries (default
-0644). The answer is ``{"results": [errno, ...]}``, one per entry in order: 0 = the file was
+0644); ``\\0noreplace`` keeps an existing target (its entry answers EEXIST, as
+``rename(RENAME_NOREPLACE)``; default: replace it, as ``rename``). The answer is ``{"results": [errno, ...]}``, one per entry in order: 0 = the file was
 published as if the caller had written a temp file beside it, closed it and renamed it over
 PATH; otherwise the errno that failed it (nothing was published for it). A request that
 does not parse fails as a whole with EINVAL.
@@ -54,11 +55,11 @@ def _mount_dev(mountpoint: str) -> int:
     return dev
 
 
-def parse(raw: bytes) -> list[tuple[int, int, int, bytes, int]]:
-    """``[(fd, offset, length, path from the root, mode), ...]`` of a request; EINVAL if it
-    does not parse."""
+def parse(raw: bytes) -> tuple[list[tuple[int, int, int, bytes, int]], bool]:
+    """``([(fd, offset, length, path from the root, mode), ...], noreplace)`` of a request;
+    EINVAL if it does not parse."""
     out = []
-    fd, base, mode = None, b"", 0o644
+    fd, base, mode, noreplace = None, b"", 0o644, False
     try:
         for line in raw.split(b"\n"):
             if not line:
@@ -69,6 +70,8 @@ def parse(raw: bytes) -> list[tuple[int, int, int, bytes, int]]:
                     fd = int(arg)
                 elif word == protocol.BASE:
                     base = arg.strip(b"/")
+                elif word == protocol.NOREPLACE:
+                    noreplace = True
                 elif word == protocol.MODE:
                     mode = int(arg, 8)
                     if not 0 <= mode <= 0o777:
@@ -85,7 +88,7 @@ def parse(raw: bytes) -> list[tuple[int, int, int, bytes, int]]:
         raise pyfuse3.FUSEError(errno.EINVAL) from None
     if len(out) > MAX_ENTRIES:
         raise pyfuse3.FUSEError(errno.E2BIG)
-    return out
+    return out, noreplace
 
 
 class CommitControl:
@@ -107,7 +110,7 @@ class CommitControl:
         return self._dev
 
     async def serve(self, h, raw: bytes) -> dict:
-        reqs = parse(raw)
+        reqs, noreplace = parse(raw)
         fds: dict[int, int | OSError] = {}
         results: list[int] = [0] * len(reqs)
         entries, where = [], []
@@ -124,7 +127,8 @@ class CommitControl:
                     continue
                 entries.append(CommitEntry(path, src, off, length, mode))
                 where.append(i)
-            done = await self.cache.commit_entries(entries, h.cred, getattr(self.cache, "quotas", None))
+            done = await self.cache.commit_entries(entries, h.cred, getattr(self.cache, "quotas", None),
+                                                   noreplace)
         finally:
             for src in fds.values():
                 if isinstance(src, int):

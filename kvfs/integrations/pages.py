@@ -11,9 +11,11 @@ runtimes need, each batched the way kvfs makes cheap:
   straight into the caller's buffers (``dests[i]``: the page's destination byte ranges in
   file order), and its whole-object xxh3_64 checked before the page counts as a hit; a page
   without a fast path (``null`` entry) is read through the mount (a *lease fallback*).
-* ``write(name, bufs)``: temp file, one ``writev``, ``rename`` -- through the mount, so the
-  daemon places, indexes and checksums it like any other file. ``name`` may contain
-  subdirectories (created on first use).
+* ``write_many(names, bufs_of)``: the pages not yet present in one ``.kvfs/commit`` request
+  (kvfs.kv.commit: the pages are copied into a memfd of this thread's, the daemon copies them
+  into its store, checksums its copy and publishes each page as close+rename would); where
+  there is no commit file, or for a page it refused, temp file, one ``writev``, ``rename``
+  through the mount. ``name`` may contain subdirectories (created on first use).
 
 Failure policy (the runtime's worker thread must never see a kvfs exception): every error --
 a dead or unmounted daemon (ENOTCONN), a vanished file, a short read, a checksum mismatch, a
@@ -35,6 +37,7 @@ import threading
 import time
 
 from kvfs.kv.block import ChecksumMismatch
+from kvfs.kv.commit import CommitClient
 from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObjects, preadv_full, read_backing,
                              read_backing_into)
 from kvfs.kv.lookup import PrefixLookup, find_control
@@ -79,6 +82,7 @@ class PageStoreStats:
     errors: int             # failed calls (each made its pages misses / failed sets)
     stalled: int            # calls answered "miss" at once: an earlier request is still waiting
     reconnects: int
+    commit_refused: int = 0  # pages the batched commit refused (then written through the mount)
 
 
 @dataclasses.dataclass
@@ -109,7 +113,8 @@ class PageStore:
     """Raw page files in ``<root>/<subdir>`` (``root`` inside a kvfs mount)."""
 
     def __init__(self, root: str | os.PathLike, subdir: str = "", *, require_kvfs: bool = True,
-                 lease_ttl: float | None = None, verify_shm: str = "once", stall_timeout: float | None = 10.0):
+                 lease_ttl: float | None = None, verify_shm: str = "once", stall_timeout: float | None = 10.0,
+                 use_commit: bool = True):
         if verify_shm not in ("once", "always"):
             raise ValueError(f"verify_shm must be 'once' or 'always', got {verify_shm!r}")
         self.root = os.path.abspath(os.fspath(root))
@@ -117,6 +122,7 @@ class PageStore:
         self.require_kvfs = require_kvfs
         self.lease_ttl = lease_ttl
         self.stall_timeout = stall_timeout
+        self.use_commit = use_commit      # batched writes through .kvfs/commit (kvfs.kv.commit)
         self._inflight: dict[object, float] = {}     # calls under way -> when they started
         self.verified = VerifiedObjects() if verify_shm == "once" else None
         self._lock = threading.Lock()
@@ -459,8 +465,10 @@ class PageStore:
     # -- writes ---------------------------------------------------------------------------
     def write_many(self, names: list[str], bufs_of) -> list[bool]:
         """Store pages ``names`` (``bufs_of(i)``: page i's bytes, a list of buffers in file
-        order), skipping the leading ones that already exist (one lookup). True per page
-        stored or present."""
+        order), skipping the leading ones that already exist (one lookup). On kvfs the rest
+        go in one ``.kvfs/commit`` request (kvfs.kv.commit); a page the commit refused, or
+        every page where there is no commit file, is written through the mount. True per
+        page stored or present."""
         n = len(names)
         if not n:
             return []
@@ -469,19 +477,61 @@ class PageStore:
         written = nbytes = failed = 0
         for i in range(present):
             ok[i] = True
+        todo = list(range(present, n))
+        memo: dict[int, list] = {}
+
+        def bufs_at(i: int) -> list:
+            if i not in memo:
+                memo[i] = bufs_of(i)
+            return memo[i]
         try:
             with self._call() as progress:
-                for i in range(present, n):
-                    size = self._write(names[i], bufs_of(i))
+                todo = self._commit(names, bufs_at, todo, ok)
+                for i in todo:
+                    self._write(names[i], bufs_at(i))
                     ok[i] = True
-                    written += 1
-                    nbytes += size
                     progress()
         except Exception as e:         # noqa: BLE001 -- a failed store is reported, not raised
-            failed = n - present - written
-            self._failed("write", e, failed)
+            self._failed("write", e, sum(1 for i in range(present, n) if not ok[i]))
+        for i in range(present, n):
+            if ok[i]:
+                written += 1
+                nbytes += sum(memoryview(b).nbytes for b in bufs_at(i))
+            else:
+                failed += 1
         self._count(sets=n, written=written, skipped=present, set_failures=failed, bytes_written=nbytes)
         return ok
+
+    def _committer(self) -> CommitClient | None:
+        lk = self._connect()
+        if not lk.one_call or not self.use_commit:
+            return None
+        st = self._local
+        if getattr(st, "commit_epoch", -1) != self._epoch:
+            st.committer, st.commit_epoch = CommitClient.open(self._mount_root), self._epoch
+            if st.committer is not None:
+                with self._lock:
+                    self._leases.append(st.committer)     # closed with the lease descriptors
+        return st.committer
+
+    def _commit(self, names: list[str], bufs_of, todo: list[int], ok: list[bool]) -> list[int]:
+        """Publish pages ``todo`` in one commit request; returns those left to write through
+        the mount (refused entries: a missing subdirectory is made first)."""
+        client = self._committer() if todo else None
+        if client is None:
+            return todo
+        base = os.path.relpath(self.dir, self._mount_root)
+        results = client.commit(base, [(names[i], bufs_of(i)) for i in todo], noreplace=True)
+        left = []
+        for i, r in zip(todo, results):
+            if r in (0, errno.EEXIST):      # stored, or present already (a page never changes)
+                ok[i] = True
+                continue
+            if r != errno.ENOENT:
+                self._count(commit_refused=1)
+                log.debug("commit of %s refused (%s): writing it through the mount", names[i], os.strerror(r))
+            left.append(i)
+        return left
 
     def _write(self, name: str, bufs: list) -> int:
         if self.require_kvfs:

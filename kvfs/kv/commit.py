@@ -54,23 +54,25 @@ class CommitClient:
                 os.close(fd)
         self.ctl = self.memfd = -1
 
-    def commit(self, base: str, items: list[tuple[str, list]], mode: int | None = None) -> list[int]:
+    def commit(self, base: str, items: list[tuple[str, list]], mode: int | None = None,
+               noreplace: bool = False) -> list[int]:
         """Publish ``items`` (``(path relative to base, [buffers in file order])``) under
-        ``base`` (relative to the mount root). Returns one errno per item (0: published).
+        ``base`` (relative to the mount root). Returns one errno per item (0: published;
+        EEXIST: ``noreplace`` and the file exists, kept as it was).
         Raises OSError when the request as a whole failed (daemon gone, refused)."""
         out: list[int] = []
         start, size = 0, 0
         for i, (_, bufs) in enumerate(items):
             n = sum(len(v) for v in _views(bufs))
             if size and size + n > BATCH_BYTES:
-                out += self._commit(base, items[start:i], mode)
+                out += self._commit(base, items[start:i], mode, noreplace)
                 start, size = i, 0
             size += n
         if start < len(items):
-            out += self._commit(base, items[start:], mode)
+            out += self._commit(base, items[start:], mode, noreplace)
         return out
 
-    def _commit(self, base: str, items: list[tuple[str, list]], mode: int | None) -> list[int]:
+    def _commit(self, base: str, items: list[tuple[str, list]], mode: int | None, noreplace: bool) -> list[int]:
         entries, off = [], 0
         chunks = []
         for name, bufs in items:
@@ -84,7 +86,7 @@ class CommitClient:
             self._size = off
         for at, views in chunks:
             self._pwritev(at, views)
-        req = protocol.commit_request(base, self.memfd, entries, mode)
+        req = protocol.commit_request(base, self.memfd, entries, mode, noreplace)
         self._send(req)
         answer = self._receive()
         try:

@@ -149,8 +149,9 @@ def _copy(src: int, dst: int, offset: int, length: int) -> int:
 class Commits:
     """``Cache``'s batched commit (see the module docstring)."""
 
-    def commit_parent(self, path: bytes, cred: Cred) -> tuple[int, bytes]:
-        """``(parent inode, name)`` of ``path`` if ``cred`` may create or replace it there."""
+    def commit_parent(self, path: bytes, cred: Cred, noreplace: bool = False) -> tuple[int, bytes]:
+        """``(parent inode, name)`` of ``path`` if ``cred`` may create or replace it there
+        (EEXIST if it exists and ``noreplace``)."""
         comps = path.split(b"/")
         if any(c in (b"", b".", b"..") or len(c) > NAME_MAX for c in comps):
             raise _err(errno.EINVAL, "a commit path has empty, '.', '..' or too long components")
@@ -173,6 +174,8 @@ class Commits:
         if ino == ROOT_INO and name == CONTROL_NAME_B:
             raise _err(errno.EPERM, ".kvfs is reserved")
         old = self.index.lookup(ino, name)
+        if old is not None and noreplace:
+            raise _err(errno.EEXIST)
         if old is not None:
             orec = self.index.get_inode(old)
             if orec is not None and stat.S_ISDIR(orec["mode"]):
@@ -182,14 +185,14 @@ class Commits:
                 raise _err(errno.EPERM)      # sticky directory: only the owner replaces
         return ino, name
 
-    async def commit_entries(self, entries: list[CommitEntry], cred: Cred,
-                             quotas=None) -> list[tuple[int, bytes] | BaseException]:
+    async def commit_entries(self, entries: list[CommitEntry], cred: Cred, quotas=None,
+                             noreplace: bool = False) -> list[tuple[int, bytes] | BaseException]:
         """Publish each entry (see the module docstring): per entry ``(parent, name)`` of the
         published file, or the exception that failed it."""
         out: list = []
         for e in entries:
             try:
-                out.append(await self._commit_one(e, cred, quotas))
+                out.append(await self._commit_one(e, cred, quotas, noreplace))
             except trio.Cancelled:
                 raise
             except Exception as exc:        # noqa: BLE001 -- each entry fails on its own
@@ -197,10 +200,10 @@ class Commits:
                 out.append(exc)
         return out
 
-    async def _commit_one(self, e: CommitEntry, cred: Cred, quotas) -> tuple[int, bytes]:
+    async def _commit_one(self, e: CommitEntry, cred: Cred, quotas, noreplace: bool) -> tuple[int, bytes]:
         if e.offset < 0 or e.length < 0:
             raise _err(errno.EINVAL, "negative offset or length")
-        parent, name = self.commit_parent(e.path, cred)
+        parent, name = self.commit_parent(e.path, cred, noreplace)
         tmp = TMP_PREFIX + os.urandom(8).hex().encode()
         fh, ino, _ = await self.create(parent, tmp, e.mode & 0o777, cred.uid, cred.gid, os.O_WRONLY)
         published = False
@@ -216,7 +219,7 @@ class Commits:
                 await self.release(fh)
             if self.index.get_inode(ino) is None or self.index.get_inode(ino).get("oid") is None:
                 raise _err(errno.EIO, "the committed file was not sealed")
-            await self.rename(parent, tmp, parent, name, 0)
+            await self.rename(parent, tmp, parent, name, 1 if noreplace else 0)
             published = True
         finally:
             if not published:

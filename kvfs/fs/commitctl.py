@@ -29,8 +29,10 @@ import logging
 import os
 
 import pyfuse3
+import trio
 
 from kvfs import protocol
+from kvfs.errors import NamespaceError
 from kvfs.fs.errmap import to_errno
 from kvfs.store.commit import CallerProcess, CommitEntry
 
@@ -101,7 +103,7 @@ class CommitControl:
     def caller_process(self, pid: int) -> CallerProcess:
         try:
             return CallerProcess(pid)
-        except OSError as e:
+        except (OSError, NamespaceError) as e:
             raise pyfuse3.FUSEError(e.errno or errno.ESRCH) from None
 
     def mount_dev(self) -> int:
@@ -111,18 +113,18 @@ class CommitControl:
 
     async def serve(self, h, raw: bytes) -> dict:
         reqs, noreplace = parse(raw)
-        fds: dict[int, int | OSError] = {}
+        fds: dict[int, int | Exception] = {}
         results: list[int] = [0] * len(reqs)
         entries, where = [], []
         try:
             for i, (n, off, length, path, mode) in enumerate(reqs):
                 if n not in fds:
-                    try:
-                        fds[n] = h.process.open_fd(n, self.mount_dev())
-                    except OSError as e:
+                    try:    # in a thread: a descriptor of this very mount makes fstat ask us
+                        fds[n] = await trio.to_thread.run_sync(h.process.open_fd, n, self.mount_dev())
+                    except (OSError, NamespaceError) as e:
                         fds[n] = e
                 src = fds[n]
-                if isinstance(src, OSError):
+                if isinstance(src, Exception):
                     results[i] = to_errno(src)
                     continue
                 entries.append(CommitEntry(path, src, off, length, mode))

@@ -1,4 +1,5 @@
-"""The reserved ``.kvfs`` directory: read-only stats, the one-call prefix lookup and leases.
+"""The reserved ``.kvfs`` directory: read-only stats, the one-call prefix lookup and leases,
+KV events and the batched ``commit`` of files (its grammar: kvfs/fs/commitctl.py).
 
 ``lookup`` and ``lease`` take a request written at offset 0 (a larger request may arrive as
 several writes at increasing offsets) and answer it on the next read:

@@ -12,10 +12,9 @@ runtimes need, each batched the way kvfs makes cheap:
   file order), and its whole-object xxh3_64 checked before the page counts as a hit; a page
   without a fast path (``null`` entry) is read through the mount (a *lease fallback*).
 * ``write_many(names, bufs_of)``: the pages not yet present in one ``.kvfs/commit`` request
-  (kvfs.kv.commit: the pages are copied into a memfd of this thread's, the daemon copies them
-  into its store, checksums its copy and publishes each page as close+rename would); where
-  there is no commit file, or for a page it refused, temp file, one ``writev``, ``rename``
-  through the mount. ``name`` may contain subdirectories (created on first use).
+  (kvfs.kv.commit: via a memfd; the daemon copies, checksums and publishes each page as
+  close+rename would); without a commit file, or for a page it refused: temp file, one
+  ``writev``, ``rename`` through the mount. Names may contain subdirectories.
 
 Failure policy (the runtime's worker thread must never see a kvfs exception): every error --
 a dead or unmounted daemon (ENOTCONN), a vanished file, a short read, a checksum mismatch, a
@@ -269,18 +268,20 @@ class PageStore:
     def _prefix(self, names: list[str]) -> int:
         lk = self._connect()
         if lk.one_call:
-            # The first page decides a miss (the common one: a new prompt) in one LOOKUP round
-            # trip, or none when the kernel has its entry cached (pages written or read here);
-            # the lookup file costs two (write the request, read the answer).
-            try:
-                st = os.stat(os.path.join(self.dir, names[0]))
-            except FileNotFoundError:
-                return 0
-            if not stat.S_ISREG(st.st_mode):
+            # the first page decides a miss (a new prompt): the lookup file costs two round trips
+            if not self._first_exists(names[0]):
                 return 0
             if len(names) == 1:
                 return 1
         return lk.prefix_rel(names)
+
+    def _first_exists(self, name: str) -> bool:
+        """Is the first page there? One LOOKUP, or none if the kernel has the (negative) entry."""
+        try:
+            st = os.stat(os.path.join(self.dir, name))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return stat.S_ISREG(st.st_mode)
 
     # -- lookup-and-pin (LMCache's lookup_and_lock) ----------------------------------------
     def hold(self, names: list[str]) -> tuple[int, LeaseHold | None]:
@@ -296,6 +297,8 @@ class PageStore:
                 if not lk.one_call:             # plain directory: a stat per page, nothing to pin
                     k = lk.prefix_rel(names)
                     held = LeaseHold(None, dict.fromkeys(names[:k]), self._epoch)
+                elif not self._first_exists(names[0]):
+                    pass                        # a miss (a new prompt): no lease round trip
                 else:
                     client = self._spare()
                     try:
@@ -464,11 +467,9 @@ class PageStore:
 
     # -- writes ---------------------------------------------------------------------------
     def write_many(self, names: list[str], bufs_of) -> list[bool]:
-        """Store pages ``names`` (``bufs_of(i)``: page i's bytes, a list of buffers in file
-        order), skipping the leading ones that already exist (one lookup). On kvfs the rest
-        go in one ``.kvfs/commit`` request (kvfs.kv.commit); a page the commit refused, or
-        every page where there is no commit file, is written through the mount. True per
-        page stored or present."""
+        """Store pages ``names`` (``bufs_of(i)``: page i's buffers in file order), skipping the
+        leading ones present (one lookup); the rest in one commit (or through the mount, see
+        the module docstring). True per page stored or present."""
         n = len(names)
         if not n:
             return []
@@ -515,8 +516,7 @@ class PageStore:
         return st.committer
 
     def _commit(self, names: list[str], bufs_of, todo: list[int], ok: list[bool]) -> list[int]:
-        """Publish pages ``todo`` in one commit request; returns those left to write through
-        the mount (refused entries: a missing subdirectory is made first)."""
+        """Publish pages ``todo`` in one commit request; returns those left for the mount."""
         client = self._committer() if todo else None
         if client is None:
             return todo

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 TMP_PREFIX = b".kvfs-commit."
 NAME_MAX = 255
 _COPY_CHUNK = 64 << 20
+GROUP_BYTES = 64 << 20     # entries whose copies go in one worker-thread call
 
 
 def _err(code: int, msg: str = "") -> NamespaceError:
@@ -188,57 +189,91 @@ class Commits:
     async def commit_entries(self, entries: list[CommitEntry], cred: Cred, quotas=None,
                              noreplace: bool = False) -> list[tuple[int, bytes] | BaseException]:
         """Publish each entry (see the module docstring): per entry ``(parent, name)`` of the
-        published file, or the exception that failed it."""
+        published file, or the exception that failed it. Entries go in groups of about
+        GROUP_BYTES: temp files made, then every copy of the group in one worker-thread call
+        (a thread hop per page would cost more than a small page's copy), then sealed and
+        renamed one by one."""
         out: list = []
+        start = size = 0
+        for i, e in enumerate(entries):
+            if size and size + e.length > GROUP_BYTES:
+                out += await self._commit_group(entries[start:i], cred, quotas, noreplace)
+                start, size = i, 0
+            size += max(0, e.length)
+        if start < len(entries):
+            out += await self._commit_group(entries[start:], cred, quotas, noreplace)
+        return out
+
+    async def _commit_group(self, entries: list[CommitEntry], cred: Cred, quotas, noreplace: bool) -> list:
+        made: list = []
         for e in entries:
             try:
-                out.append(await self._commit_one(e, cred, quotas, noreplace))
+                made.append(await self._begin(e, cred, quotas, noreplace))
             except trio.Cancelled:
                 raise
             except Exception as exc:        # noqa: BLE001 -- each entry fails on its own
-                log.debug("commit of %r failed: %r", e.path, exc)
+                made.append(exc)
+        jobs = [(m.entry.src, m.staging.fd, m.entry.offset, m.entry.length)
+                for m in made if isinstance(m, _Pending) and m.entry.length]
+        copied = iter(await trio.to_thread.run_sync(_copy_all, jobs) if jobs else [])
+        out: list = []
+        for m in made:
+            if not isinstance(m, _Pending):
+                out.append(m)
+                continue
+            try:
+                got = next(copied) if m.entry.length else 0
+                out.append(await self._finish(m, got, noreplace))
+            except trio.Cancelled:
+                raise
+            except Exception as exc:        # noqa: BLE001
+                log.debug("commit of %r failed: %r", m.entry.path, exc)
                 out.append(exc)
+            finally:
+                if m.fh in self.handles:
+                    if quotas is not None:
+                        quotas.forget_handle(m.fh)
+                    await self.release(m.fh)
+                if not m.published:
+                    try:
+                        await self.unlink(m.parent, m.tmp)
+                    except NamespaceError:
+                        pass
         return out
 
-    async def _commit_one(self, e: CommitEntry, cred: Cred, quotas, noreplace: bool) -> tuple[int, bytes]:
+    async def _begin(self, e: CommitEntry, cred: Cred, quotas, noreplace: bool) -> "_Pending":
+        """Checks, the hidden temp file and its (empty) buffer, and the quota's room."""
         if e.offset < 0 or e.length < 0:
             raise _err(errno.EINVAL, "negative offset or length")
         parent, name = self.commit_parent(e.path, cred, noreplace)
         tmp = TMP_PREFIX + os.urandom(8).hex().encode()
         fh, ino, _ = await self.create(parent, tmp, e.mode & 0o777, cred.uid, cred.gid, os.O_WRONLY)
-        published = False
+        m = _Pending(e, parent, name, tmp, fh, ino, None)
         try:
+            if quotas is not None and quotas.limits and e.length:
+                await quotas.admit_write(fh, 0, e.length)
+            m.staging = await self._staging(self.handles[fh].ws)
+        except BaseException:
+            if quotas is not None:
+                quotas.forget_handle(fh)
+            await self.release(fh)
             try:
-                if quotas is not None and quotas.limits and e.length:
-                    await quotas.admit_write(fh, 0, e.length)
-                await self._fill(self.handles[fh].ws, e)
-                await self.flush(fh)         # the seal: as the last close would
-            finally:
-                if quotas is not None:
-                    quotas.forget_handle(fh)
-                await self.release(fh)
-            if self.index.get_inode(ino) is None or self.index.get_inode(ino).get("oid") is None:
-                raise _err(errno.EIO, "the committed file was not sealed")
-            await self.rename(parent, tmp, parent, name, 1 if noreplace else 0)
-            published = True
-        finally:
-            if not published:
-                try:
-                    await self.unlink(parent, tmp)
-                except NamespaceError:
-                    pass
-        return parent, name
+                await self.unlink(parent, tmp)
+            except NamespaceError:
+                pass
+            raise
+        return m
 
-    async def _fill(self, ws, e: CommitEntry) -> None:
-        """Copy the entry's bytes into the file's (new, empty) staging buffer."""
-        staging = await self._staging(ws)
-        if not e.length:
-            return
-        got = await trio.to_thread.run_sync(_copy, e.src, staging.fd, e.offset, e.length)
+    async def _finish(self, m: "_Pending", got, noreplace: bool) -> tuple[int, bytes]:
+        """Account the copied bytes, seal as the last close would, rename over the name."""
+        if isinstance(got, BaseException):
+            raise got
+        ws = self.handles[m.fh].ws
+        staging = m.staging
         if got > staging.size:
             staging._account(got)
-        if got != e.length:
-            raise _err(errno.EINVAL, f"the source holds {got} of the {e.length} bytes named")
+        if got != m.entry.length:
+            raise _err(errno.EINVAL, f"the source holds {got} of the {m.entry.length} bytes named")
         ws.dirty = True
         ws.touch()
         ram = self.store.ram
@@ -247,3 +282,34 @@ class Commits:
             await staging.spill(self.spill_dir)
         elif ram.used > ram.capacity * self.store.high:
             self.store.kick()
+        await self.flush(m.fh)              # the seal: as the last close would
+        await self.release(m.fh)
+        rec = self.index.get_inode(m.ino)
+        if rec is None or rec.get("oid") is None:
+            raise _err(errno.EIO, "the committed file was not sealed")
+        await self.rename(m.parent, m.tmp, m.parent, m.name, 1 if noreplace else 0)
+        m.published = True
+        return m.parent, m.name
+
+
+@dataclasses.dataclass
+class _Pending:
+    entry: CommitEntry
+    parent: int
+    name: bytes
+    tmp: bytes
+    fh: int
+    ino: int
+    staging: object
+    published: bool = False
+
+
+def _copy_all(jobs: list[tuple[int, int, int, int]]) -> list:
+    """Each ``(src, dst, offset, length)`` copied (worker thread): bytes copied, or the error."""
+    out: list = []
+    for src, dst, off, n in jobs:
+        try:
+            out.append(_copy(src, dst, off, n))
+        except OSError as e:
+            out.append(e)
+    return out

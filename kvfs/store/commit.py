@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 TMP_PREFIX = b".kvfs-commit."
 NAME_MAX = 255
 _COPY_CHUNK = 64 << 20
-GROUP_BYTES = 64 << 20     # entries whose copies go in one worker-thread call
+GROUP_BYTES = 64 << 20     # entries whose copies go in one worker-thread call ...
+GROUP_ENTRIES = 32         # ... at most (the RAM tier keeps 64 spare staging files: more
+                           # buffers at once would create and unlink files)
 
 
 def _err(code: int, msg: str = "") -> NamespaceError:
@@ -196,7 +198,7 @@ class Commits:
         out: list = []
         start = size = 0
         for i, e in enumerate(entries):
-            if size and size + e.length > GROUP_BYTES:
+            if size and size + e.length > GROUP_BYTES or i - start >= GROUP_ENTRIES:
                 out += await self._commit_group(entries[start:i], cred, quotas, noreplace)
                 start, size = i, 0
             size += max(0, e.length)

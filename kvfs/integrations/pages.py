@@ -516,21 +516,20 @@ class PageStore:
         return st.committer
 
     def _commit(self, names: list[str], bufs_of, todo: list[int], ok: list[bool]) -> list[int]:
-        """Publish pages ``todo`` in one commit request; returns those left for the mount."""
+        """Publish pages ``todo`` by commit; returns those left for the mount."""
         client = self._committer() if todo else None
         if client is None:
             return todo
-        base = os.path.relpath(self.dir, self._mount_root)
-        results = client.commit(base, [(names[i], bufs_of(i)) for i in todo], noreplace=True)
+        results = client.commit_into(self.dir, os.path.relpath(self.dir, self._mount_root),
+                                     [(names[i], bufs_of(i)) for i in todo], noreplace=True)
         left = []
         for i, r in zip(todo, results):
             if r in (0, errno.EEXIST):      # stored, or present already (a page never changes)
                 ok[i] = True
-                continue
-            if r != errno.ENOENT:
+            else:
                 self._count(commit_refused=1)
-                log.debug("commit of %s refused (%s): writing it through the mount", names[i], os.strerror(r))
-            left.append(i)
+                log.debug("commit of %s refused (%s): through the mount", names[i], os.strerror(r))
+                left.append(i)
         return left
 
     def _write(self, name: str, bufs: list) -> int:

@@ -72,6 +72,20 @@ class CommitClient:
             out += self._commit(base, items[start:], mode, noreplace)
         return out
 
+    def commit_into(self, local_dir: str, base: str, items: list[tuple[str, list]],
+                    noreplace: bool = False) -> list[int]:
+        """:meth:`commit` under ``base``, whose path on this machine is ``local_dir``; items
+        refused with ENOENT (a subdirectory not made yet) are sent again once their
+        subdirectories are made through the mount."""
+        results = self.commit(base, items, noreplace=noreplace)
+        nodir = [k for k, r in enumerate(results) if r == errno.ENOENT and os.path.dirname(items[k][0])]
+        if nodir:
+            for sub in {os.path.dirname(items[k][0]) for k in nodir}:
+                os.makedirs(os.path.join(local_dir, sub), exist_ok=True)
+            for k, r in zip(nodir, self.commit(base, [items[k] for k in nodir], noreplace=noreplace)):
+                results[k] = r
+        return results
+
     def _commit(self, base: str, items: list[tuple[str, list]], mode: int | None, noreplace: bool) -> list[int]:
         entries, off = [], 0
         chunks = []

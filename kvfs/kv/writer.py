@@ -207,7 +207,7 @@ class BlockWriter:
             items.append((os.path.relpath(block_path(self.ns_dir, job.hashes[j]), self.ns_dir),
                           [self._header(job, j, payload), payload]))
         try:
-            results = self._commit.commit(self._commit_base, items, noreplace=True)
+            results = self._commit.commit_into(self.ns_dir, self._commit_base, items, noreplace=True)
         except OSError as e:
             log.warning("batched commit failed (%s): writing the blocks through the mount", e)
             return todo

@@ -202,3 +202,16 @@ def test_killed_daemon_mid_batch_gives_failed_sets_not_exceptions(kvfs_mount):
     assert stats.set_failures > 0 and stats.errors > 0
     assert store.prefix(["b0-0"]) == 0 and store.read_into(["b0-0"], [[memoryview(bytearray(MiB))]]) == [False]
     store.close()
+
+
+def test_commit_into_makes_missing_subdirectories_and_retries(kvfs_mount):
+    m = kvfs_mount()
+    (m.path / "v").mkdir()
+    c = CommitClient(str(m.path))
+    try:
+        items = [("abc/de_g0/h1.bin", [b"1" * 4096]), ("abc/de_g0/h2.bin", [b"2"]), ("top.bin", [b"t"])]
+        assert c.commit("v", items) == [errno.ENOENT, errno.ENOENT, 0]
+        assert c.commit_into(str(m.path / "v"), "v", items, noreplace=True) == [0, 0, errno.EEXIST]
+    finally:
+        c.close()
+    assert read(m.path / "v/abc/de_g0/h1.bin") == b"1" * 4096 and read(m.path / "v/abc/de_g0/h2.bin") == b"2"

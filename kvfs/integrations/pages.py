@@ -467,9 +467,8 @@ class PageStore:
 
     # -- writes ---------------------------------------------------------------------------
     def write_many(self, names: list[str], bufs_of) -> list[bool]:
-        """Store pages ``names`` (``bufs_of(i)``: page i's buffers in file order), skipping the
-        leading ones present (one lookup); the rest in one commit (or through the mount, see
-        the module docstring). True per page stored or present."""
+        """Store pages ``names`` (``bufs_of(i)``: page i's buffers), skipping the leading ones
+        present; the rest by commit or through the mount. True per page stored or present."""
         n = len(names)
         if not n:
             return []
@@ -503,25 +502,27 @@ class PageStore:
         self._count(sets=n, written=written, skipped=present, set_failures=failed, bytes_written=nbytes)
         return ok
 
-    def _committer(self) -> CommitClient | None:
-        lk = self._connect()
-        if not lk.one_call or not self.use_commit:
-            return None
+    def _commit(self, names: list[str], bufs_of, todo: list[int], ok: list[bool]) -> list[int]:
+        """Publish pages ``todo`` by commit (this thread's client); returns those left for the mount."""
         st = self._local
+        if not todo or not self._connect().one_call or not self.use_commit:
+            return todo
         if getattr(st, "commit_epoch", -1) != self._epoch:
             st.committer, st.commit_epoch = CommitClient.open(self._mount_root), self._epoch
             if st.committer is not None:
                 with self._lock:
                     self._leases.append(st.committer)     # closed with the lease descriptors
-        return st.committer
-
-    def _commit(self, names: list[str], bufs_of, todo: list[int], ok: list[bool]) -> list[int]:
-        """Publish pages ``todo`` by commit; returns those left for the mount."""
-        client = self._committer() if todo else None
-        if client is None:
+        if st.committer is None:
             return todo
-        results = client.commit_into(self.dir, os.path.relpath(self.dir, self._mount_root),
-                                     [(names[i], bufs_of(i)) for i in todo], noreplace=True)
+        try:
+            results = st.committer.commit_into(self.dir, os.path.relpath(self.dir, self._mount_root),
+                                                 [(names[i], bufs_of(i)) for i in todo], noreplace=True)
+        except OSError as e:
+            if e.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV):
+                raise                       # the daemon is gone: these pages fail
+            log.warning("kvfs commit refused (%s): %s writes through the mount from now on", e, self.dir)
+            self.use_commit = False
+            return todo
         left = []
         for i, r in zip(todo, results):
             if r in (0, errno.EEXIST):      # stored, or present already (a page never changes)

@@ -45,7 +45,8 @@ class CommitClient:
     def open(cls, mount_root: str) -> "CommitClient | None":
         try:
             return cls(mount_root)
-        except CommitUnavailable:
+        except OSError as e:            # no commit file (older kvfs), or refused (ESRCH, ...)
+            log.debug("no batched commit under %s: %s", mount_root, e)
             return None
 
     def close(self) -> None:

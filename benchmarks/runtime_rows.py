@@ -22,8 +22,20 @@ import statistics
 import time
 from pathlib import Path
 
-from integration.drivers import LmcacheController, spin, vllm_tier
+from integration.drivers import LmcacheController, vllm_tier
 from integration.released import L1Object
+
+
+def spin(predicate, timeout: float, what: str):
+    """Poll ``predicate`` with no sleep between tries (a scheduler that steps; its own loop)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0)
 
 POOL = 128         # primary-tier / L1 slots: chunks cycle through them
 BATCH = 128        # chunks per store / load job

@@ -26,6 +26,7 @@ STATS_FILE = "stats"
 LOOKUP_FILE = "lookup"
 LEASE_FILE = "lease"
 EVENTS_FILE = "events"
+COMMIT_FILE = "commit"
 BACKING_XATTR = "user.kvfs.backing"
 
 # ---- alignment ---------------------------------------------------------------------------
@@ -36,6 +37,9 @@ DIRECTIVE = b"\0"
 BASE = b"base"
 TTL = b"ttl"
 RELEASE = b"release"
+FD = b"fd"               # commit: the caller's descriptor holding the bytes of later entries
+MODE = b"mode"           # commit: permission bits of later entries (octal, default 0644)
+NOREPLACE = b"noreplace"  # commit: an existing target is kept (EEXIST for its entry)
 LEASE_OPTIONS = (TTL, RELEASE)
 RELEASE_REQUEST = DIRECTIVE + RELEASE + b"\n"
 
@@ -50,6 +54,20 @@ def request(base: str, rels: list[str], ttl: float | None = None) -> bytes:
     if base and base != ".":
         head += f"\0base {base}\n"
     return (head + "\n".join(rels) + "\n").encode("utf-8", "surrogateescape")
+
+
+def commit_request(base: str, fd: int, entries: list[tuple[int, int, str]], mode: int | None = None,
+                   noreplace: bool = False) -> bytes:
+    """A ``.kvfs/commit`` request: ``entries`` of ``(offset, length, path)`` -- ``length``
+    bytes at ``offset`` of the caller's descriptor ``fd`` become the file ``path`` (relative
+    to ``base``, itself relative to the mount root)."""
+    head = f"\0fd {fd}\n" + ("\0noreplace\n" if noreplace else "")
+    if mode is not None:
+        head += f"\0mode {mode:o}\n"
+    if base and base != ".":
+        head += f"\0base {base}\n"
+    body = "".join(f"{off} {n} {path}\n" for off, n, path in entries)
+    return (head + body).encode("utf-8", "surrogateescape")
 
 
 # ---- lease entries -----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The reserved ``.kvfs`` directory: read-only stats, the one-call prefix lookup and leases.
+"""The reserved ``.kvfs`` directory: read-only stats, the one-call prefix lookup and leases,
+KV events and the batched ``commit`` of files (its grammar: kvfs/fs/commitctl.py).
 
 ``lookup`` and ``lease`` take a request written at offset 0 (a larger request may arrive as
 several writes at increasing offsets) and answer it on the next read:
@@ -44,6 +45,7 @@ import trio
 
 from kvfs import protocol
 from kvfs.protocol import LEASE_TTL, LEASE_TTL_MAX
+from kvfs.fs.commitctl import CommitControl
 from kvfs.store.cache import ROOT, Cred
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,11 @@ STATS = CTRL_DIR + 1
 LOOKUP = CTRL_DIR + 2
 LEASE = CTRL_DIR + 3
 EVENTS = CTRL_DIR + 4
+COMMIT = CTRL_DIR + 5
 FILES = {protocol.STATS_FILE.encode(): STATS, protocol.LOOKUP_FILE.encode(): LOOKUP,
-         protocol.LEASE_FILE.encode(): LEASE, protocol.EVENTS_FILE.encode(): EVENTS}
+         protocol.LEASE_FILE.encode(): LEASE, protocol.EVENTS_FILE.encode(): EVENTS,
+         protocol.COMMIT_FILE.encode(): COMMIT}
+REQUESTS = (LOOKUP, LEASE, COMMIT)     # control files that take a request and answer it
 EVENT_READERS = 8
 EVENT_WAIT = 1.0        # seconds a read of .kvfs/events waits before it answers an idle line
 
@@ -103,6 +108,7 @@ class ControlHandle:
         self.answer: bytes | None = None
         self.lease: int | None = None      # the lease this descriptor holds (lease file)
         self.events = None                 # its kvfs.events.Subscriber (events file)
+        self.process = None                # who opened it (commit file: kvfs.store.commit.CallerProcess)
 
 
 def caller(ctx) -> Cred:
@@ -169,6 +175,7 @@ class Control:
         self.cache = cache
         self.describe = describe      # () -> dict of mount facts (pid, mountpoint, ...)
         self.telemetry = cache.store.telemetry
+        self.commits = CommitControl(cache, describe)
 
     def lookup(self, name: bytes) -> pyfuse3.EntryAttributes:
         if name not in FILES:
@@ -187,7 +194,7 @@ class Control:
             doc["quotas"] = quotas.statistics()
         return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
-    def open(self, ino: int, flags: int, cred: Cred = ROOT) -> ControlHandle:
+    def open(self, ino: int, flags: int, cred: Cred = ROOT, pid: int = 0) -> ControlHandle:
         if ino == CTRL_DIR:
             raise pyfuse3.FUSEError(errno.EISDIR)
         h = ControlHandle(ino, cred)
@@ -204,6 +211,8 @@ class Control:
             if len(hub.subscribers) >= EVENT_READERS:
                 raise pyfuse3.FUSEError(errno.EBUSY)
             h.events = hub.subscribe()
+        elif ino == COMMIT:
+            h.process = self.commits.caller_process(pid)
         return h
 
     def _lookup_answer(self, groups, cred: Cred) -> dict:
@@ -232,6 +241,9 @@ class Control:
             if not h.events.ready():
                 return b"" if h.events.closed else idle_line(size)
             return h.events.take(size)
+        if h.answer is None and h.ino == COMMIT:
+            raw, h.request = bytes(h.request), bytearray()
+            h.answer = _json(await self.commits.serve(h, raw))
         if h.answer is None and h.ino in (LOOKUP, LEASE):
             raw, h.request = bytes(h.request), bytearray()
             groups, opts = parse_request(raw)
@@ -256,7 +268,7 @@ class Control:
         return (h.answer or b"")[off:off + size]
 
     async def write(self, h: ControlHandle, off: int, buf: bytes) -> int:
-        if h.ino not in (LOOKUP, LEASE):
+        if h.ino not in REQUESTS:
             raise pyfuse3.FUSEError(errno.EACCES)
         if h.answer is not None or off == 0:    # a new request: drop the last answer and lease
             h.answer = None
@@ -274,6 +286,13 @@ class Control:
         if h.lease is not None:
             lid, h.lease = h.lease, None
             await self.cache.release_lease(lid)
+
+    async def close(self, h: ControlHandle) -> None:
+        """The descriptor was closed: its lease ends, its commit process handle goes."""
+        await self.release(h)
+        if h.process is not None:
+            h.process.close()
+            h.process = None
 
     def readdir(self, start_id: int, token) -> None:
         names = sorted(FILES.items())

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pyfuse3
+import trio
 
 from kvfs.errors import NamespaceError
 from kvfs.fs import control
@@ -30,6 +31,7 @@ ATTR_TIMEOUT = 3600
 # name appears through the kernel (create, mkdir, symlink, rename replace the negative dentry);
 # the daemon never adds a name on its own while mounted (fsck and rebuild run offline).
 NEGATIVE_TIMEOUT = 60
+INVALIDATE_WAIT = 10.0     # seconds a commit waits for its names' kernel invalidations
 
 
 def _negative() -> pyfuse3.EntryAttributes:
@@ -145,6 +147,23 @@ class KvfsOperations(pyfuse3.Operations):
         cache.ns.on_name_removed = self._name_removed
         cache.on_content_changed = self._content_changed
         cache.on_sealed = self._sealed
+        self.control.commits.invalidate = self._invalidate_names
+
+    async def _invalidate_names(self, names: list[tuple[int, bytes]]) -> None:
+        """Names the daemon added itself (``.kvfs/commit``): the kernel may hold a negative or
+        an old entry for them. Sent from a worker thread and waited for (the commit's answer
+        must not race them), while this loop keeps serving requests that hold the locks."""
+        if not self._mounted or not names:
+            return
+
+        def send() -> None:
+            for parent, name in names:
+                try:
+                    pyfuse3.invalidate_entry(parent, name)
+                except OSError:             # ENOENT: the kernel has no entry for it
+                    pass
+        with trio.move_on_after(INVALIDATE_WAIT):
+            await trio.to_thread.run_sync(send, abandon_on_cancel=True)
 
     @property
     def mounted(self) -> bool:
@@ -319,7 +338,7 @@ class KvfsOperations(pyfuse3.Operations):
         if control.is_control(inode):
             fh = self._next_ctl
             self._next_ctl += 1
-            self._ctl[fh] = self.control.open(inode, flags, control.caller(ctx))
+            self._ctl[fh] = self.control.open(inode, flags, control.caller(ctx), ctx.pid)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
         try:
             fh = await self.cache.open(inode, flags)
@@ -416,7 +435,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def release(self, fh):
         h = self._ctl.pop(fh, None)
         if h is not None:
-            await self.control.release(h)      # closing a lease descriptor ends its lease
+            await self.control.close(h)        # closing a lease descriptor ends its lease
             return
         self._closed(fh)
         self.quotas.forget_handle(fh)

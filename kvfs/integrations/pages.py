@@ -11,9 +11,10 @@ runtimes need, each batched the way kvfs makes cheap:
   straight into the caller's buffers (``dests[i]``: the page's destination byte ranges in
   file order), and its whole-object xxh3_64 checked before the page counts as a hit; a page
   without a fast path (``null`` entry) is read through the mount (a *lease fallback*).
-* ``write(name, bufs)``: temp file, one ``writev``, ``rename`` -- through the mount, so the
-  daemon places, indexes and checksums it like any other file. ``name`` may contain
-  subdirectories (created on first use).
+* ``write_many(names, bufs_of)``: the pages not yet present in one ``.kvfs/commit`` request
+  (kvfs.kv.commit: via a memfd; the daemon copies, checksums and publishes each page as
+  close+rename would); without a commit file, or for a page it refused: temp file, one
+  ``writev``, ``rename`` through the mount. Names may contain subdirectories.
 
 Failure policy (the runtime's worker thread must never see a kvfs exception): every error --
 a dead or unmounted daemon (ENOTCONN), a vanished file, a short read, a checksum mismatch, a
@@ -35,6 +36,7 @@ import threading
 import time
 
 from kvfs.kv.block import ChecksumMismatch
+from kvfs.kv.commit import CommitClient
 from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObjects, preadv_full, read_backing,
                              read_backing_into)
 from kvfs.kv.lookup import PrefixLookup, find_control
@@ -79,6 +81,7 @@ class PageStoreStats:
     errors: int             # failed calls (each made its pages misses / failed sets)
     stalled: int            # calls answered "miss" at once: an earlier request is still waiting
     reconnects: int
+    commit_refused: int = 0  # pages the batched commit refused (then written through the mount)
 
 
 @dataclasses.dataclass
@@ -109,7 +112,8 @@ class PageStore:
     """Raw page files in ``<root>/<subdir>`` (``root`` inside a kvfs mount)."""
 
     def __init__(self, root: str | os.PathLike, subdir: str = "", *, require_kvfs: bool = True,
-                 lease_ttl: float | None = None, verify_shm: str = "once", stall_timeout: float | None = 10.0):
+                 lease_ttl: float | None = None, verify_shm: str = "once", stall_timeout: float | None = 10.0,
+                 use_commit: bool = True):
         if verify_shm not in ("once", "always"):
             raise ValueError(f"verify_shm must be 'once' or 'always', got {verify_shm!r}")
         self.root = os.path.abspath(os.fspath(root))
@@ -117,6 +121,7 @@ class PageStore:
         self.require_kvfs = require_kvfs
         self.lease_ttl = lease_ttl
         self.stall_timeout = stall_timeout
+        self.use_commit = use_commit      # batched writes through .kvfs/commit (kvfs.kv.commit)
         self._inflight: dict[object, float] = {}     # calls under way -> when they started
         self.verified = VerifiedObjects() if verify_shm == "once" else None
         self._lock = threading.Lock()
@@ -263,18 +268,20 @@ class PageStore:
     def _prefix(self, names: list[str]) -> int:
         lk = self._connect()
         if lk.one_call:
-            # The first page decides a miss (the common one: a new prompt) in one LOOKUP round
-            # trip, or none when the kernel has its entry cached (pages written or read here);
-            # the lookup file costs two (write the request, read the answer).
-            try:
-                st = os.stat(os.path.join(self.dir, names[0]))
-            except FileNotFoundError:
-                return 0
-            if not stat.S_ISREG(st.st_mode):
+            # the first page decides a miss (a new prompt): the lookup file costs two round trips
+            if not self._first_exists(names[0]):
                 return 0
             if len(names) == 1:
                 return 1
         return lk.prefix_rel(names)
+
+    def _first_exists(self, name: str) -> bool:
+        """Is the first page there? One LOOKUP, or none if the kernel has the (negative) entry."""
+        try:
+            st = os.stat(os.path.join(self.dir, name))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return stat.S_ISREG(st.st_mode)
 
     # -- lookup-and-pin (LMCache's lookup_and_lock) ----------------------------------------
     def hold(self, names: list[str]) -> tuple[int, LeaseHold | None]:
@@ -290,6 +297,8 @@ class PageStore:
                 if not lk.one_call:             # plain directory: a stat per page, nothing to pin
                     k = lk.prefix_rel(names)
                     held = LeaseHold(None, dict.fromkeys(names[:k]), self._epoch)
+                elif not self._first_exists(names[0]):
+                    pass                        # a miss (a new prompt): no lease round trip
                 else:
                     client = self._spare()
                     try:
@@ -458,9 +467,8 @@ class PageStore:
 
     # -- writes ---------------------------------------------------------------------------
     def write_many(self, names: list[str], bufs_of) -> list[bool]:
-        """Store pages ``names`` (``bufs_of(i)``: page i's bytes, a list of buffers in file
-        order), skipping the leading ones that already exist (one lookup). True per page
-        stored or present."""
+        """Store pages ``names`` (``bufs_of(i)``: page i's buffers), skipping the leading ones
+        present; the rest by commit or through the mount. True per page stored or present."""
         n = len(names)
         if not n:
             return []
@@ -469,19 +477,61 @@ class PageStore:
         written = nbytes = failed = 0
         for i in range(present):
             ok[i] = True
+        todo = list(range(present, n))
+        memo: dict[int, list] = {}
+
+        def bufs_at(i: int) -> list:
+            if i not in memo:
+                memo[i] = bufs_of(i)
+            return memo[i]
         try:
             with self._call() as progress:
-                for i in range(present, n):
-                    size = self._write(names[i], bufs_of(i))
+                todo = self._commit(names, bufs_at, todo, ok)
+                for i in todo:
+                    self._write(names[i], bufs_at(i))
                     ok[i] = True
-                    written += 1
-                    nbytes += size
                     progress()
         except Exception as e:         # noqa: BLE001 -- a failed store is reported, not raised
-            failed = n - present - written
-            self._failed("write", e, failed)
+            self._failed("write", e, sum(1 for i in range(present, n) if not ok[i]))
+        for i in range(present, n):
+            if ok[i]:
+                written += 1
+                nbytes += sum(memoryview(b).nbytes for b in bufs_at(i))
+            else:
+                failed += 1
         self._count(sets=n, written=written, skipped=present, set_failures=failed, bytes_written=nbytes)
         return ok
+
+    def _commit(self, names: list[str], bufs_of, todo: list[int], ok: list[bool]) -> list[int]:
+        """Publish pages ``todo`` by commit (this thread's client); returns those left for the mount."""
+        st = self._local
+        if not todo or not self._connect().one_call or not self.use_commit:
+            return todo
+        if getattr(st, "commit_epoch", -1) != self._epoch:
+            st.committer, st.commit_epoch = CommitClient.open(self._mount_root), self._epoch
+            if st.committer is not None:
+                with self._lock:
+                    self._leases.append(st.committer)     # closed with the lease descriptors
+        if st.committer is None:
+            return todo
+        try:
+            results = st.committer.commit_into(self.dir, os.path.relpath(self.dir, self._mount_root),
+                                                 [(names[i], bufs_of(i)) for i in todo], noreplace=True)
+        except OSError as e:
+            if e.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV):
+                raise                       # the daemon is gone: these pages fail
+            log.warning("kvfs commit refused (%s): %s writes through the mount from now on", e, self.dir)
+            self.use_commit = False
+            return todo
+        left = []
+        for i, r in zip(todo, results):
+            if r in (0, errno.EEXIST):      # stored, or present already (a page never changes)
+                ok[i] = True
+            else:
+                self._count(commit_refused=1)
+                log.debug("commit of %s refused (%s): through the mount", names[i], os.strerror(r))
+                left.append(i)
+        return left
 
     def _write(self, name: str, bufs: list) -> int:
         if self.require_kvfs:

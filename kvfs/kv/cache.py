@@ -142,7 +142,7 @@ class KVCache:
         self._lookup = PrefixLookup(self.ns_dir)
         self._writer = BlockWriter(self.ns_dir, self.namespace, layout, self.hasher.algo,
                                    max_pending=max_pending_saves, store_token_ids=store_token_ids,
-                                   exit_timeout=exit_timeout)
+                                   exit_timeout=exit_timeout, mount_root=self._lookup.mount_root)
         leases = LeaseClient.open(self._lookup.mount_root, self.ns_dir) if fast_path else None
         self._loader = Loader(layout, fast_path=fast_path, verify=verify, verify_shm=verify_shm, readers=readers,
                               staging=staging, leases=leases)

@@ -64,6 +64,11 @@ class TierLRU:
     def __contains__(self, oid: int) -> bool:
         return any(oid in d for d in self.by_ns.values())
 
+    def __iter__(self) -> Iterator[int]:
+        """Every oid on the tier: namespace by namespace (by name), each least recently used first."""
+        for ns in sorted(self.by_ns):
+            yield from self.by_ns[ns]
+
     def objects(self, ns: str) -> list[int]:
         """``ns``'s objects on this tier, least recently used first."""
         return list(self.by_ns.get(ns, ()))

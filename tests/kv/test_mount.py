@@ -398,3 +398,26 @@ def test_lookup_hold_api_edges(kvfs_mount, tmp_path):
         h = plain.lookup(toks, hold=True)
         assert (h.tokens, h.held) == (64, False)
         assert torch.equal(plain.load(toks, hold=h), kv)
+
+
+def test_save_then_normal_exit_keeps_every_block_through_commit(kvfs_mount):
+    """KVCache.save on kvfs goes through .kvfs/commit; queued saves still land at exit."""
+    from kv.test_cache import LAYOUT, _run_exit_child
+    m = kvfs_mount()
+    with kvfs.KVCache(m.path, model="test/model", layout=LAYOUT) as c:
+        assert c._writer._commit is not None, "the writer does not use .kvfs/commit on a kvfs mount"
+    n = 30
+    res = _run_exit_child(m.path, n, 120.0, release=True)
+    assert res.returncode == 0, res.stderr
+    assert f"unwritten {4 * n}" in res.stdout, res.stdout
+    assert "unwritten" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+    with kvfs.KVCache(m.path, model="test/model", layout=LAYOUT) as other:
+        for i in range(n):
+            g = torch.Generator().manual_seed(i)
+            toks = torch.randint(0, 50000, (64,), generator=g).tolist()
+            kv = torch.randn(LAYOUT.block_shape(64), generator=g).to(LAYOUT.torch_dtype)
+            assert other.lookup(toks) == 64, f"prompt {i} lost at exit"
+            assert torch.equal(other.load(toks), kv)
+    ns = [d for d in os.listdir(m.path) if not d.startswith(".")]
+    leftover = [f for d, _, fs in os.walk(m.path / ns[0]) for f in fs if f.startswith(".kvfs-commit")]
+    assert leftover == []

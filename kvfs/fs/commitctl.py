@@ -1,0 +1,149 @@
+"""``.kvfs/commit``: publish a batch of files whose bytes the caller holds in a descriptor.
+
+Open ``.kvfs/commit`` read-write, write a request at offset 0, read the answer::
+
+    request   := (line "\\n")*
+    line      := entry | directive
+    entry     := OFFSET " " LENGTH " " PATH     decimal byte range of the current fd; PATH
+                                                 relative to the current base
+    directive := "\\0fd N" | "\\0base DIR" | "\\0mode OCTAL" | "\\0noreplace"
+
+``\\0fd N`` names a descriptor of the process that opened the control file (required before
+the first entry; a regular file open for reading, e.g. a memfd, not a file of this mount);
+``\\0base DIR`` as for ``lookup``; ``\\0mode`` the permission bits of later entries (default
+0644); ``\\0noreplace`` keeps an existing target (its entry answers EEXIST, as
+``rename(RENAME_NOREPLACE)``; default: replace it, as ``rename``). The answer is ``{"results": [errno, ...]}``, one per entry in order: 0 = the file was
+published as if the caller had written a temp file beside it, closed it and renamed it over
+PATH; otherwise the errno that failed it (nothing was published for it). A request that
+does not parse fails as a whole with EINVAL.
+
+Who asks: the uid, gid and groups, and the descriptor table, of the process that opened the
+control file (kvfs.store.commit documents the checks). Requires the daemon to run as root or
+as the caller's user (it reads ``/proc/<pid>/fd``): otherwise entries fail with EACCES or
+EPERM and clients write through the mount instead.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pyfuse3
+import trio
+
+from kvfs import protocol
+from kvfs.errors import NamespaceError
+from kvfs.fs.errmap import to_errno
+from kvfs.store.commit import CallerProcess, CommitEntry
+
+log = logging.getLogger(__name__)
+
+MAX_ENTRIES = 65536
+
+
+def _mount_dev(mountpoint: str) -> int:
+    """The device number of the mount at ``mountpoint`` (from mountinfo: a stat of our own
+    mount from the daemon's loop would wait on itself); -1 if not found."""
+    dev = -1
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and fields[4].replace("\\040", " ") == mountpoint:
+                    major, minor = fields[2].split(":")
+                    dev = os.makedev(int(major), int(minor))
+    except (OSError, ValueError):
+        pass
+    return dev
+
+
+def parse(raw: bytes) -> tuple[list[tuple[int, int, int, bytes, int]], bool]:
+    """``([(fd, offset, length, path from the root, mode), ...], noreplace)`` of a request;
+    EINVAL if it does not parse."""
+    out = []
+    fd, base, mode, noreplace = None, b"", 0o644, False
+    try:
+        for line in raw.split(b"\n"):
+            if not line:
+                continue
+            if line[:1] == protocol.DIRECTIVE:
+                word, _, arg = line[1:].partition(b" ")
+                if word == protocol.FD:
+                    fd = int(arg)
+                elif word == protocol.BASE:
+                    base = arg.strip(b"/")
+                elif word == protocol.NOREPLACE:
+                    noreplace = True
+                elif word == protocol.MODE:
+                    mode = int(arg, 8)
+                    if not 0 <= mode <= 0o777:
+                        raise ValueError(mode)
+                else:
+                    raise ValueError(word)
+                continue
+            off, n, path = line.split(b" ", 2)
+            if fd is None or int(off) < 0 or int(n) < 0 or not path:
+                raise ValueError(line)
+            full = base + b"/" + path if base and base != b"." else path
+            out.append((fd, int(off), int(n), full, mode))
+    except ValueError:
+        raise pyfuse3.FUSEError(errno.EINVAL) from None
+    if len(out) > MAX_ENTRIES:
+        raise pyfuse3.FUSEError(errno.E2BIG)
+    return out, noreplace
+
+
+class CommitControl:
+    def __init__(self, cache, describe):
+        self.cache = cache
+        self.describe = describe
+        self._dev: int | None = None
+        self.invalidate = None          # async (names) -> None, set by the fs (kernel entries)
+
+    def caller_process(self, pid: int) -> CallerProcess:
+        try:
+            return CallerProcess(pid)
+        except (OSError, NamespaceError) as e:
+            raise pyfuse3.FUSEError(e.errno or errno.ESRCH) from None
+
+    def mount_dev(self) -> int:
+        if self._dev is None:
+            self._dev = _mount_dev(str(self.describe().get("mountpoint", "")))
+        return self._dev
+
+    async def serve(self, h, raw: bytes) -> dict:
+        reqs, noreplace = parse(raw)
+        fds: dict[int, int | Exception] = {}
+        results: list[int] = [0] * len(reqs)
+        entries, where = [], []
+        try:
+            for i, (n, off, length, path, mode) in enumerate(reqs):
+                if n not in fds:
+                    try:    # in a thread: a descriptor of this very mount makes fstat ask us
+                        fds[n] = await trio.to_thread.run_sync(h.process.open_fd, n, self.mount_dev())
+                    except (OSError, NamespaceError) as e:
+                        fds[n] = e
+                src = fds[n]
+                if isinstance(src, Exception):
+                    results[i] = to_errno(src)
+                    continue
+                entries.append(CommitEntry(path, src, off, length, mode))
+                where.append(i)
+            done = await self.cache.commit_entries(entries, h.cred, getattr(self.cache, "quotas", None),
+                                                   noreplace)
+        finally:
+            for src in fds.values():
+                if isinstance(src, int):
+                    os.close(src)
+        names = []
+        for i, r in zip(where, done):
+            if isinstance(r, BaseException):
+                results[i] = to_errno(r)
+            else:
+                names.append(r)
+        if names and self.invalidate is not None:
+            await self.invalidate(names)
+        failed = sum(1 for r in results if r)
+        if failed:
+            log.debug("commit: %d of %d entries failed", failed, len(results))
+        return {"results": results}

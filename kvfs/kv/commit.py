@@ -1,0 +1,140 @@
+"""Client of ``.kvfs/commit`` (kvfs/fs/commitctl.py): write many files in one request.
+
+:class:`CommitClient` copies each file's bytes into a memfd of its own, at consecutive
+offsets, and names them all in one request; the daemon copies them into its store and
+publishes each file as close+rename would. Two FUSE round trips per batch (write the
+request, read the answer) instead of create, write(s), flush, release and rename per file.
+
+Not thread-safe: one client per thread (its memfd is reused from batch to batch; the daemon
+has its own copy once ``commit`` returns).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+
+from kvfs import protocol
+
+log = logging.getLogger(__name__)
+
+BATCH_BYTES = 256 << 20      # a larger batch goes as several requests
+_ANSWER_CHUNK = 1 << 20
+
+
+class CommitUnavailable(OSError):
+    """The mount has no ``.kvfs/commit`` (an older daemon), or it refused the request."""
+
+
+def _views(bufs) -> list[memoryview]:
+    return [memoryview(b).cast("B") for b in bufs]
+
+
+class CommitClient:
+    def __init__(self, mount_root: str):
+        path = os.path.join(mount_root, protocol.CONTROL_NAME, protocol.COMMIT_FILE)
+        try:
+            self.ctl = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CommitUnavailable(errno.ENOTSUP, f"{path} does not exist (older kvfs)") from None
+        self.memfd = os.memfd_create("kvfs-commit", os.MFD_CLOEXEC)
+        self._size = 0
+
+    @classmethod
+    def open(cls, mount_root: str) -> "CommitClient | None":
+        try:
+            return cls(mount_root)
+        except OSError as e:            # no commit file (older kvfs), or refused (ESRCH, ...)
+            log.debug("no batched commit under %s: %s", mount_root, e)
+            return None
+
+    def close(self) -> None:
+        for fd in (self.ctl, self.memfd):
+            if fd >= 0:
+                os.close(fd)
+        self.ctl = self.memfd = -1
+
+    def commit(self, base: str, items: list[tuple[str, list]], mode: int | None = None,
+               noreplace: bool = False) -> list[int]:
+        """Publish ``items`` (``(path relative to base, [buffers in file order])``) under
+        ``base`` (relative to the mount root). Returns one errno per item (0: published;
+        EEXIST: ``noreplace`` and the file exists, kept as it was).
+        Raises OSError when the request as a whole failed (daemon gone, refused)."""
+        out: list[int] = []
+        start, size = 0, 0
+        for i, (_, bufs) in enumerate(items):
+            n = sum(len(v) for v in _views(bufs))
+            if size and size + n > BATCH_BYTES:
+                out += self._commit(base, items[start:i], mode, noreplace)
+                start, size = i, 0
+            size += n
+        if start < len(items):
+            out += self._commit(base, items[start:], mode, noreplace)
+        return out
+
+    def commit_into(self, local_dir: str, base: str, items: list[tuple[str, list]],
+                    noreplace: bool = False) -> list[int]:
+        """:meth:`commit` under ``base``, whose path on this machine is ``local_dir``; items
+        refused with ENOENT (a subdirectory not made yet) are sent again once their
+        subdirectories are made through the mount."""
+        results = self.commit(base, items, noreplace=noreplace)
+        nodir = [k for k, r in enumerate(results) if r == errno.ENOENT and os.path.dirname(items[k][0])]
+        if nodir:
+            for sub in {os.path.dirname(items[k][0]) for k in nodir}:
+                os.makedirs(os.path.join(local_dir, sub), exist_ok=True)
+            for k, r in zip(nodir, self.commit(base, [items[k] for k in nodir], noreplace=noreplace)):
+                results[k] = r
+        return results
+
+    def _commit(self, base: str, items: list[tuple[str, list]], mode: int | None, noreplace: bool) -> list[int]:
+        entries, off = [], 0
+        chunks = []
+        for name, bufs in items:
+            views = _views(bufs)
+            n = sum(len(v) for v in views)
+            entries.append((off, n, name))
+            chunks.append((off, views))
+            off += n
+        if off > self._size:
+            os.ftruncate(self.memfd, off)
+            self._size = off
+        for at, views in chunks:
+            self._pwritev(at, views)
+        req = protocol.commit_request(base, self.memfd, entries, mode, noreplace)
+        self._send(req)
+        answer = self._receive()
+        try:
+            results = json.loads(answer)["results"]
+        except (ValueError, KeyError, TypeError):
+            raise OSError(errno.EPROTO, f"bad commit answer {answer[:200]!r}") from None
+        if len(results) != len(items) or not all(isinstance(r, int) for r in results):
+            raise OSError(errno.EPROTO, "commit answer does not match the request")
+        return results
+
+    def _pwritev(self, off: int, views: list[memoryview]) -> None:
+        while views:
+            k = os.pwritev(self.memfd, views, off)
+            off += k
+            while views and k >= len(views[0]):
+                k -= len(views[0])
+                views.pop(0)
+            if views and k:
+                views[0] = views[0][k:]
+
+    def _send(self, req: bytes) -> None:
+        done = 0
+        while done < len(req):
+            done += os.pwrite(self.ctl, req[done:done + (1 << 20)], done)
+
+    def _receive(self) -> bytes:
+        parts, off = [], 0
+        while True:
+            b = os.pread(self.ctl, _ANSWER_CHUNK, off)
+            if not b:
+                break
+            parts.append(b)
+            off += len(b)
+            if b.endswith(b"\n"):
+                break
+        return b"".join(parts)

@@ -1,0 +1,341 @@
+"""Batched publication of files whose bytes the caller hands over by descriptor (the
+``.kvfs/commit`` control file, kvfs/fs/control.py documents the request); a mixin of ``Cache``.
+
+A client writes many pages into memory it owns (a memfd) and names them in one request. For
+each entry the daemon
+
+1. resolves the target's parent as the caller (search permission on every directory, write
+   and search on the parent, the sticky-bit rule when the name exists): the checks the kernel
+   makes for ``create`` and ``rename`` with ``default_permissions``;
+2. creates a hidden temporary file there owned by the caller (``Cache.create``), so quotas,
+   admission, the staging buffer's accounting and spilling are those of any write;
+3. copies the entry's byte range from the caller's descriptor into that daemon-owned buffer
+   (``sendfile``, in a worker thread) -- the caller cannot change what is stored afterwards;
+4. seals it exactly as the last close would (the checksum is of the daemon's copy; events,
+   metrics, group-commit durability of the index as for a close) and renames it over the
+   target name (a replaced file is released as by ``rename``).
+
+Each entry succeeds or fails on its own; a failed entry leaves nothing behind.
+
+The caller's descriptor is reached through ``/proc/<pid>/fd/<n>`` of the process that opened
+the control file (:class:`CallerProcess`), never through a path the caller names: it is
+opened ``O_PATH`` first (no side effects), must be a regular file outside this mount, is
+reopened read-only from that ``O_PATH`` descriptor, and the caller's own descriptor must be
+readable (``fdinfo`` flags) and still name the same inode afterwards. So the daemon never reads
+anything the caller could not read itself. A pidfd taken at open time proves the process is
+still the one that opened the control file (its pid was not reused).
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import select
+import stat
+
+import trio
+
+from kvfs.errors import NamespaceError
+from kvfs.protocol import CONTROL_NAME_B
+from kvfs.store.cred import Cred
+from kvfs.store.index import ROOT_INO
+
+log = logging.getLogger(__name__)
+
+TMP_PREFIX = b".kvfs-commit."
+NAME_MAX = 255
+_COPY_CHUNK = 64 << 20
+GROUP_BYTES = 64 << 20     # entries whose copies go in one worker-thread call ...
+GROUP_ENTRIES = 32         # ... at most (the RAM tier keeps 64 spare staging files: more
+                           # buffers at once would create and unlink files)
+
+
+def _err(code: int, msg: str = "") -> NamespaceError:
+    return NamespaceError(code, msg or os.strerror(code))
+
+
+class CallerProcess:
+    """The process that opened a ``.kvfs/commit`` descriptor, held by pidfd."""
+
+    def __init__(self, pid: int):
+        self.tgid = self._tgid(pid)
+        self.pidfd = os.pidfd_open(self.tgid)
+
+    @staticmethod
+    def _tgid(pid: int) -> int:
+        """FUSE sends the calling thread's id; its process is the thread group."""
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("Tgid:"):
+                        return int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        raise _err(errno.ESRCH, f"process {pid} is gone")
+
+    def alive(self) -> bool:
+        if self.pidfd < 0:
+            return False
+        readable, _, _ = select.select([self.pidfd], [], [], 0)
+        return not readable
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+    def open_fd(self, n: int, mount_dev: int) -> int:
+        """A read-only descriptor of the regular file that the caller's fd ``n`` names, or
+        an errno (EBADF: not a descriptor of a readable regular file; ESRCH: caller gone)."""
+        if n < 0 or not self.alive():
+            raise _err(errno.EBADF if n < 0 else errno.ESRCH)
+        link = f"/proc/{self.tgid}/fd/{n}"
+        try:
+            opath = os.open(link, os.O_PATH | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise _err(errno.EBADF, f"the caller has no descriptor {n}") from None
+        try:
+            st = os.fstat(opath)
+            if not stat.S_ISREG(st.st_mode):
+                raise _err(errno.EBADF, f"descriptor {n} is not a regular file")
+            if st.st_dev == mount_dev:
+                raise _err(errno.EXDEV, f"descriptor {n} is a file of this mount")
+            fd = os.open(f"/proc/self/fd/{opath}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+        finally:
+            os.close(opath)
+        try:
+            self._check_readable(n, st)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _check_readable(self, n: int, st: os.stat_result) -> None:
+        """The caller's fd ``n`` may read (not O_WRONLY, not O_PATH) and still names ``st``'s
+        inode, and the caller is still the process that opened the control file."""
+        try:
+            with open(f"/proc/{self.tgid}/fdinfo/{n}") as f:
+                flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+            now = os.stat(f"/proc/{self.tgid}/fd/{n}")
+        except (OSError, StopIteration, ValueError):
+            raise _err(errno.EBADF, f"descriptor {n} went away") from None
+        if flags & os.O_PATH or flags & os.O_ACCMODE == os.O_WRONLY:
+            raise _err(errno.EBADF, f"descriptor {n} is not open for reading")
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise _err(errno.EBADF, f"descriptor {n} changed")
+        if not self.alive():
+            raise _err(errno.ESRCH)
+
+
+@dataclasses.dataclass
+class CommitEntry:
+    path: bytes             # relative to the mount root
+    src: int                # the daemon's read-only descriptor of the caller's bytes
+    offset: int
+    length: int
+    mode: int = 0o644
+
+
+def _copy(src: int, dst: int, offset: int, length: int) -> int:
+    """Copy ``length`` bytes at ``offset`` of ``src`` to the start of ``dst`` (worker thread)."""
+    os.lseek(dst, 0, os.SEEK_SET)
+    done = 0
+    while done < length:
+        n = os.sendfile(dst, src, offset + done, min(_COPY_CHUNK, length - done))
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+class Commits:
+    """``Cache``'s batched commit (see the module docstring)."""
+
+    def commit_parent(self, path: bytes, cred: Cred, noreplace: bool = False) -> tuple[int, bytes]:
+        """``(parent inode, name)`` of ``path`` if ``cred`` may create or replace it there
+        (EEXIST if it exists and ``noreplace``)."""
+        comps = path.split(b"/")
+        if any(c in (b"", b".", b"..") or len(c) > NAME_MAX for c in comps):
+            raise _err(errno.EINVAL, "a commit path has empty, '.', '..' or too long components")
+        *dirs, name = comps
+        ino = ROOT_INO
+        for c in dirs:
+            rec = self.ns.inode(ino)
+            if not stat.S_ISDIR(rec["mode"]):
+                raise _err(errno.ENOTDIR)
+            if not cred.may(rec, 1):
+                raise _err(errno.EACCES)
+            if ino == ROOT_INO and c == CONTROL_NAME_B:
+                raise _err(errno.EPERM, ".kvfs is reserved")
+            ino = self.ns.lookup(ino, c)
+        prec = self.ns.inode(ino)
+        if not stat.S_ISDIR(prec["mode"]):
+            raise _err(errno.ENOTDIR)
+        if not cred.may(prec, 3):
+            raise _err(errno.EACCES)
+        if ino == ROOT_INO and name == CONTROL_NAME_B:
+            raise _err(errno.EPERM, ".kvfs is reserved")
+        old = self.index.lookup(ino, name)
+        if old is not None and noreplace:
+            raise _err(errno.EEXIST)
+        if old is not None:
+            orec = self.index.get_inode(old)
+            if orec is not None and stat.S_ISDIR(orec["mode"]):
+                raise _err(errno.EISDIR)
+            if (orec is not None and prec["mode"] & stat.S_ISVTX and cred.uid != 0
+                    and cred.uid not in (orec["uid"], prec["uid"])):
+                raise _err(errno.EPERM)      # sticky directory: only the owner replaces
+        return ino, name
+
+    async def commit_entries(self, entries: list[CommitEntry], cred: Cred, quotas=None,
+                             noreplace: bool = False) -> list[tuple[int, bytes] | BaseException]:
+        """Publish each entry (see the module docstring): per entry ``(parent, name)`` of the
+        published file, or the exception that failed it. Entries go in groups of about
+        GROUP_BYTES: temp files made, then every copy of the group in one worker-thread call
+        (a thread hop per page would cost more than a small page's copy), then sealed and
+        renamed one by one."""
+        out: list = []
+        start = size = 0
+        for i, e in enumerate(entries):
+            if size and size + e.length > GROUP_BYTES or i - start >= GROUP_ENTRIES:
+                out += await self._commit_group(entries[start:i], cred, quotas, noreplace)
+                start, size = i, 0
+            size += max(0, e.length)
+        if start < len(entries):
+            out += await self._commit_group(entries[start:], cred, quotas, noreplace)
+        return out
+
+    async def _commit_group(self, entries: list[CommitEntry], cred: Cred, quotas, noreplace: bool) -> list:
+        made: list = []
+        for e in entries:
+            try:
+                made.append(await self._begin(e, cred, quotas, noreplace))
+            except trio.Cancelled:
+                raise
+            except Exception as exc:        # noqa: BLE001 -- each entry fails on its own
+                made.append(exc)
+        jobs = [(m.entry.src, self._copy_target(m), m.entry.offset, m.entry.length)
+                for m in made if isinstance(m, _Pending) and m.entry.length]
+        copied = iter(await trio.to_thread.run_sync(_copy_all, jobs) if jobs else [])
+        out: list = []
+        for m in made:
+            if not isinstance(m, _Pending):
+                out.append(m)
+                continue
+            try:
+                got = next(copied) if m.entry.length else 0
+                out.append(await self._finish(m, got, noreplace))
+            except trio.Cancelled:
+                raise
+            except Exception as exc:        # noqa: BLE001
+                log.debug("commit of %r failed: %r", m.entry.path, exc)
+                out.append(exc)
+            finally:
+                if m.fh in self.handles:
+                    if quotas is not None:
+                        quotas.forget_handle(m.fh)
+                    await self.release(m.fh)
+                if not m.published:
+                    try:
+                        await self.unlink(m.parent, m.tmp)
+                    except NamespaceError:
+                        pass
+        return out
+
+    async def _begin(self, e: CommitEntry, cred: Cred, quotas, noreplace: bool) -> "_Pending":
+        """Checks, the hidden temp file and its (empty) buffer, and the quota's room."""
+        if e.offset < 0 or e.length < 0:
+            raise _err(errno.EINVAL, "negative offset or length")
+        parent, name = self.commit_parent(e.path, cred, noreplace)
+        tmp = TMP_PREFIX + os.urandom(8).hex().encode()
+        fh, ino, _ = await self.create(parent, tmp, e.mode & 0o777, cred.uid, cred.gid, os.O_WRONLY)
+        m = _Pending(e, parent, name, tmp, fh, ino, None)
+        try:
+            if quotas is not None and quotas.limits and e.length:
+                await quotas.admit_write(fh, 0, e.length)
+            m.staging = await self._staging(self.handles[fh].ws)
+        except BaseException:
+            if quotas is not None:
+                quotas.forget_handle(fh)
+            await self.release(fh)
+            try:
+                await self.unlink(parent, tmp)
+            except NamespaceError:
+                pass
+            raise
+        return m
+
+    def _copy_target(self, m: "_Pending") -> int | None:
+        """The staging file the bytes are copied to; None: a buffer below the RAM tier's
+        ``mapped_min`` stays in memory (the bytes are read, then written to it)."""
+        staging = m.staging
+        if staging.mem is not None and m.entry.length >= self.store.ram.mapped_min:
+            staging._to_file()
+        return staging.fd if staging.mem is None else None
+
+    async def _finish(self, m: "_Pending", got, noreplace: bool) -> tuple[int, bytes]:
+        """Account the copied bytes, seal as the last close would, rename over the name."""
+        if isinstance(got, BaseException):
+            raise got
+        ws = self.handles[m.fh].ws
+        staging = m.staging
+        if isinstance(got, bytes):          # a small buffer kept in memory
+            await staging.write(0, got)
+            got = len(got)
+        if got > staging.size:
+            staging._account(got)
+        if got != m.entry.length:
+            raise _err(errno.EINVAL, f"the source holds {got} of the {m.entry.length} bytes named")
+        ws.dirty = True
+        ws.touch()
+        ram = self.store.ram
+        if ram.used > ram.capacity and not staging.spilled:
+            self.store.kick()
+            await staging.spill(self.spill_dir)
+        elif ram.used > ram.capacity * self.store.high:
+            self.store.kick()
+        await self.flush(m.fh)              # the seal: as the last close would
+        await self.release(m.fh)
+        rec = self.index.get_inode(m.ino)
+        if rec is None or rec.get("oid") is None:
+            raise _err(errno.EIO, "the committed file was not sealed")
+        await self.rename(m.parent, m.tmp, m.parent, m.name, 1 if noreplace else 0)
+        m.published = True
+        return m.parent, m.name
+
+
+@dataclasses.dataclass
+class _Pending:
+    entry: CommitEntry
+    parent: int
+    name: bytes
+    tmp: bytes
+    fh: int
+    ino: int
+    staging: object
+    published: bool = False
+
+
+def _read(src: int, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` of ``src`` (fewer at its end)."""
+    parts, done = [], 0
+    while done < length:
+        b = os.pread(src, length - done, offset + done)
+        if not b:
+            break
+        parts.append(b)
+        done += len(b)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _copy_all(jobs: list[tuple[int, int | None, int, int]]) -> list:
+    """Each ``(src, dst, offset, length)`` copied (worker thread): bytes copied, the bytes
+    read when ``dst`` is None, or the error."""
+    out: list = []
+    for src, dst, off, n in jobs:
+        try:
+            out.append(_read(src, off, n) if dst is None else _copy(src, dst, off, n))
+        except OSError as e:
+            out.append(e)
+    return out

@@ -1,0 +1,217 @@
+"""``.kvfs/commit`` through a real mount: batched publication of bytes the caller holds in a
+memfd, the daemon's own copy, the descriptor and permission checks (a real second user),
+quotas, and a daemon killed in the middle of a batch."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+
+import pytest
+import xxhash
+
+from conftest import reachable, run_kvfs
+from mounthelp import MiB, content, put, read, wait_for
+from kvfs.integrations.pages import PageStore
+from kvfs.kv.commit import CommitClient
+from kvfs.protocol import commit_request
+
+pytestmark = pytest.mark.mount
+
+
+def raw_commit(mnt, request: bytes) -> list[int]:
+    """One request on .kvfs/commit as this process: the per-entry errnos."""
+    fd = os.open(mnt / ".kvfs" / "commit", os.O_RDWR)
+    try:
+        os.pwrite(fd, request, 0)
+        return json.loads(os.pread(fd, 1 << 20, 0))["results"]
+    finally:
+        os.close(fd)
+
+
+def memfd_with(data: bytes) -> int:
+    fd = os.memfd_create("test-commit")
+    os.write(fd, data)
+    return fd
+
+
+def leftovers(d) -> list[str]:
+    return sorted(n for n in os.listdir(d) if n.startswith(".kvfs-commit"))
+
+
+def test_commit_publishes_a_batch_as_close_and_rename_would(kvfs_mount):
+    m = kvfs_mount()
+    d = m.path / "d"
+    (d / "sub").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError):      # the kernel now holds a negative entry for it
+        os.stat(d / "a")
+    pages = {"a": content("a", 2 * MiB), "sub/b": content("b", 256 << 10), "empty": b""}
+    c = CommitClient(str(m.path))
+    try:
+        items = [("a", [pages["a"][:1000], pages["a"][1000:]]), ("sub/b", [pages["sub/b"]]),
+                 ("empty", []), ("nodir/c", [b"x"]), ("../escape", [b"x"]), ("sub", [b"x"])]
+        assert c.commit("d", items) == [0, 0, 0, errno.ENOENT, errno.EINVAL, errno.EISDIR]
+        for name, data in pages.items():
+            assert read(d / name) == data, name
+            assert os.getxattr(d / name, "user.kvfs.checksum").decode() == xxhash.xxh3_64_hexdigest(data)
+        st = os.stat(d / "a")
+        assert st.st_size == 2 * MiB and st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o644
+        assert not (m.path / "escape").exists() and not (d / "nodir").exists()
+        # replace (as rename does), or keep with noreplace (EEXIST)
+        assert c.commit("d", [("a", [b"new"])]) == [0]
+        assert read(d / "a") == b"new"
+        assert c.commit("d", [("a", [b"newer"]), ("c2", [b"c2"])], noreplace=True) == [errno.EEXIST, 0]
+        assert read(d / "a") == b"new" and read(d / "c2") == b"c2"
+        assert c.commit("", [(".kvfs", [b"x"])]) == [errno.EPERM]
+    finally:
+        c.close()
+    assert leftovers(d) == [] and leftovers(d / "sub") == []
+
+
+def test_bytes_changed_after_commit_do_not_change_the_stored_file(kvfs_mount):
+    m = kvfs_mount()
+    data = content("orig", 1 * MiB)
+    fd = memfd_with(data)
+    try:
+        assert raw_commit(m.path, commit_request("", fd, [(0, len(data), "f")])) == [0]
+        os.pwrite(fd, b"\xff" * len(data), 0)     # the client reuses its buffer at once
+        assert read(m.path / "f") == data
+        assert os.getxattr(m.path / "f", "user.kvfs.checksum").decode() == xxhash.xxh3_64_hexdigest(data)
+        m.remount()                               # the checksum agrees with the bytes kept
+        assert read(m.path / "f") == data
+    finally:
+        os.close(fd)
+
+
+def test_commit_refuses_descriptors_the_caller_may_not_read(kvfs_mount, tmp_path):
+    m = kvfs_mount()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 4096)
+    wronly = os.open(secret, os.O_WRONLY)
+    opath = os.open(secret, os.O_PATH)
+    dirfd = os.open(tmp_path, os.O_RDONLY)
+    put(m.path / "onmount", b"m" * 4096)
+    onmount = os.open(m.path / "onmount", os.O_RDONLY)
+    short = memfd_with(b"x" * 100)
+    try:
+        unused = max(wronly, opath, dirfd, onmount, short) + 100
+        cases = {"notheld": (unused, errno.EBADF), "wronly": (wronly, errno.EBADF),
+                 "opath": (opath, errno.EBADF), "dir": (dirfd, errno.EBADF),
+                 "onmount": (onmount, errno.EXDEV)}
+        for name, (fd, want) in cases.items():
+            assert raw_commit(m.path, commit_request("", fd, [(0, 4096, name)])) == [want], name
+        assert raw_commit(m.path, commit_request("", short, [(0, 4096, "short")])) == [errno.EINVAL]
+        for bad in (b"1 2 x\n", b"\0fd 3\n-1 2 x\n", b"\0fd 3\n\0bogus\n", b"\0fd 3\n1 x\n"):
+            with pytest.raises(OSError) as e:
+                raw_commit(m.path, bad)
+            assert e.value.errno == errno.EINVAL, bad
+    finally:
+        for fd in (wronly, opath, dirfd, onmount, short):
+            os.close(fd)
+    assert sorted(os.listdir(m.path)) == ["onmount"]
+
+
+INTRUDER_COMMIT = r"""
+import json, os, sys
+mnt, target = sys.argv[1], sys.argv[2]
+data = b"i" * 8192
+fd = os.memfd_create("x"); os.write(fd, data)
+secret = os.open(sys.argv[3], os.O_RDONLY) if len(sys.argv) > 3 else fd
+ctl = os.open(mnt + "/.kvfs/commit", os.O_RDWR)
+req = ("\0fd %d\n0 8192 %s\n\0fd %d\n0 8192 %s.2\n" % (fd, target, secret, target)).encode()
+os.pwrite(ctl, req, 0)
+print(json.dumps(json.loads(os.pread(ctl, 1 << 20, 0))["results"]))
+"""
+
+
+def test_another_user_commits_only_where_it_may_create(kvfs_mount, intruder):
+    m = kvfs_mount(allow_other=True)
+    (m.path / "roots").mkdir(mode=0o755)
+    mine = m.path / "mine"
+    mine.mkdir()
+    os.chown(mine, intruder.uid, intruder.gid)
+    sticky = m.path / "sticky"
+    sticky.mkdir(mode=0o777)
+    os.chmod(sticky, 0o1777)
+    put(sticky / "roots-file", b"root")
+    with reachable(m.path):
+        res = intruder.run(INTRUDER_COMMIT, m.path, "roots/f")
+        assert json.loads(res.stdout) == [errno.EACCES, errno.EACCES]
+        res = intruder.run(INTRUDER_COMMIT, m.path, "sticky/roots-file")
+        assert json.loads(res.stdout) == [errno.EPERM, 0]
+        res = intruder.run(INTRUDER_COMMIT, m.path, "mine/f")
+        assert json.loads(res.stdout) == [0, 0]
+    assert os.listdir(m.path / "roots") == []
+    assert read(sticky / "roots-file") == b"root"
+    st = os.stat(mine / "f")
+    assert (st.st_uid, st.st_gid) == (intruder.uid, intruder.gid) and read(mine / "f") == b"i" * 8192
+
+
+def test_another_user_cannot_commit_a_file_it_may_not_read(kvfs_mount, intruder, tmp_path):
+    """The daemon (root) could read anything: the caller's own descriptor must be readable."""
+    m = kvfs_mount(allow_other=True)
+    mine = m.path / "mine"
+    mine.mkdir()
+    os.chown(mine, intruder.uid, intruder.gid)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 8192)
+    os.chmod(secret, 0o600)
+    code = INTRUDER_COMMIT.replace("os.open(sys.argv[3], os.O_RDONLY)", "os.open(sys.argv[3], os.O_WRONLY)")
+    os.chmod(secret, 0o622)            # the intruder may write it, not read it
+    with reachable(m.path), reachable(tmp_path):
+        res = intruder.run(code, m.path, "mine/f", secret)
+    assert json.loads(res.stdout) == [0, errno.EBADF]
+    assert not (mine / "f.2").exists()
+
+
+def test_commit_past_a_quota_is_refused(kvfs_mount):
+    m = kvfs_mount()
+    (m.path / "t").mkdir()
+    assert run_kvfs("quota", "set", m.path, "t", "1MiB").returncode == 0
+    c = CommitClient(str(m.path))
+    try:
+        got = c.commit("t", [("small", [b"x" * 4096]), ("big", [b"y" * (2 * MiB)])])
+    finally:
+        c.close()
+    assert got == [0, errno.EDQUOT]
+    assert "big" not in os.listdir(m.path / "t") and leftovers(m.path / "t") == []
+    assert m.stats()["quotas"]["refused"] >= 1
+
+
+def test_killed_daemon_mid_batch_gives_failed_sets_not_exceptions(kvfs_mount):
+    m = kvfs_mount(ram="256MiB")
+    store = PageStore(m.path, "pages")
+    page = content("p", 1 * MiB)
+    results: list[list[bool]] = []
+    started = threading.Event()
+
+    def writer() -> None:
+        for k in range(40):
+            started.set()
+            results.append(store.write_many([f"b{k}-{i}" for i in range(64)], lambda i: [page]))
+    t = threading.Thread(target=writer)
+    t.start()
+    started.wait(60)
+    wait_for(lambda: results or store.statistics().written, 120, "a first batch")
+    m.kill9()
+    t.join(300)
+    assert not t.is_alive()
+    stats = store.statistics()
+    assert not all(all(r) for r in results), "every batch succeeded although the daemon was killed"
+    assert stats.set_failures > 0 and stats.errors > 0
+    assert store.prefix(["b0-0"]) == 0 and store.read_into(["b0-0"], [[memoryview(bytearray(MiB))]]) == [False]
+    store.close()
+
+
+def test_commit_into_makes_missing_subdirectories_and_retries(kvfs_mount):
+    m = kvfs_mount()
+    (m.path / "v").mkdir()
+    c = CommitClient(str(m.path))
+    try:
+        items = [("abc/de_g0/h1.bin", [b"1" * 4096]), ("abc/de_g0/h2.bin", [b"2"]), ("top.bin", [b"t"])]
+        assert c.commit("v", items) == [errno.ENOENT, errno.ENOENT, 0]
+        assert c.commit_into(str(m.path / "v"), "v", items, noreplace=True) == [0, 0, errno.EEXIST]
+    finally:
+        c.close()
+    assert read(m.path / "v/abc/de_g0/h1.bin") == b"1" * 4096 and read(m.path / "v/abc/de_g0/h2.bin") == b"2"

@@ -146,8 +146,9 @@ def _standing(rows: list, slot: int, regions: int) -> set[int]:
 
 
 def _taken(rows: list, slot: int, regions: int) -> set[int]:
-    """Regions on which another node's claim stands (a row that does not verify claims all)."""
-    rows = [r if i != slot else {} for i, r in enumerate(rows)]
+    """Regions on which another node's claim stands (a row that does not verify claims all;
+    our own row counts: our takeover claim supersedes the dead node's)."""
+    rows = [r if i != slot else (r or {}) for i, r in enumerate(rows)]
     o = F.owners(rows, regions)
     if o is None:
         return set(range(regions))

@@ -120,6 +120,7 @@ class SharedRemoteTier(RemoteTier):
                 self.held[r] = {"from_slot": v[0], "from_epoch": v[1], "writable_at": self.clock()}
         self.tailer = Tailer(self.parent, sb2, self.slot, self.view)
         await self.tailer.poll()
+        self.liveness.observe(self.tailer.slots, self.clock())
         log.info("shared volume %s: node %r slot %d epoch %d region %d, log at %d, %d published by others",
                  self.describe, self.node_id, self.slot, self.node.epoch, self.region,
                  self.logw.next_seq, len(self.view))

@@ -181,3 +181,13 @@ async def test_a_short_freeze_partitions_then_resumes_when_the_region_is_still_o
         assert a.objects == 2
     finally:
         await a.close()
+
+
+def test_share_lease_config_is_checked():
+    from kvfs.config import Config
+    from kvfs.errors import ConfigError
+    for bad, msg in (({"share_lease": 0.01}, "share_lease"), ({"share_lease": "10"}, "share_lease"),
+                     ({"share_grace": 601}, "share_grace")):
+        with pytest.raises(ConfigError, match=msg):
+            Config(share=True, remote="/tmp/x.img", **bad).validate()
+    Config(share=True, remote="/tmp/x.img", share_lease=0.5, share_grace=0.1).validate()

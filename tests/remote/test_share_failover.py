@@ -25,7 +25,7 @@ import trio
 from conftest import wait_for
 from test_share import MiB, caught_up, content, outcome, put, share, tier_of
 
-LEASE = 4.0
+LEASE = 6.0
 
 
 def config(tmp_path: Path, name: str, takeover: bool) -> Path:

@@ -191,3 +191,22 @@ def test_share_lease_config_is_checked():
         with pytest.raises(ConfigError, match=msg):
             Config(share=True, remote="/tmp/x.img", **bad).validate()
     Config(share=True, remote="/tmp/x.img", share_lease=0.5, share_grace=0.1).validate()
+
+
+def test_an_observer_that_was_away_does_not_declare_others_dead():
+    """Liveness: silence the observer did not watch (it was frozen or disconnected for more
+    than lease/2) is not death; the others get a fresh lease + grace from its next read."""
+    live = member.Liveness(LEASE, LEASE / 2)
+    a = F.NodeSlot("node-a", "", 1, 7, 0, 99, 0.0)
+    live.observe([a], 0.0)
+    live.observe([a], 2.5)
+    assert live.dead(2.5) == []
+    live.observe([a], 60.0)                 # the observer was away 57.5 s
+    assert live.dead(60.0) == []
+    for t in (62.5, 65.0, 67.5, 70.0, 72.5):
+        live.observe([a], t)
+    assert live.dead(72.5) == []            # 12.5 s of watched silence < lease + grace
+    live.observe([a], 75.5)
+    assert live.dead(75.5) == [0]
+    live.observe([F.NodeSlot("node-a", "", 1, 8, 0, 99, 0.0)], 76.0)    # it heartbeats: alive
+    assert live.dead(76.0) == []

@@ -165,8 +165,16 @@ class Liveness:
         self.seen: dict[int, tuple] = {}
         self.since: dict[int, float] = {}
         self.slots: dict[int, F.NodeSlot] = {}
+        self.last = float("-inf")        # clock at the last observation
 
     def observe(self, slots: list, now: float) -> None:
+        """Feed one read of every slot. After a gap of more than lease/2 since the last read
+        (this observer was frozen or could not reach the volume: nobody could be watched),
+        every node starts a fresh lease + grace: silence we did not see is not death."""
+        if now - self.last > self.lease / 2:
+            for i in self.since:
+                self.since[i] = now
+        self.last = now
         for i, s in enumerate(slots):
             if s is None or s.free:
                 continue

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import wait_for
+from conftest import run_kvfs, wait_for
 from test_share import MiB, caught_up, content, outcome, put, share, tier_of
 
 LEASE = 6.0
@@ -129,6 +129,9 @@ def scenario(kvfs_mount, tmp_path, url_of, probe_url: str, target=None, **extra)
     wait_for(lambda: a.stats()["settled"], 120, "A to settle after the late writes")
     assert region_digest(probe_url, region_a) == frozen, "the fenced node wrote to the region it lost"
     assert a.stats()["tiers"]["remote"]["state"] == "fenced"
+    shown = run_kvfs("stat", c.path)
+    assert shown.returncode == 0 and f"holding region {region_a} from node-a" in shown.stdout, shown.stdout
+    assert "remote share lease: 6 s + grace 3 s, fenced: region" in run_kvfs("stat", a.path).stdout
 
     # 3. the target restarts: B and C reconnect and keep serving; A stays fenced
     if target is not None:

@@ -125,6 +125,11 @@ class SharedRemoteTier(RemoteTier):
                  self.describe, self.node_id, self.slot, self.node.epoch, self.region,
                  self.logw.next_seq, len(self.view))
 
+    async def _load(self, *, first: bool) -> None:
+        if self.region < 0:
+            return                          # read-only: no region of ours to load (also after a reconnect)
+        await super()._load(first=first)
+
     async def _format_shared(self) -> F.Superblock2:
         try:
             sb2 = F.Superblock2.plan(size=self.parent.size, lba_size=self.parent.block_size,

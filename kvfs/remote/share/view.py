@@ -62,7 +62,7 @@ class SharedView:
             self._link(e.key)
         elif e.op == F.OP_FREE:
             path = self._by_oid.get((slot, e.region, e.oid))
-            if path is not None:
+            if path is not None and self.by_path[path].entry.start == e.start:   # that record, not another
                 self._remove(path, self.by_path[path])
 
     def drop_owner(self, slot: int) -> None:

@@ -143,21 +143,25 @@ def scenario(kvfs_mount, tmp_path, url_of, probe_url: str, target=None, **extra)
     shown = " ".join(run_kvfs("stat", a.path).stdout.split())
     assert "remote share lease: 6 s + grace 3 s, fenced: region" in shown, shown
 
-    # 3. the target restarts: B and C reconnect and keep serving; A stays fenced
     if target is not None:
-        reconnects = {m: m.stats()["tiers"]["remote"]["reconnects"] for m in (b, c)}
-        target.kill()
-        target.start()
-        for m in (b, c):
-            wait_for(lambda m=m: m.stats()["tiers"]["remote"]["reconnects"] > reconnects[m]
-                     and m.stats()["tiers"]["remote"]["state"] == "connected", 180, f"{m} to reconnect")
-        for p in list(on_a)[:8]:
-            assert outcome(b.path / p) == written(p), p
-        put(c.path / "after/restart.bin", content(99_999))
-        assert outcome(c.path / "after/restart.bin") == content(99_999)
-        assert a.stats()["tiers"]["remote"]["state"] == "fenced"
+        target_restart(target, a, b, c, on_a)
     for m in (a, b, c):
         m.umount()
+
+
+def target_restart(target, a, b, c, on_a: dict) -> None:
+    """3. The target restarts: B and C reconnect and keep serving; A stays fenced."""
+    reconnects = {m: m.stats()["tiers"]["remote"]["reconnects"] for m in (b, c)}
+    target.kill()
+    target.start()
+    for m in (b, c):
+        wait_for(lambda m=m: m.stats()["tiers"]["remote"]["reconnects"] > reconnects[m]
+                 and m.stats()["tiers"]["remote"]["state"] == "connected", 180, f"{m} to reconnect")
+    for p in list(on_a)[:8]:
+        assert outcome(b.path / p) == written(p), p
+    put(c.path / "after/restart.bin", content(99_999))
+    assert outcome(c.path / "after/restart.bin") == content(99_999)
+    assert a.stats()["tiers"]["remote"]["state"] == "fenced"
 
 
 def written(p: str) -> bytes:

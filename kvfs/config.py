@@ -67,6 +67,9 @@ class Config:
     share: bool = False                # the remote volume is shared by several nodes (format 2)
     share_max_nodes: int = 8           # node slots when formatting a shared volume
     share_poll: float = 0.5            # seconds between polls of the other nodes' logs
+    share_lease: float = 10.0          # heartbeat every lease/4; a node silent lease + grace is dead
+    share_grace: float = -1.0          # extra wait before a silent node is dead (negative: lease/2)
+    share_takeover: bool = True        # claim the regions of dead nodes
     node_id: str = ""                  # this node on a shared volume (default: the instance id)
     allow_other: bool = False
     volatile_ram: bool = False         # clean unmount does not write RAM-only objects down
@@ -141,6 +144,10 @@ class Config:
                 raise ConfigError("share_max_nodes must be an integer from 1 to 255")
             if not isinstance(self.share_poll, (int, float)) or not 0.01 <= self.share_poll <= 60:
                 raise ConfigError("share_poll must be a number of seconds from 0.01 to 60")
+            if not isinstance(self.share_lease, (int, float)) or not 0.1 <= self.share_lease <= 600:
+                raise ConfigError("share_lease must be a number of seconds from 0.1 to 600")
+            if not isinstance(self.share_grace, (int, float)) or self.share_grace > 600:
+                raise ConfigError("share_grace must be a number of seconds up to 600 (negative: lease/2)")
             if len(str(self.node_id).encode()) > 64:
                 raise ConfigError("node_id must be at most 64 bytes")
         if not 0 < self.low_watermark < self.high_watermark <= 1:

@@ -69,6 +69,13 @@ def stat_cmd(mountpoint, as_json):
         stdout.print(f"remote share: node {share['node_id']} (slot {share['slot']}, epoch {share['epoch']}, "
                      f"region {share['region']}), published {share['published']}, {share['view']} blocks "
                      f"of {len(peers)} other node(s) in view", markup=False)
+        state = "fenced: " + share["fenced"] if share.get("fenced") else (
+            "partitioned (not writing)" if share.get("partitioned") else "writing")
+        held = ", ".join(f"{r} from {h.get('from_node') or 'slot ' + str(h['from_slot'])}"
+                         for r, h in sorted(share.get("held", {}).items()))
+        stdout.print(f"remote share lease: {share.get('lease', 0):g} s + grace {share.get('grace', 0):g} s, "
+                     f"{state}, partitions {share.get('partitions', 0)}, takeovers {share.get('takeovers', 0)}"
+                     + (f", holding region {held}" if held else ""), markup=False)
     extras = {k: v for k, v in data.items()
               if k not in ("tiers", "pid", "mountpoint", "time", "started")
               and not isinstance(v, (dict, list))}

@@ -170,6 +170,9 @@ def size_option(name: str, help: str):
               help="Share the remote volume with other kvfs nodes (format 2; see docs/scale-out.md).")
 @click.option("--share-max-nodes", type=int, default=None,
               help="Node slots when a shared volume is formatted (default 8).")
+@click.option("--share-lease", type=float, default=None, metavar="SECONDS",
+              help="Heartbeat lease on a shared volume (default 10): a node silent for lease + grace "
+                   "is dead and its region may be taken over.")
 @click.option("--node-id", metavar="ID", default=None,
               help="This node's id on a shared volume (default: the instance id).")
 @click.option("--volatile-ram", is_flag=True, default=None,

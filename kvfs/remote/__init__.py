@@ -43,7 +43,9 @@ def make_remote_tier(cfg, instance_id: str):
         return SharedRemoteTier(vol, instance_id=instance_id, node_id=cfg.node_id,
                                 hostnqn=url.hostnqn if url is not None else "",
                                 format=bool(cfg.remote_format), max_nodes=cfg.share_max_nodes,
-                                poll=float(cfg.share_poll), describe=target.split("?", 1)[0])
+                                poll=float(cfg.share_poll), lease=float(cfg.share_lease),
+                                grace=None if cfg.share_grace < 0 else float(cfg.share_grace),
+                                takeover=bool(cfg.share_takeover), describe=target.split("?", 1)[0])
     return RemoteTier(vol, instance_id=instance_id, size=size, format=bool(cfg.remote_format),
                       describe=target.split("?", 1)[0])
 

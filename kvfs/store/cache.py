@@ -94,13 +94,20 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits):
         return True
 
     async def sweep_orphans(self) -> int:
-        """Delete backing objects on durable tiers that the index does not know."""
+        """Delete backing objects on durable tiers that the index does not know (on a tier
+        with ``sweep_by_location``, a shared volume, also records of a known object at a place
+        the index does not hold: a put that committed before a crash recorded it, which other
+        nodes would otherwise go on seeing)."""
         n = 0
         for tier in self.store.tiers[1:]:
             if not tier.available:
                 continue
+            by_loc = getattr(tier, "sweep_by_location", False)
             async for oid, loc, size in tier.scan():
-                if oid not in self.store.objs:
+                obj = self.store.objs.get(oid)
+                stray = (by_loc and obj is not None and not obj.busy
+                         and bytes(obj.place.get(tier.name, b"")) != bytes(loc))
+                if obj is None or stray:
                     self.index.commit()     # a record dropped in memory is gone from LMDB too
                     await tier.delete(oid, loc)
                     n += 1

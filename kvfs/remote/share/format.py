@@ -168,6 +168,43 @@ def pack_claims(claims: dict[int, tuple[int, int]], epoch: int, regions: int, un
     return bytes(body) + bytes(unit - len(body))
 
 
+TAKEOVER = 1 << 63           # a claim's nonce with this bit names the claim it supersedes
+
+
+def takeover_nonce(victim_slot: int, victim_epoch: int) -> int:
+    """The nonce of a takeover claim: it supersedes ``victim_slot``'s claims made at an epoch
+    up to ``victim_epoch`` (the epoch the claimant saw in the dead node's slot)."""
+    return TAKEOVER | (victim_slot & 0xFFFF) << 47 | (victim_epoch & ((1 << 47) - 1))
+
+
+def superseded_by(nonce: int) -> tuple[int, int] | None:
+    """(victim slot, victim epoch) of a takeover claim's nonce; None for an ordinary claim."""
+    if not nonce & TAKEOVER:
+        return None
+    return (nonce >> 47) & 0xFFFF, nonce & ((1 << 47) - 1)
+
+
+def owners(rows: list, regions: int) -> dict[int, list[int]] | None:
+    """region -> the slots whose claim on it stands (not superseded by a takeover); None when a
+    row does not verify (unknown: the caller must assume it claims everything)."""
+    if any(r is None for r in rows):
+        return None
+    beaten = set()                      # (slot, region) whose claim a takeover superseded
+    for row in rows:
+        for r, (_ep, nonce) in row.items():
+            v = superseded_by(nonce)
+            if v is not None:
+                vs, vep = v
+                if vs < len(rows) and r in rows[vs] and rows[vs][r][0] <= vep:
+                    beaten.add((vs, r))
+    out: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        for r in row:
+            if (i, r) not in beaten and r < regions:
+                out.setdefault(r, []).append(i)
+    return out
+
+
 def unpack_claims(b, regions: int) -> dict[int, tuple[int, int]] | None:
     """region -> (epoch, nonce) of a row; {} when blank; None when torn or damaged."""
     b = bytes(b[:_CLAIM_HDR.size + regions * _CLAIM.size])

@@ -19,6 +19,7 @@ class RegionVolume(Volume):
         self.size = size
         self.block_size = parent.block_size
         self.describe = parent.describe
+        self.guard: Callable[[], None] | None = None     # raises when the owner may not write now
 
     @property
     def available(self) -> bool:
@@ -70,6 +71,8 @@ class RegionVolume(Volume):
 
     async def _write(self, offset: int, data: memoryview) -> None:
         self._check(offset, len(data))
+        if self.guard is not None:
+            self.guard()
         await self.parent._write(self.offset + offset, data)
 
     async def _flush(self) -> None:
@@ -77,6 +80,8 @@ class RegionVolume(Volume):
 
     async def write(self, offset: int, data) -> int:
         self._check(offset, len(memoryview(data).cast("B")))
+        if self.guard is not None:
+            self.guard()
         return await self.parent.write(self.offset + offset, data)
 
     async def durable(self, generation: int) -> None:

@@ -18,7 +18,8 @@ import trio
 from kvfs.errors import ConfigError, NoSuchObject, TierUnavailable
 from kvfs.remote import layout as L
 from kvfs.remote.share import format as F
-from kvfs.remote.share.member import LogWriter, claim_region, join, write_unit
+from kvfs.remote.share.member import (LogWriter, Liveness, claim_region, join, read_claims, take_over,
+                                      write_unit)
 from kvfs.remote.share.region import RegionVolume
 from kvfs.remote.share.view import Published, SharedView, Tailer
 from kvfs.remote.tier import _LOC, RemoteTier
@@ -29,9 +30,11 @@ log = logging.getLogger(__name__)
 
 
 class SharedRemoteTier(RemoteTier):
+    sweep_by_location = True        # Cache.sweep_orphans: a stray record of a known object is freed
     def __init__(self, volume: Volume, *, instance_id: str, node_id: str = "", hostnqn: str = "",
                  format: bool = False, max_nodes: int = 8, poll: float = 0.5, lease: float = 10.0,
-                 settle: float = 0.2, log_units: int = 256, describe: str = ""):
+                 settle: float = 0.2, log_units: int = 256, describe: str = "", grace: float | None = None,
+                 takeover: bool = True):
         super().__init__(volume, instance_id=instance_id, size="100%", format=False,
                          describe=describe or volume.describe)
         self.parent = volume
@@ -41,6 +44,17 @@ class SharedRemoteTier(RemoteTier):
         self.max_nodes = max_nodes
         self.poll = poll
         self.lease = lease
+        self.grace = lease / 2 if grace is None else grace
+        url = getattr(volume, "url", None)
+        self.io_timeout = float(getattr(url, "timeout", 5.0) or 5.0)
+        self.takeover = takeover
+        self.clock = time.monotonic        # the failure detector's clock (a test may replace it)
+        self.last_ack = 0.0                # clock at our last acknowledged heartbeat (or join)
+        self.partitioned = False           # our heartbeat failed for lease/2: we write nothing
+        self.partitions = 0
+        self.liveness = Liveness(lease, self.grace)
+        self.held: dict[int, dict] = {}    # regions taken over from dead nodes -> what and when
+        self.takeovers = 0
         self.settle = settle
         self.log_units = log_units
         self.sb2: F.Superblock2 | None = None
@@ -87,18 +101,35 @@ class SharedRemoteTier(RemoteTier):
                          f"as a shared volume")
         self.sb2 = sb2
         self.slot, self.node = await join(self.parent, sb2, self.node_id, self.hostnqn, settle=self.settle)
-        fresh = not (await _own_claim(self.parent, sb2, self.slot))
+        before = await _own_claims(self.parent, sb2, self.slot)
         self.region = await claim_region(self.parent, sb2, self.slot, self.node.epoch)
-        self.vol = RegionVolume(self.parent, sb2.region_off(self.region), sb2.region_bytes)
-        self.format = fresh                 # a newly claimed region is formatted (format 1 inside)
-        await self._load(first=True)
+        self.last_ack = self.clock()
         self.logw = LogWriter(self.parent, sb2, self.slot)
+        self.logw.guard = self._may_write
         await self.logw.recover()
+        if self.region < 0:                 # our region was taken over and none is free
+            self.fenced = "read-only: no free region on the shared volume"
+            self.state = "fenced"
+        else:
+            self.vol = RegionVolume(self.parent, sb2.region_off(self.region), sb2.region_bytes)
+            self.vol.guard = self._may_write
+            self.format = self.region not in before     # a newly claimed region is formatted (format 1)
+            await self._load(first=True)
+        for r, (_ep, nonce) in (await read_claims(self.parent, sb2))[self.slot].items():
+            v = F.superseded_by(nonce)
+            if v is not None:               # a region we took over before a restart: still held
+                self.held[r] = {"from_slot": v[0], "from_epoch": v[1], "writable_at": self.clock()}
         self.tailer = Tailer(self.parent, sb2, self.slot, self.view)
         await self.tailer.poll()
+        self.liveness.observe(self.tailer.slots, self.clock())
         log.info("shared volume %s: node %r slot %d epoch %d region %d, log at %d, %d published by others",
                  self.describe, self.node_id, self.slot, self.node.epoch, self.region,
                  self.logw.next_seq, len(self.view))
+
+    async def _load(self, *, first: bool) -> None:
+        if self.region < 0:
+            return                          # read-only: no region of ours to load (also after a reconnect)
+        await super()._load(first=first)
 
     async def _format_shared(self) -> F.Superblock2:
         try:
@@ -124,13 +155,34 @@ class SharedRemoteTier(RemoteTier):
     # ---- fencing ----------------------------------------------------------------------
     @property
     def available(self) -> bool:
-        return super().available and not self.fenced
+        return super().available and not self.fenced and not self.partitioned
 
     def current_state(self) -> str:
-        return "fenced" if self.fenced else super().current_state()
+        if self.fenced:
+            return "fenced"
+        return "partitioned" if self.partitioned else super().current_state()
+
+    def _may_write(self) -> None:
+        """Called right before every write to our region or log (not the heartbeat): refuse
+        when fenced, or when our last acknowledged heartbeat is older than lease/2 (we may be
+        partitioned or were frozen: others may think us dead soon; see docs/scale-out.md)."""
+        if self.fenced:
+            raise TierUnavailable(f"remote tier {self.describe} is fenced: {self.fenced}")
+        if self.partitioned or self.clock() - self.last_ack > self.lease / 2:
+            self._set_partitioned()
+            raise TierUnavailable(f"remote tier {self.describe} is partitioned: no heartbeat acknowledged "
+                                  f"for more than {self.lease / 2:.1f} s; not writing")
+
+    def _set_partitioned(self) -> None:
+        if not self.partitioned:
+            self.partitioned = True
+            self.partitions += 1
+            log.error("shared volume: no heartbeat acknowledged for lease/2 (%.1f s); this node stops "
+                      "writing to the volume until one is and its region is still its own", self.lease / 2)
 
     async def _check_fence(self) -> None:
-        """Before every write to our region or log: is our slot still ours (node id, nonce)?
+        """Before every put and free: is our slot still ours (node id, nonce), and does our
+        claim on our region still stand (no takeover by another node superseded it)?
 
         Another process that joined with our node id (a restart while this one was frozen)
         has bumped the epoch and written a new nonce: this one is fenced and stops writing
@@ -139,11 +191,20 @@ class SharedRemoteTier(RemoteTier):
         """
         if self.fenced:
             raise TierUnavailable(f"remote tier {self.describe} is fenced: {self.fenced}")
-        raw = await self.parent.read(self.sb2.slot_off(self.slot), self.sb2.unit)
-        s = F.NodeSlot.unpack(raw)
+        sb2 = self.sb2
+        raw = await self.parent.read(sb2.slot_off(0), 2 * sb2.max_nodes * sb2.unit)   # slots, then claim rows
+        s = F.NodeSlot.unpack(raw[self.slot * sb2.unit:(self.slot + 1) * sb2.unit])
+        rows = [F.unpack_claims(raw[(sb2.max_nodes + i) * sb2.unit:(sb2.max_nodes + i + 1) * sb2.unit],
+                                sb2.regions) for i in range(sb2.max_nodes)]
+        rows[self.slot] = rows[self.slot] or {}
+        o = F.owners(rows, sb2.regions)
         if s is None or s.node_id != self.node_id or s.nonce != self.node.nonce:
             self.fenced = (f"slot {self.slot} now holds node {s.node_id!r} epoch {s.epoch}" if s is not None
                            else f"slot {self.slot} does not verify")
+        elif o is not None and self.region >= 0 and self.slot not in o.get(self.region, []):
+            who = o.get(self.region, [])
+            self.fenced = f"region {self.region} was taken over by node slot(s) {who}"
+        if self.fenced:
             self.state = "fenced"
             log.error("shared volume: this node (epoch %d) is fenced (%s); it writes nothing more",
                       self.node.epoch, self.fenced)
@@ -256,42 +317,100 @@ class SharedRemoteTier(RemoteTier):
     async def _tail_loop(self) -> None:
         while True:
             await trio.sleep(self.poll)
-            if not self.available:
+            if not self.parent.available or self.tailer is None:
                 continue
+            await self.tail_once()
+
+    async def tail_once(self) -> None:
+        """One poll of the other nodes' logs, the failure detector, and a takeover if one is due."""
+        try:
+            await self.tailer.poll()
+            self.liveness.observe(self.tailer.slots, self.clock())
+            if self.takeover and self.available:
+                await self._take_over_dead()
+        except TierUnavailable as e:
+            log.debug("tailing the shared volume: %s", e)
+        except Exception:       # noqa: BLE001 - a bad log must not take the mount down
+            self.tail_errors += 1
+            log.exception("tailing the shared volume failed; next try in %.1f s", self.poll)
+        gone, self.view.dropped = self.view.dropped, []
+        if gone and self.on_dropped is not None:
             try:
-                await self.tailer.poll()
-            except TierUnavailable as e:
-                log.debug("tailing the shared volume: %s", e)
-            except Exception:       # noqa: BLE001 - a bad log must not take the mount down
+                await self.on_dropped(gone)
+            except Exception:   # noqa: BLE001 - the names stay; their reads still verify
                 self.tail_errors += 1
-                log.exception("tailing the shared volume failed; next try in %.1f s", self.poll)
-            gone, self.view.dropped = self.view.dropped, []
-            if gone and self.on_dropped is not None:
-                try:
-                    await self.on_dropped(gone)
-                except Exception:   # noqa: BLE001 - the names stay; their reads still verify
-                    self.tail_errors += 1
-                    log.exception("dropping %d names freed by their owners failed", len(gone))
+                log.exception("dropping %d names freed by their owners failed", len(gone))
+
+    async def _take_over_dead(self) -> None:
+        """Claim the regions of nodes the failure detector finds dead (one region per poll)."""
+        sb2 = self.sb2
+        rows = await read_claims(self.parent, sb2)
+        o = F.owners(rows, sb2.regions)
+        if o is None:
+            return
+        for victim in self.liveness.dead(self.clock(), exclude=self.slot):
+            seen = self.liveness.slots[victim]
+            for r, holders in sorted(o.items()):
+                if victim not in holders or r in self.held:
+                    continue
+                self._may_write()
+                if not await take_over(self.parent, sb2, self.slot, self.node.epoch, victim, seen, r):
+                    return
+                await self._replay(victim, seen, r)
+                return
+
+    async def _replay(self, victim: int, seen: F.NodeSlot, region: int) -> None:
+        """After winning a dead node's region: read its whole log (its view survives us) and
+        republish its live blocks in our log, so every node sees them as ours. We write in the
+        region itself no sooner than lease + grace + the initiator timeout from now."""
+        self.tailer.next_seq.pop(victim, None)
+        await self.tailer.poll()                     # a rescan of the victim's ring, and the others
+        self.takeovers += 1
+        self.held[region] = {"from_slot": victim, "from_node": seen.node_id, "from_epoch": seen.epoch,
+                             "writable_at": self.clock() + self.lease + self.grace + self.io_timeout}
+        n = 0
+        for path, p in sorted(self.view.by_path.items()):
+            e = p.entry
+            if p.slot != victim or e.region != region or e.op != F.OP_PUT:
+                continue
+            await self.logw.append(lambda seq, e=e: F.LogEntry(
+                seq, self.node.epoch, F.OP_PUT, e.region, e.start, e.units, e.hdr_units, e.oid, e.generation,
+                e.size, e.checksum, e.chunk_size, e.region_uuid, e.mtime_ns, e.key))
+            n += 1
+        self.published += n
+        log.warning("took region %d over from node %r (slot %d, epoch %d): %d published blocks kept",
+                    region, seen.node_id, victim, seen.epoch, n)
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await trio.sleep(self.lease / 4)
-            if not self.available:
-                if self.fenced:
-                    return
-                continue
-            try:
-                await self._check_fence()
-            except TierUnavailable:
-                continue
-            self.node.heartbeat += 1
-            self.node.log_seq = self.logw.next_seq
-            self.node.updated = time.time()
-            try:
-                await write_unit(self.parent, self.sb2.slot_off(self.slot), self.node.pack(self.sb2.unit),
-                                 self.sb2.unit)
-            except TierUnavailable as e:
-                log.debug("heartbeat: %s", e)
+            if self.fenced:
+                return
+            if self.parent.available:
+                await self.heartbeat()
+            if self.clock() - self.last_ack > self.lease / 2:
+                self._set_partitioned()
+
+    async def heartbeat(self) -> None:
+        """Write our slot with heartbeat + 1. After a partition (or a freeze) the node writes
+        again only if, read after this heartbeat landed, its region is still its own."""
+        try:
+            await self._check_fence()
+        except TierUnavailable:
+            return
+        self.node.heartbeat += 1
+        self.node.log_seq = self.logw.next_seq
+        self.node.updated = time.time()
+        try:
+            await write_unit(self.parent, self.sb2.slot_off(self.slot), self.node.pack(self.sb2.unit),
+                             self.sb2.unit)
+            if self.partitioned:
+                await self._check_fence()        # after the heartbeat: a claimant sees it, or we see the claim
+                self.partitioned = False
+                log.warning("shared volume: heartbeat acknowledged again; this node writes again")
+            self.last_ack = self.clock()
+        except TierUnavailable as e:
+            log.debug("heartbeat: %s", e)
 
     def status(self) -> dict:
         st = super().status()
@@ -302,12 +421,15 @@ class SharedRemoteTier(RemoteTier):
                            "log_next_seq": self.logw.next_seq if self.logw else 0,
                            "publish_errors": self.publish_errors, "view": len(self.view),
                            "foreign_misses": self.foreign_misses, "tail_errors": self.tail_errors,
-                           "fenced": self.fenced,
+                           "fenced": self.fenced, "partitioned": self.partitioned,
+                           "partitions": self.partitions, "lease": self.lease, "grace": self.grace,
+                           "takeovers": self.takeovers,
+                           "held": {str(r): {k: v for k, v in h.items() if k != "writable_at"}
+                                    for r, h in self.held.items()},
                            "tail": self.tailer.status() if self.tailer else {},
                            **(self.names.status() if self.names is not None else {})}
         return st
 
 
-async def _own_claim(vol: Volume, sb2: F.Superblock2, slot: int) -> bool:
-    from kvfs.remote.share.member import read_claims
-    return bool((await read_claims(vol, sb2))[slot])
+async def _own_claims(vol: Volume, sb2: F.Superblock2, slot: int) -> set[int]:
+    return set((await read_claims(vol, sb2))[slot] or {})

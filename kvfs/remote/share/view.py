@@ -29,7 +29,7 @@ class Published:
 class SharedView:
     def __init__(self) -> None:
         self.by_path: dict[str, Published] = {}
-        self._by_oid: dict[tuple[int, int], str] = {}
+        self._by_oid: dict[tuple[int, int, int], str] = {}   # (slot, region, oid) -> path
         self.dirs: dict[str, dict[str, int]] = {}     # directory -> child name -> published paths under it
         # (path, Published) of names that went away or were replaced, for the node to drop
         self.dropped: list[tuple[str, Published]] = []
@@ -45,19 +45,24 @@ class SharedView:
 
     def apply(self, slot: int, node_id: str, e: F.LogEntry) -> None:
         if e.op == F.OP_PUT:
-            prev = self._by_oid.get((slot, e.oid))
+            prev = self._by_oid.get((slot, e.region, e.oid))
             if prev is not None and prev != e.key:      # republished under a new name (rename)
                 self._remove(prev, self.by_path[prev])
             old = self.by_path.get(e.key)
             p = Published(slot, node_id, e)
+            if old is not None and _same_block(old.entry, e):   # republished by a new owner (takeover)
+                self._by_oid.pop((old.slot, old.entry.region, old.entry.oid), None)
+                self.by_path[e.key] = p
+                self._by_oid[(slot, e.region, e.oid)] = e.key
+                return
             if old is not None:
                 self._remove(e.key, old)
             self.by_path[e.key] = p
-            self._by_oid[(slot, e.oid)] = e.key
+            self._by_oid[(slot, e.region, e.oid)] = e.key
             self._link(e.key)
         elif e.op == F.OP_FREE:
-            path = self._by_oid.get((slot, e.oid))
-            if path is not None:
+            path = self._by_oid.get((slot, e.region, e.oid))
+            if path is not None and self.by_path[path].entry.start == e.start:   # that record, not another
                 self._remove(path, self.by_path[path])
 
     def drop_owner(self, slot: int) -> None:
@@ -67,7 +72,8 @@ class SharedView:
 
     def _remove(self, path: str, p: Published) -> None:
         del self.by_path[path]
-        self._by_oid.pop((p.slot, p.entry.oid), None)
+        if self._by_oid.get((p.slot, p.entry.region, p.entry.oid)) == path:
+            del self._by_oid[(p.slot, p.entry.region, p.entry.oid)]
         self._unlink(path)
         self.dropped.append((path, p))
 
@@ -93,18 +99,24 @@ class SharedView:
                 self.dirs.pop(parent, None)
 
 
+def _same_block(a: F.LogEntry, b: F.LogEntry) -> bool:
+    return (a.region, a.start, a.oid, a.generation, a.region_uuid) == (b.region, b.start, b.oid, b.generation,
+                                                                        b.region_uuid)
+
+
 class Tailer:
     def __init__(self, vol: Volume, sb: F.Superblock2, my_slot: int, view: SharedView):
         self.vol, self.sb, self.my_slot, self.view = vol, sb, my_slot, view
         self.next_seq: dict[int, int] = {}        # slot -> next sequence number expected
         self.nodes: dict[int, F.NodeSlot] = {}
+        self.slots: list = []                    # every slot as read by the last poll
         self.polls = 0
         self.entries = 0
         self.rescans = 0
 
     async def poll(self) -> int:
         """One pass over every other node's log; returns how many entries were applied."""
-        slots = await read_slots(self.vol, self.sb)
+        slots = self.slots = await read_slots(self.vol, self.sb)
         n = 0
         for i, s in enumerate(slots):
             if i == self.my_slot or s is None or s.free:

@@ -294,3 +294,16 @@ def plant_record(state: Path, db: bytes, key: bytes, value: bytes) -> None:
             txn.put(key, value, db=env.open_db(db, txn=txn))
     finally:
         env.close()
+
+
+def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str, code: int | None = None):
+    err = res.stderr.strip()
+    assert res.returncode != 0, f"expected failure, got rc=0; stdout={res.stdout!r}"
+    if code is not None:
+        assert res.returncode == code
+    assert "\n" not in err, f"error is not one line: {err!r}"
+    assert err.startswith("kvfs: error: "), err
+    assert "Traceback" not in res.stderr + res.stdout
+    for n in needles:
+        assert n.lower() in err.lower(), f"{n!r} not in {err!r}"
+    return err

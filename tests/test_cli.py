@@ -12,20 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_kvfs
-
-
-def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str, code: int | None = None):
-    err = res.stderr.strip()
-    assert res.returncode != 0, f"expected failure, got rc=0; stdout={res.stdout!r}"
-    if code is not None:
-        assert res.returncode == code
-    assert "\n" not in err, f"error is not one line: {err!r}"
-    assert err.startswith("kvfs: error: "), err
-    assert "Traceback" not in res.stderr + res.stdout
-    for n in needles:
-        assert n.lower() in err.lower(), f"{n!r} not in {err!r}"
-    return err
+from conftest import REPO, assert_one_line_error, run_kvfs
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import _env, kvfs_command, lazy_unmount, pid_alive, run_kvfs, wait_for
-from test_cli import assert_one_line_error
+from conftest import assert_one_line_error
 
 pytestmark = pytest.mark.mount
 

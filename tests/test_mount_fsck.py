@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import wait_for
-from test_cli import assert_one_line_error
+from conftest import assert_one_line_error
 
 pytestmark = pytest.mark.mount
 

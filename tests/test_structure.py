@@ -102,3 +102,14 @@ def test_tests_do_not_edit_the_import_path():
              if isinstance(n, ast.Attribute) and n.attr == "insert" and isinstance(n.value, ast.Attribute)
              and n.value.attr == "path"]
     assert not found, "sys.path edited in tests:\n" + "\n".join(found)
+
+
+def test_no_test_module_imports_another():
+    """Helpers live in helper modules (conftest, storekit, mounthelp, sharekit, ...), not in
+    test modules: importing a test module runs its tests' module-level code twice."""
+    tests = PKG.parent / "tests"
+    found = [f"{p.relative_to(tests)}:{n.lineno}" for p in sorted(tests.rglob("*.py"))
+             for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.ImportFrom) and n.module
+             and (n.module.startswith("tests.") or n.module.rsplit(".", 1)[-1].startswith("test_"))]
+    assert not found, "a test module imported by another:\n" + "\n".join(found)

@@ -38,7 +38,7 @@ import time
 from kvfs.kv.block import ChecksumMismatch
 from kvfs.kv.commit import CommitClient
 from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObjects, preadv_full, read_backing,
-                             read_backing_into)
+                             read_backing_into, write_all)
 from kvfs.kv.lookup import PrefixLookup, find_control
 
 log = logging.getLogger(__name__)
@@ -547,17 +547,7 @@ class PageStore:
             os.makedirs(sub, exist_ok=True)   # names with subdirectories (vLLM's fs layout)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            views = [memoryview(b).cast("B") for b in bufs]
-            total = sum(len(v) for v in views)
-            done = 0
-            while views:
-                k = os.writev(fd, views)
-                done += k
-                while views and k >= len(views[0]):
-                    k -= len(views[0])
-                    views.pop(0)
-                if views and k:
-                    views[0] = views[0][k:]
+            total = write_all(fd, bufs)
             os.close(fd)
             fd = -1
             os.rename(tmp, final)

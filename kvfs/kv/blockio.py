@@ -96,6 +96,22 @@ def preadv_full(fd: int, bufs: list, offset: int, total: int | None = None) -> i
     return done
 
 
+def write_all(fd: int, bufs: list, offset: int | None = None) -> int:
+    """``writev`` (``pwritev`` at ``offset``) every byte of ``bufs``, resuming after short
+    writes; returns the bytes written."""
+    views = [memoryview(b).cast("B") for b in bufs]
+    done = 0
+    while views:
+        k = os.writev(fd, views) if offset is None else os.pwritev(fd, views, offset + done)
+        done += k
+        while views and k >= len(views[0]):
+            k -= len(views[0])
+            views.pop(0)
+        if views and k:
+            views[0] = views[0][k:]
+    return done
+
+
 def open_for_read(path: str, direct: bool) -> tuple[int, bool]:
     """Open ``path`` read-only, with O_DIRECT if asked and the filesystem allows it."""
     if direct and O_DIRECT:

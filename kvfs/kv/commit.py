@@ -16,6 +16,7 @@ import logging
 import os
 
 from kvfs import protocol
+from kvfs.kv.blockio import write_all
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class CommitClient:
             os.ftruncate(self.memfd, off)
             self._size = off
         for at, views in chunks:
-            self._pwritev(at, views)
+            write_all(self.memfd, views, at)
         req = protocol.commit_request(base, self.memfd, entries, mode, noreplace)
         self._send(req)
         answer = self._receive()
@@ -111,16 +112,6 @@ class CommitClient:
         if len(results) != len(items) or not all(isinstance(r, int) for r in results):
             raise OSError(errno.EPROTO, "commit answer does not match the request")
         return results
-
-    def _pwritev(self, off: int, views: list[memoryview]) -> None:
-        while views:
-            k = os.pwritev(self.memfd, views, off)
-            off += k
-            while views and k >= len(views[0]):
-                k -= len(views[0])
-                views.pop(0)
-            if views and k:
-                views[0] = views[0][k:]
 
     def _send(self, req: bytes) -> None:
         done = 0

@@ -25,6 +25,7 @@ import time
 import weakref
 
 from kvfs.kv.block import encode_header
+from kvfs.kv.blockio import write_all
 from kvfs.kv.commit import CommitClient
 from kvfs.kv.layout import KVLayout, block_path
 
@@ -73,17 +74,7 @@ def write_block_file(final: str, header: bytes, payload) -> bool:
     tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.{os.urandom(6).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        bufs = [memoryview(header), memoryview(payload).cast("B")]
-        total = sum(len(b) for b in bufs)
-        done = 0
-        while done < total:
-            n = os.writev(fd, bufs)
-            done += n
-            while bufs and n >= len(bufs[0]):
-                n -= len(bufs[0])
-                bufs.pop(0)
-            if bufs and n:
-                bufs[0] = bufs[0][n:]
+        write_all(fd, [header, payload])
     except BaseException:
         os.close(fd)
         os.unlink(tmp)

@@ -287,14 +287,7 @@ class Commits:
             staging._account(got)
         if got != m.entry.length:
             raise _err(errno.EINVAL, f"the source holds {got} of the {m.entry.length} bytes named")
-        ws.dirty = True
-        ws.touch()
-        ram = self.store.ram
-        if ram.used > ram.capacity and not staging.spilled:
-            self.store.kick()
-            await staging.spill(self.spill_dir)
-        elif ram.used > ram.capacity * self.store.high:
-            self.store.kick()
+        await self._written(ws, staging)
         await self.flush(m.fh)              # the seal: as the last close would
         await self.release(m.fh)
         rec = self.index.get_inode(m.ino)

@@ -248,6 +248,12 @@ class FileHandles:
         if h.append:
             offset = staging.size
         n = await staging.write(offset, data)
+        await self._written(ws, staging)
+        return n
+
+    async def _written(self, ws: WriteState, staging) -> None:
+        """After bytes reach a write buffer: the file is dirty; RAM over its budget spills
+        this buffer to NVMe, RAM past the high watermark wakes the mover."""
         ws.dirty = True
         ws.touch()
         ram = self.store.ram
@@ -256,7 +262,6 @@ class FileHandles:
             await staging.spill(self.spill_dir)
         elif ram.used > ram.capacity * self.store.high:
             self.store.kick()
-        return n
 
     async def flush(self, fh: int) -> None:
         """close(2): seal now if this is the only writer, so errors reach the caller."""

@@ -402,7 +402,7 @@ def test_lookup_hold_api_edges(kvfs_mount, tmp_path):
 
 def test_save_then_normal_exit_keeps_every_block_through_commit(kvfs_mount):
     """KVCache.save on kvfs goes through .kvfs/commit; queued saves still land at exit."""
-    from kv.test_cache import LAYOUT, _run_exit_child
+    from kv.kvkit import LAYOUT, _run_exit_child
     m = kvfs_mount()
     with kvfs.KVCache(m.path, model="test/model", layout=LAYOUT) as c:
         assert c._writer._commit is not None, "the writer does not use .kvfs/commit on a kvfs mount"

@@ -11,7 +11,7 @@ import trio
 from kvfs.errors import NoSuchObject, TierUnavailable
 from nvmet_fixtures import open_tier
 from nvmet_target import SUBNQN
-from test_tier import make_info
+from storekit import make_info
 
 pytestmark = pytest.mark.target
 CMD_TIMEOUT = 2.0

@@ -11,57 +11,18 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 from pathlib import Path
 
 import pytest
 
 from conftest import run_kvfs, wait_for
+from sharekit import MiB, caught_up, content, outcome, put, share, tier_of  # noqa: F401
 
-MiB = 1 << 20
 NFILES = 40
-
-
-def content(i: int, v: int = 0) -> bytes:
-    return random.Random(f"share-{i}-{v}").randbytes(MiB)
 
 
 def rel(i: int) -> str:
     return f"model_cfg/{i % 4:03x}/{i:02x}_g0/blk{i:04d}.bin"
-
-
-def put(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def tier_of(path: Path) -> str | None:
-    try:
-        return os.getxattr(path, "user.kvfs.tier").decode()
-    except OSError:
-        return None
-
-
-def outcome(path: Path) -> bytes | int:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        return e.errno
-
-
-def share(m) -> dict:
-    return m.stats()["tiers"]["remote"]["share"]
-
-
-def caught_up(b, a) -> bool:
-    """B has applied every entry A has appended to its log."""
-    sa, sb = share(a), share(b)
-    peer = sb["tail"]["peers"].get(sa["node_id"])
-    return peer is not None and peer["next_seq"] >= sa["log_next_seq"]
 
 
 def settled(m) -> bool:

@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from conftest import run_kvfs, wait_for
-from test_share import MiB, caught_up, content, outcome, put, share, tier_of
+from sharekit import MiB, caught_up, content, outcome, put, share, tier_of
 
 LEASE = 6.0
 

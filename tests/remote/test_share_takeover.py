@@ -17,7 +17,7 @@ from kvfs.remote.share import format as F
 from kvfs.remote.share import member
 from kvfs.remote.share.tier import SharedRemoteTier
 
-from tests.remote.test_share_volume import VOL, foreign_read, info_of
+from sharekit import VOL, foreign_read, info_of
 
 LEASE = 10.0
 

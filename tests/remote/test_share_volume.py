@@ -8,36 +8,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import xxhash
 
 from kvfs.errors import ConfigError, NoSuchObject
 from kvfs.remote import make_volume
 from kvfs.remote.share import format as F
-from kvfs.remote.share.tier import SharedRemoteTier
 from kvfs.remote.tier import RemoteTier
-from kvfs.store.tier import ObjectInfo
 
-CHUNK = 1 << 20
-VOL = 64 << 20
-
-
-def info_of(oid: int, data: bytes, key: str, gen: int = 1) -> ObjectInfo:
-    sums = tuple(xxhash.xxh3_64_intdigest(data[i:i + CHUNK]) for i in range(0, max(len(data), 1), CHUNK))
-    return ObjectInfo(oid, len(data), xxhash.xxh3_64_intdigest(data), CHUNK, sums, key, gen)
-
-
-async def node(path, name: str, *, fmt: bool = False, log_units: int = 256) -> SharedRemoteTier:
-    t = SharedRemoteTier(make_volume(str(path), create_size=VOL), instance_id=name, format=fmt, max_nodes=4,
-                         settle=0.01, log_units=log_units)
-    await t.open()
-    return t
-
-
-async def foreign_read(b: SharedRemoteTier, path: str) -> bytes:
-    p = b.view.get(path)
-    assert p is not None, f"{path} not in the view"
-    loc = F.pack_foreign_loc(p.slot, p.entry)
-    return bytes(await b.read(999, loc, 0, p.entry.size))
+from sharekit import CHUNK, VOL, foreign_read, info_of, node  # noqa: F401
 
 
 async def test_two_nodes_publish_tail_and_miss_after_free(tmp_path):

@@ -12,16 +12,10 @@ import xxhash
 from kvfs.config import Config
 from kvfs.errors import ConfigError, NoSuchObject, TierFull, TierUnavailable
 from kvfs.remote import make_remote_tier
-from kvfs.store.tier import ObjectInfo
 from nvmet_fixtures import open_tier
+from storekit import make_info
 
 CHUNK = 1 << 20
-
-
-def make_info(oid: int, data: bytes, key: str = "", gen: int = 0) -> ObjectInfo:
-    sums = tuple(xxhash.xxh3_64_intdigest(data[i:i + CHUNK]) for i in range(0, max(len(data), 1), CHUNK))
-    return ObjectInfo(oid=oid, size=len(data), checksum=xxhash.xxh3_64_intdigest(data), chunk_size=CHUNK,
-                      chunk_sums=sums, key=key or f"/model/blk/{oid:08x}.bin", generation=gen)
 
 
 async def put_many(tier, rnd: random.Random, n: int, first_oid: int = 1, max_size: int = 3 << 20):

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import sys
 import uuid
 from pathlib import Path
 
 import trio
+import xxhash
 
+from kvfs.blockformat import build_header
 from kvfs.config import Config  # noqa: E402
 from kvfs.build import build_store  # noqa: E402
 from kvfs.store.cache import Cache  # noqa: E402
@@ -122,3 +125,23 @@ async def contract(tier) -> None:
     assert tier.used == used0
 
 
+INFO_CHUNK = 1 << 20
+
+
+def make_info(oid: int, data: bytes, key: str = "", gen: int = 0) -> ObjectInfo:
+    sums = tuple(xxhash.xxh3_64_intdigest(data[i:i + INFO_CHUNK]) for i in range(0, max(len(data), 1), INFO_CHUNK))
+    return ObjectInfo(oid=oid, size=len(data), checksum=xxhash.xxh3_64_intdigest(data), chunk_size=INFO_CHUNK,
+                      chunk_sums=sums, key=key or f"/model/blk/{oid:08x}.bin", generation=gen)
+
+
+PAYLOAD = 60_000
+
+
+def block(ns: str, h: str, parent: str, tokens: int) -> bytes:
+    meta = {"format": "kvfs-block-v1", "kvfs.namespace": ns, "kvfs.hash": h, "kvfs.parent": parent,
+            "kvfs.tokens": str(tokens), "kvfs.block_tokens": "16"}
+    return build_header(meta, {"kv": ("U8", [PAYLOAD], PAYLOAD)}) + os.urandom(PAYLOAD)
+
+
+def hx(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()

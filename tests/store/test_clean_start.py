@@ -13,7 +13,7 @@ import trio
 from kvfs.store import objtable
 from kvfs.store.index import Index, ROOT_INO
 from storekit import open_cache
-from test_prefix_eviction import block, hx
+from storekit import block, hx
 
 FILE = stat.S_IFREG | 0o644
 

@@ -2,24 +2,10 @@
 so chains lose their tail, never their head. Real tiers, real LMDB, no kernel."""
 from __future__ import annotations
 
-import hashlib
 import os
 
-from kvfs.blockformat import build_header
 from kvfs.store.index import ROOT_INO
-from storekit import open_cache
-
-PAYLOAD = 60_000
-
-
-def block(ns: str, h: str, parent: str, tokens: int) -> bytes:
-    meta = {"format": "kvfs-block-v1", "kvfs.namespace": ns, "kvfs.hash": h, "kvfs.parent": parent,
-            "kvfs.tokens": str(tokens), "kvfs.block_tokens": "16"}
-    return build_header(meta, {"kv": ("U8", [PAYLOAD], PAYLOAD)}) + os.urandom(PAYLOAD)
-
-
-def hx(s: str) -> str:
-    return hashlib.sha256(s.encode()).hexdigest()
+from storekit import PAYLOAD, block, hx, open_cache  # noqa: F401
 
 
 async def write(cache, name: bytes, data: bytes) -> None:

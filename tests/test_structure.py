@@ -113,3 +113,12 @@ def test_no_test_module_imports_another():
              if isinstance(n, ast.ImportFrom) and n.module
              and (n.module.startswith("tests.") or n.module.rsplit(".", 1)[-1].startswith("test_"))]
     assert not found, "a test module imported by another:\n" + "\n".join(found)
+
+
+def test_fs_goes_through_cache_only():
+    """The fs layer asks ``Cache``; it does not reach past it into the namespace or index."""
+    def via_cache(n: ast.AST) -> bool:
+        return (isinstance(n, ast.Name) and n.id == "cache") or (isinstance(n, ast.Attribute) and n.attr == "cache")
+    found = [f"kvfs/{rel(p)}:{n.lineno} .{n.attr}" for p in modules("fs") for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Attribute) and n.attr in ("ns", "index") and via_cache(n.value)]
+    assert not found, "fs reaches past Cache:\n" + "\n".join(found)

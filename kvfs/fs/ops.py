@@ -144,7 +144,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._open_keys: dict[int, dict[tuple, int]] = {}
         self._fh_key: dict[int, tuple[int, tuple]] = {}
         self._uncached_fh: set[int] = set()     # writes that may bypass or disagree with the pages
-        cache.ns.on_name_removed = self._name_removed
+        cache.on_names_removed(self._name_removed)
         cache.on_content_changed = self._content_changed
         cache.on_sealed = self._sealed
         self.control.commits.invalidate = self._invalidate_names
@@ -211,11 +211,11 @@ class KvfsOperations(pyfuse3.Operations):
         if name == b".":
             ino = parent_inode
         elif name == b"..":
-            ino = self.cache.ns.inode(parent_inode)["parent"]
+            ino = self.cache.inode(parent_inode)["parent"]
         else:
             t0 = time.perf_counter()
             try:
-                ino = self.cache.ns.find(parent_inode, name)     # a miss is common: no exception
+                ino = self.cache.find(parent_inode, name)     # a miss is common: no exception
                 if ino is None and self.shared is not None:
                     # then the other nodes' published blocks; no negative entry (a block
                     # published later must be found)
@@ -235,7 +235,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     def _missed(self, parent: int) -> None:
         """A name looked up and not found: a miss of its namespace (the top-level directory)."""
-        self.cache.telemetry.miss_in(self.cache.ns.top_of(parent))
+        self.cache.telemetry.miss_in(self.cache.top_of(parent))
 
     @translate
     async def getattr(self, inode, ctx=None):
@@ -262,7 +262,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @translate
     async def readlink(self, inode, ctx):
-        rec = self.cache.ns.inode(inode)
+        rec = self.cache.inode(inode)
         if not stat.S_ISLNK(rec["mode"]):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return rec["target"]
@@ -274,13 +274,13 @@ class KvfsOperations(pyfuse3.Operations):
     @translate
     async def mkdir(self, parent_inode, name, mode, ctx):
         self._parent_ok(parent_inode)
-        ino, rec = self.cache.ns.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid)
+        ino, rec = self.cache.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid)
         return _entry(ino, rec)
 
     @translate
     async def rmdir(self, parent_inode, name, ctx):
         self._parent_ok(parent_inode)
-        self.cache.ns.rmdir(parent_inode, name)
+        self.cache.rmdir(parent_inode, name)
 
     @translate
     async def unlink(self, parent_inode, name, ctx):
@@ -290,8 +290,8 @@ class KvfsOperations(pyfuse3.Operations):
     @translate
     async def symlink(self, parent_inode, name, target, ctx):
         self._parent_ok(parent_inode)
-        ino, rec = self.cache.ns.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
-                                      target=bytes(target))
+        ino, rec = self.cache.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
+                                   target=bytes(target))
         return _entry(ino, rec)
 
     @translate
@@ -309,7 +309,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def opendir(self, inode, ctx):
         if control.is_control(inode):
             return inode
-        if not stat.S_ISDIR(self.cache.ns.inode(inode)["mode"]):
+        if not stat.S_ISDIR(self.cache.inode(inode)["mode"]):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if self.shared is not None:
             await self.shared.fill(inode)
@@ -320,10 +320,7 @@ class KvfsOperations(pyfuse3.Operations):
         if fh == control.CTRL_DIR:
             self.control.readdir(start_id, token)
             return
-        for eid, name, ino in self.cache.index.readdir(fh, start_id):
-            rec = self.cache.index.get_inode(ino)
-            if rec is None:
-                continue
+        for eid, name, ino, rec in self.cache.entries(fh, start_id):
             # the attributes getattr gives (a file being written: its buffer's size), or the
             # kernel would take the sealed size for the inode's
             if not pyfuse3.readdir_reply(token, name, _entry(ino, self.cache.live_attrs(ino, rec)), eid):
@@ -343,8 +340,7 @@ class KvfsOperations(pyfuse3.Operations):
         try:
             fh = await self.cache.open(inode, flags)
         except NamespaceError as e:
-            if e.errno == errno.ENOENT and self.cache.index.get_inode(inode) is None \
-                    and inode not in self.cache.ns.orphans:
+            if e.errno == errno.ENOENT and self.cache.dropped(inode):
                 # the daemon dropped this inode (eviction) while the kernel still had its name:
                 # ESTALE makes the kernel look the name up again and retry, so open(O_CREAT)
                 # creates the file instead of failing with ENOENT
@@ -482,7 +478,7 @@ class KvfsOperations(pyfuse3.Operations):
         s.f_blocks = total // ALIGN
         s.f_bfree = s.f_bavail = free // ALIGN
         s.f_files = 1 << 32
-        s.f_ffree = s.f_favail = (1 << 32) - self.cache.index.counts()["inodes"]
+        s.f_ffree = s.f_favail = (1 << 32) - self.cache.inode_count()
         s.f_namemax = 255
         return s
 

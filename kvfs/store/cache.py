@@ -115,6 +115,42 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits):
             log.info("removed %d orphaned backing objects", n)
         return n
 
+    # ---- names, for the fs layer (which goes through Cache only) ---------------------
+    def find(self, parent: int, name: bytes) -> int | None:
+        """The inode ``name`` names in directory ``parent``, or None."""
+        return self.ns.find(parent, name)
+
+    def inode(self, ino: int) -> dict:
+        return self.ns.inode(ino)
+
+    def top_of(self, ino: int) -> str:
+        return self.ns.top_of(ino)
+
+    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, **extra) -> tuple[int, dict]:
+        """A directory or symlink (files come from ``create``)."""
+        return self.ns.make(parent, name, mode, uid, gid, **extra)
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        self.ns.rmdir(parent, name)
+
+    def entries(self, dir_ino: int, start_id: int):
+        """``(entry id, name, inode, record)`` of directory ``dir_ino`` after ``start_id``."""
+        for eid, name, ino in self.index.readdir(dir_ino, start_id):
+            rec = self.index.get_inode(ino)
+            if rec is not None:
+                yield eid, name, ino, rec
+
+    def dropped(self, ino: int) -> bool:
+        """The daemon removed inode ``ino`` (eviction) though the kernel may still name it."""
+        return self.index.get_inode(ino) is None and ino not in self.ns.orphans
+
+    def inode_count(self) -> int:
+        return self.index.counts()["inodes"]
+
+    def on_names_removed(self, callback) -> None:
+        """``callback(parent, name)`` for each name the daemon removes by itself."""
+        self.ns.on_name_removed = callback
+
     # ---- namespace pass-throughs that free bytes ---------------------------
     async def unlink(self, parent: int, name: bytes) -> None:
         gone = self._describe_name(parent, name)

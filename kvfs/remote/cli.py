@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 async def _probe(target: str) -> dict:
     from kvfs.remote import make_volume
-    from kvfs.remote.layout import Superblock
+    from kvfs.remote.volume_format import Superblock
     vol = make_volume(target)
     await vol.open()
     try:

@@ -1,6 +1,6 @@
 """RemoteTier: the object store on a raw volume (NVMe/TCP namespace, block device or file).
 
-See kvfs.remote.layout for the on-volume format. ``loc`` (kept by the store in its
+See kvfs.remote.volume_format for the on-volume format. ``loc`` (kept by the store in its
 LMDB index) packs the table slot, the record's start unit, its length in units and
 its header length. The in-memory copy of the allocation table (read at open) is
 the authority for which locs are live, so a stale loc reads as NoSuchObject.
@@ -20,7 +20,7 @@ import trio
 
 from kvfs.errors import ConfigError, NoSuchObject, TierFull, TierUnavailable
 from kvfs.protocol import ALIGN
-from kvfs.remote import layout as L
+from kvfs.remote import volume_format as L
 from kvfs.remote.alloc import ExtentAllocator, SlotAllocator
 from kvfs.remote.volume import Volume
 from kvfs.store.tier import ObjectInfo, Tier

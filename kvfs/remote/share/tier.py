@@ -16,7 +16,7 @@ import time
 import trio
 
 from kvfs.errors import ConfigError, NoSuchObject, TierUnavailable
-from kvfs.remote import layout as L
+from kvfs.remote import volume_format as L
 from kvfs.remote.share import format as F
 from kvfs.remote.share.member import (LogWriter, Liveness, claim_region, join, read_claims, take_over,
                                       write_unit)

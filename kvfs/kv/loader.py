@@ -81,7 +81,7 @@ class LoadStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-class _Staging:
+class _HostBuffer:
     def __init__(self, size: int, pin: bool):
         self.buf = AlignedBuffer(size)
         self.tensor = torch.frombuffer(self.buf._map, dtype=torch.uint8)
@@ -124,18 +124,18 @@ class Loader:
         self.n_staging = staging
         self._block_buf_size = align_up(layout.block_bytes) + 2 * HEADER_READ
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="kvfs-read")
-        self._bufs: list[_Staging] = []
+        self._bufs: list[_HostBuffer] = []
         self._pinned = False
-        self._layer_bufs: list[_Staging] = []
+        self._layer_bufs: list[_HostBuffer] = []
         self._lock = threading.Lock()
 
     # -- staging --------------------------------------------------------------------------
-    def _staging(self, pin: bool) -> list[_Staging]:
+    def _staging(self, pin: bool) -> list[_HostBuffer]:
         if pin and not self._pinned:
             self._free(self._bufs)
             self._bufs = []
         if not self._bufs:
-            self._bufs = [_Staging(self._block_buf_size, pin) for _ in range(self.n_staging)]
+            self._bufs = [_HostBuffer(self._block_buf_size, pin) for _ in range(self.n_staging)]
             self._pinned = pin
         return self._bufs
 
@@ -189,7 +189,7 @@ class Loader:
     def _not_found(self, plan: BlockPlan) -> BlockNotFound:
         return BlockNotFound(f"block {plan.hash} (tokens ..{plan.tokens}) is not cached: {plan.path}")
 
-    def _read_one(self, plan: BlockPlan, st: _Staging, backing: Backing | None, xattr: bool) -> tuple[BlockInfo, str]:
+    def _read_one(self, plan: BlockPlan, st: _HostBuffer, backing: Backing | None, xattr: bool) -> tuple[BlockInfo, str]:
         """Read a whole block into a staging buffer and check it."""
         n = source = None
         if backing is not None:
@@ -234,7 +234,7 @@ class Loader:
             except (RuntimeError, StopIteration):      # another reader changed it meanwhile
                 pass
 
-    def _read_copy(self, plan: BlockPlan, st: _Staging, backing: Backing | None, xattr: bool,
+    def _read_copy(self, plan: BlockPlan, st: _HostBuffer, backing: Backing | None, xattr: bool,
                    out: torch.Tensor, i: int, copier) -> str:
         """Read a block into staging, check it and copy it into block ``i`` of a CPU ``out``."""
         lay = self.layout
@@ -251,7 +251,7 @@ class Loader:
         copier.copy(dst, src.view(lay.torch_dtype).view(lay.block_shape()))
         return source
 
-    def _copy_hashing(self, plan: BlockPlan, st: _Staging, b: Backing, dst: torch.Tensor, copier) -> str:
+    def _copy_hashing(self, plan: BlockPlan, st: _HostBuffer, b: Backing, dst: torch.Tensor, copier) -> str:
         """An O_DIRECT block: read it whole into staging (it lands in memory, not in the CPU
         cache), then copy it out a ~512 KiB run of layers at a time and hash each run right
         after its copy, while it is cache-hot: one pass over memory instead of two. The
@@ -520,7 +520,7 @@ class Loader:
                 self._release(leased)
                 raise
             try:
-                bufs = [_Staging(n * lb, copier.cuda) for _ in range(2)]
+                bufs = [_HostBuffer(n * lb, copier.cuda) for _ in range(2)]
                 try:
                     yield from self._layers_gen(opened, bufs, out, copier)
                 finally:
@@ -555,7 +555,7 @@ class Loader:
             raise
         return blk, info
 
-    def _read_layer(self, opened, layer: int, st: _Staging) -> None:
+    def _read_layer(self, opened, layer: int, st: _HostBuffer) -> None:
         lb = self.layout.layer_bytes
         for i, (blk, info) in enumerate(opened):
             dst = st.buf.mv[i * lb:(i + 1) * lb]

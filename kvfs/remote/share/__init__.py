@@ -11,5 +11,6 @@ async def attach(cache, tiers):
         if isinstance(t, SharedRemoteTier) and t.sb2 is not None:
             names = SharedNames(cache, t)
             await names.reconcile()
+            await names.republish_renamed()
             return names
     return None

@@ -20,6 +20,8 @@ import trio
 
 from kvfs.errors import NamespaceError, TierUnavailable
 from kvfs.remote.share import format as F
+from kvfs.remote.share.member import read_slots
+from kvfs.remote.share.view import SharedView, Tailer
 from kvfs.store.objects import Obj
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,35 @@ class SharedNames:
         if stale:
             log.info("dropped %d adopted names their owners freed while this node was down", len(stale))
         return len(stale)
+
+    async def republish_renamed(self) -> int:
+        """At mount: publish again, under the name the index holds, every record of ours that
+        our own log last published under another name. A rename is published when it
+        happens, but its index change may be in the group commit a kill -9 lost: the other
+        nodes would go on seeing the new name while this node has the old one."""
+        tier = self.tier
+        if tier.slot < 0 or tier.fenced:
+            return 0
+        own = SharedView()
+        slots = await read_slots(tier.parent, tier.sb2)
+        me = slots[tier.slot]
+        if me is None:
+            return 0
+        await Tailer(tier.parent, tier.sb2, -1, own)._rescan(tier.slot, me)
+        published = {(e.region, e.oid): path for path, p in own.by_path.items() for e in (p.entry,)}
+        n = 0
+        for obj in list(self.cache.store.objs.values()):
+            loc = obj.place.get(tier.name)
+            if loc is None or F.unpack_foreign_loc(loc) is not None:
+                continue
+            path = published.get((tier.region, obj.oid))
+            self.cache.store._rekey(obj)
+            if path is not None and path != obj.key:
+                await tier.republish(obj.info(), loc)
+                n += 1
+        if n:
+            log.info("republished %d blocks under the names the index holds (renames lost by a crash)", n)
+        return n
 
     async def renamed(self, parent: int, name: bytes) -> None:
         """A file of ours on the shared volume got a new name (a runtime's temp-then-rename

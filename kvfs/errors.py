@@ -21,6 +21,11 @@ class TierUnavailable(StoreError):
     """A tier cannot be reached right now (remote target down): EIO."""
 
 
+class TierWriteFailed(StoreError):
+    """A tier refused a write for a reason other than space (EIO, EROFS on its filesystem):
+    counted in the tier's ``errors``; the object stays where it was. EIO to a writer."""
+
+
 class ConfigError(Exception):
     """Bad configuration or command-line input; the CLI prints it as one line."""
 

@@ -7,7 +7,8 @@ import logging
 
 import pyfuse3
 
-from kvfs.errors import CorruptObject, NamespaceError, NoSuchObject, TierFull, TierUnavailable
+from kvfs.errors import (CorruptObject, NamespaceError, NoSuchObject, TierFull, TierUnavailable,
+                         TierWriteFailed)
 
 log = logging.getLogger(__name__)
 
@@ -16,6 +17,7 @@ _ERRNO = {
     CorruptObject: errno.EIO,
     TierFull: errno.ENOSPC,
     TierUnavailable: errno.EIO,
+    TierWriteFailed: errno.EIO,
 }
 
 
@@ -42,6 +44,6 @@ def translate(fn):
             code = to_errno(e)
             if code == errno.EIO or not isinstance(e, (NamespaceError, NoSuchObject, TierFull)):
                 log.warning("%s failed: %s: %s", fn.__name__, type(e).__name__, e,
-                            exc_info=not isinstance(e, (CorruptObject, TierUnavailable, OSError)))
+                            exc_info=not isinstance(e, (CorruptObject, TierUnavailable, TierWriteFailed, OSError)))
             raise pyfuse3.FUSEError(code) from None
     return wrapper

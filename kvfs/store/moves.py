@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable
 
-from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable
+from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable, TierWriteFailed
 
 if TYPE_CHECKING:
     from kvfs.store.objects import Obj
@@ -32,8 +32,12 @@ class Moves:
         src = self.tiers[i]
         below = [t for t in self.tiers[i + 1:] if t.available]
         obj.busy = True
+        copied = False
         try:
-            if not any(t.name in obj.place for t in below) and (below or not self._copy_below(obj, i)):
+            # an empty object needs no copy anywhere (it reads as empty with no place): a file
+            # written for it would be one more on the tier than its records count
+            if obj.size and not any(t.name in obj.place for t in below) and (
+                    below or not self._copy_below(obj, i)):
                 if not below:
                     raise TierFull("no tier to demote to")
                 j = self.tiers.index(below[0])
@@ -53,7 +57,13 @@ class Moves:
                     return
                 obj.place[dst.name] = loc
                 self.lru[dst.name].add(obj)
-            if obj.dead or src.name not in obj.place:
+                copied = True
+            if obj.dead:
+                return
+            if src.name not in obj.place:      # its copy here went meanwhile: record the new one
+                if copied:
+                    with self.index.write() as txn:
+                        txn.put_object(obj.oid, obj.record())
                 return
             # opened or leased while the copy was made: a loader may be about to read this
             # copy's backing file, so it stays (both copies recorded; a later pass drops it)
@@ -98,7 +108,7 @@ class Moves:
             self.counters[src].promotions += 1
             self.events.emit("promoted", obj, self.ram.name)
             # RAM copies are volatile: the index keeps only durable placements
-        except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
+        except (TierFull, TierUnavailable, TierWriteFailed, CorruptObject, NoSuchObject) as e:
             log.debug("promotion of %x skipped: %s", obj.oid, e)
         finally:
             obj.busy = False
@@ -125,7 +135,7 @@ class Moves:
                 if not obj.dead and set(obj.place) == {self.ram.name}:
                     try:
                         await self._write_down(obj)
-                    except (TierFull, TierUnavailable, CorruptObject, NoSuchObject) as e:
+                    except (TierFull, TierUnavailable, TierWriteFailed, CorruptObject, NoSuchObject) as e:
                         lost += 1
                         log.error("could not keep %s across the restart: %s", obj.key or hex(obj.oid), e)
                 if progress:
@@ -156,7 +166,7 @@ class Moves:
                         raise TierFull(f"{tier.name} tier is full")
                     await self.make_room(i, tier.footprint(obj.size))
                 loc = await self._put(i, obj, data)
-            except TierFull as e:
+            except (TierFull, TierWriteFailed) as e:
                 errors.append(str(e))
                 continue
             obj.place[tier.name] = loc

@@ -19,7 +19,7 @@ from typing import Callable
 
 import trio
 
-from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable
+from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable, TierWriteFailed
 from kvfs.store import checksum
 from kvfs.store.fair import Shares, TierLRU
 from kvfs.store.index import Index, Txn
@@ -244,11 +244,17 @@ class ObjectStore(Policy, Moves):
 
     async def _put(self, i: int, obj: Obj, data) -> bytes:
         """``tiers[i].put`` of ``obj``; when the tier's filesystem is fuller than its budget
-        says (ENOSPC with room on the books), make room there as if it were full and retry."""
+        says (ENOSPC with room on the books), make room there as if it were full and retry.
+        Any other OSError (EIO, EROFS) is counted in the tier's ``errors`` and raised as
+        TierWriteFailed: the caller keeps the object where it was."""
         tier = self.tiers[i]
         while True:
             try:
                 return await tier.put(obj.info(), data)
+            except OSError as e:
+                self.counters[tier.name].errors += 1
+                log.warning("%s tier: writing object %x failed: %s", tier.name, obj.oid, e)
+                raise TierWriteFailed(f"{tier.name} tier: write failed: {e}") from e
             except TierFull as e:
                 if i == 0 or tier.free() < tier.footprint(obj.size):
                     raise                       # full on the books: the caller makes room

@@ -8,7 +8,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable
+from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable, TierWriteFailed
 from kvfs.store.tier import Tier
 
 if TYPE_CHECKING:
@@ -128,7 +128,8 @@ class Policy:
                     break
                 try:
                     await self._make_way(victim, i, True)
-                except (TierFull, TierUnavailable) as e:
+                except (TierFull, TierUnavailable, TierWriteFailed) as e:
+                    # a failed write below leaves the victim where it was: nothing has to go now
                     log.warning("cannot relieve %s tier: %s", tier.name, e)
                     break
                 except (CorruptObject, NoSuchObject) as e:    # the victim's bytes are gone

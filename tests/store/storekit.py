@@ -145,3 +145,18 @@ def block(ns: str, h: str, parent: str, tokens: int) -> bytes:
 
 def hx(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()
+
+
+async def write_file(cache, parent: int, name: bytes, data: bytes) -> int:
+    fh, ino, _ = await cache.create(parent, name, 0o644, 0, 0)
+    await cache.write(fh, 0, data)
+    await cache.release(fh)
+    return ino
+
+
+async def read_file(cache, parent: int, name: bytes) -> bytes:
+    fh = await cache.open(cache.ns.lookup(parent, name), os.O_RDONLY)
+    try:
+        return bytes(await cache.read(fh, 0, 1 << 20))
+    finally:
+        await cache.release(fh)

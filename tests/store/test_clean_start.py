@@ -13,24 +13,9 @@ import trio
 from kvfs.store import objtable
 from kvfs.store.index import Index, ROOT_INO
 from storekit import open_cache
-from storekit import block, hx
+from storekit import block, hx, read_file as read, write_file as write
 
 FILE = stat.S_IFREG | 0o644
-
-
-async def write(cache, parent: int, name: bytes, data: bytes) -> int:
-    fh, ino, _ = await cache.create(parent, name, 0o644, 0, 0)
-    await cache.write(fh, 0, data)
-    await cache.release(fh)
-    return ino
-
-
-async def read(cache, parent: int, name: bytes) -> bytes:
-    fh = await cache.open(cache.ns.lookup(parent, name), os.O_RDONLY)
-    try:
-        return bytes(await cache.read(fh, 0, 1 << 20))
-    finally:
-        await cache.release(fh)
 
 
 def built(cache) -> int:

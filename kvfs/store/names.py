@@ -39,7 +39,7 @@ from kvfs.protocol import (H_CAPACITY, H_GENERATION, H_LIVE, H_MAGIC, H_RUN, H_V
 log = logging.getLogger(__name__)
 
 FILE_NAME = "names.table"
-MIN_CAPACITY = 1 << 14
+MIN_CAPACITY = 1 << 10         # 8 KiB; doubles as names come
 MAX_LOAD = 0.6              # (live + tombstones) / capacity that triggers a rebuild
 
 

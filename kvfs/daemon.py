@@ -132,8 +132,9 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         cache = Cache(index, store, tiers[1].staging_dir)
         recovered = await cache.start()
         names = NameTable(str(tiers[0].dir))
-        try:
-            names.open((p, n) for p, n, _c in index.iter_dirents())
+        try:        # not on a shared volume: a local miss may be another node's name (adopted)
+            if not cfg.share:
+                names.open((p, n) for p, n, _c in index.iter_dirents())
         except OSError as e:
             log.warning("no name table (%s): clients use lookups", e)
         index.names = names

@@ -87,16 +87,26 @@ class NameView:
             return False
 
     def absent_in(self, directory: str, name: str) -> bool:
-        """``absent`` for the file ``name`` (may hold subdirectories) under ``directory``, a
-        path inside the mount (its inode comes from the kernel's attribute cache)."""
+        """``absent`` for the file ``name`` under ``directory`` (a path inside the mount).
+        ``name`` may hold subdirectories: each is looked up in the table too, so a missing
+        subdirectory is answered without a round trip; inodes of those present come from
+        ``stat`` (the kernel's attribute cache)."""
         if self._off:
             return False
-        head, tail = os.path.split(name)
+        parts = name.split("/")
+        path = directory
         try:
-            parent = os.stat(os.path.join(directory, head) if head else directory).st_ino
+            parent = os.stat(path).st_ino
+            for part in parts[:-1]:
+                if not part or part == "." or part == "..":
+                    return False        # not a plain relative path: ask the filesystem
+                if self.absent(parent, os.fsencode(part)):
+                    return True
+                path = os.path.join(path, part)
+                parent = os.stat(path).st_ino
         except OSError:
-            return False            # the ordinary path answers (and counts) it
-        return self.absent(parent, os.fsencode(tail))
+            return False                # the ordinary path answers (and counts) it
+        return self.absent(parent, os.fsencode(parts[-1]))
 
     def _absent(self, h: int) -> bool:
         for _ in range(_REMAPS):

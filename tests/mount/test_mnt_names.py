@@ -131,3 +131,21 @@ def test_page_store_misses_from_the_table_across_restarts(kvfs_mount):
     assert store.statistics().table_misses == 2 and store.statistics().reconnects >= 1
     assert read(m.path / "pages" / "have") == page
     store.close()
+
+
+def test_missing_subdirectories_are_absent_without_a_lookup(kvfs_mount):
+    """vLLM's names (``abc/de_g0/<hash>.bin``): a new hash's subdirectory is usually missing
+    too; the table answers for it (the kernel never sees a LOOKUP of it)."""
+    m = kvfs_mount()
+    store = PageStore(m.path, "vllm")
+    page = content("p", 4096)
+    assert store.write_many(["abc/de_g0/abcde1.bin"], lambda i: [page]) == [True]
+    view = NameView(str(m.path))
+    d = str(m.path / "vllm")
+    assert not view.absent_in(d, "abc/de_g0/abcde1.bin")
+    assert view.absent_in(d, "abc/de_g0/abcde2.bin") and view.absent_in(d, "abc/ff_g0/abcff1.bin")
+    assert view.absent_in(d, "fff/de_g0/fffde1.bin")
+    assert store.prefix(["zzz/zz_g0/zzzzz.bin"]) == 0 and store.prefix(["abc/de_g0/abcde1.bin"]) == 1
+    assert store.statistics().table_misses >= 1
+    assert not view.absent_in(d, "../vllm/abc/de_g0/abcde1.bin")     # not plain: ask the mount
+    store.close()

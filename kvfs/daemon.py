@@ -22,8 +22,10 @@ from kvfs.build import build_store, build_tiers
 from kvfs.config import Config
 from kvfs.errors import ConfigError
 from kvfs.fs.ops import KvfsOperations
+from kvfs.protocol import NAMES_STATS_KEY
 from kvfs.store.cache import Cache
 from kvfs.store.index import Index
+from kvfs.store.names import NameTable
 from kvfs.store import safedir
 
 log = logging.getLogger(__name__)
@@ -129,11 +131,19 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         store.events.queue_limit = cfg.events_queue
         cache = Cache(index, store, tiers[1].staging_dir)
         recovered = await cache.start()
+        names = NameTable(str(tiers[0].dir))
+        try:        # not on a shared volume: a local miss may be another node's name (adopted)
+            if not cfg.share:
+                names.open((p, n) for p, n, _c in index.iter_dirents())
+        except OSError as e:
+            log.warning("no name table (%s): clients use lookups", e)
+        index.names = names
         served = {"metrics": None}
         describe = lambda: {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
                             "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir),
                             "instance": index.instance_id,
-                            "recovered": recovered, "started": started, **served}
+                            "recovered": recovered, "started": started, **served,
+                            NAMES_STATS_KEY: names.statistics()}
         ops = KvfsOperations(cache, describe)
         if cfg.share:
             from kvfs.remote.share import attach
@@ -173,6 +183,9 @@ async def serve(cfg: Config, ready: _Ready) -> None:
             log.info("wrote %d RAM-only objects down", n)
         cache.mark_clean()
     finally:
+        if index.names is not None:
+            index.names, names = None, index.names
+            names.close()
         if metrics is not None:
             metrics.close()
         for t in reversed(opened):

@@ -17,6 +17,8 @@ import dataclasses
 import json
 import logging
 
+import xxhash
+
 log = logging.getLogger(__name__)
 
 # ---- names -------------------------------------------------------------------------------
@@ -119,3 +121,22 @@ def decode_backing_xattr(raw: bytes) -> Backing | None:
         log.warning("unusable %s value %r", BACKING_XATTR, raw[:200])
         return None
     return b
+
+
+# ---- the name table (kvfs.store.names writes it, kvfs.kv.names reads it) ------------------
+# A shared-memory file: a header of NAMES_HEADER little-endian uint64 words, then a power-of-two
+# number of uint64 slots (open addressing, linear probing). A slot holds names_hash() of one
+# directory entry, NAMES_EMPTY or NAMES_TOMB. ``.kvfs/stats`` names the file and the run id.
+NAMES_MAGIC = 0x31454d414e53464b      # b"KFSNAME1" read as a little-endian uint64
+NAMES_VERSION = 1
+NAMES_HEADER = 8                       # words: magic, version, capacity, generation, run, live, 0, 0
+H_MAGIC, H_VERSION, H_CAPACITY, H_GENERATION, H_RUN, H_LIVE = range(6)
+NAMES_EMPTY, NAMES_TOMB = 0, 1
+NAMES_STALE = 0                        # generation of a table that was replaced (readers remap)
+NAMES_STATS_KEY = "names"              # .kvfs/stats: {"path": ..., "run": ...} or null
+
+
+def names_hash(parent_ino: int, name: bytes) -> int:
+    """The slot value of the entry ``name`` in directory ``parent_ino`` (never EMPTY/TOMB)."""
+    h = xxhash.xxh3_64_intdigest(parent_ino.to_bytes(8, "big") + name)
+    return h if h > NAMES_TOMB else h + 2

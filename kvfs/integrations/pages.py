@@ -40,6 +40,7 @@ from kvfs.kv.commit import CommitClient
 from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObjects, preadv_full, read_backing,
                              read_backing_into, write_all)
 from kvfs.kv.lookup import PrefixLookup, find_control
+from kvfs.kv.names import NameView
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class PageStoreStats:
     stalled: int            # calls answered "miss" at once: an earlier request is still waiting
     reconnects: int
     commit_refused: int = 0  # pages the batched commit refused (then written through the mount)
+    table_misses: int = 0    # misses the name table answered (kvfs.kv.names: no round trip)
 
 
 @dataclasses.dataclass
@@ -129,6 +131,7 @@ class PageStore:
         self._leases: list[LeaseClient] = []
         self._spares: list[LeaseClient] = []   # lease descriptors free for the next hold
         self._lookup: PrefixLookup | None = None
+        self._names: NameView | None = None     # the mount's name table (misses without FUSE)
         self._mount_root: str | None = None
         self._dev = -1
         self._epoch = 0                   # bumped on every reset: threads reopen their leases
@@ -163,6 +166,7 @@ class PageStore:
             lk = PrefixLookup(self.dir, use_control=ctl is not None)
             self._dev = os.stat(self.dir).st_dev
             self._mount_root = lk.mount_root
+            self._names = NameView(lk.mount_root) if lk.one_call else None
             self._lookup = lk
             log.debug("page store %s (%s)", self.dir, "kvfs" if lk.one_call else "plain directory")
             return lk
@@ -191,11 +195,12 @@ class PageStore:
         """Drop the control-file descriptors (after an error); the next call reconnects."""
         with self._lock:
             lk, self._lookup = self._lookup, None
+            names, self._names = self._names, None
             leases, self._leases = self._leases + self._spares, []
             self._spares = []
             self._epoch += 1
             self._counts["reconnects"] += 1
-        for c in ([lk] if lk is not None else []) + leases:
+        for c in [c for c in (lk, names) if c is not None] + leases:
             try:
                 c.close()
             except OSError:
@@ -276,7 +281,12 @@ class PageStore:
         return lk.prefix_rel(names)
 
     def _first_exists(self, name: str) -> bool:
-        """Is the first page there? One LOOKUP, or none if the kernel has the (negative) entry."""
+        """Is the first page there? No round trip if the name table says it is absent, else
+        one LOOKUP, or none if the kernel has the (negative) entry."""
+        names = self._names
+        if names is not None and names.absent_in(self.dir, name):
+            self._count(table_misses=1)
+            return False
         try:
             st = os.stat(os.path.join(self.dir, name))
         except (FileNotFoundError, NotADirectoryError):

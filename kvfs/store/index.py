@@ -61,12 +61,7 @@ _U64x2 = struct.Struct(">QQ")
 _ID_BATCH = 1024
 HEADER_NAME = "index.hdr"
 ENV_NAME = "index.lmdb"
-
-
-def k64(n: int) -> bytes:
-    return _U64.pack(n)
-
-
+k64 = _U64.pack             # an id as an 8-byte key (big endian: keys sort by id)
 _dumps = records.encode
 _load_inode = records.decode_inode
 _load_object = records.decode_object
@@ -198,6 +193,7 @@ class Index:
         self._ops = 0               # operations in _pending
         self._icache: dict[int, dict] = {}
         self._wake = None           # the committer's trio.Event while it runs
+        self.names = None           # kvfs.store.names.NameTable: sees every change of names
         self.commits = 0            # LMDB write transactions of group commits
         self.committed_ops = 0      # operations they held
         with self.env.begin(write=True) as txn:
@@ -521,7 +517,10 @@ class Txn:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None and self.w:
-            self.ix._apply(self.w)
+            if self.ix.names is None:
+                self.ix._apply(self.w)
+            else:                   # new names enter its table before they are visible
+                self.ix.names.apply(self.w, lambda: self.ix._apply(self.w), DIRENTS)
 
     def _get(self, db: int, key: bytes):
         v = self.w.get((db, key), _MISS)

@@ -1,0 +1,141 @@
+"""The client side of the name table (kvfs.store.names): "is this entry absent?" answered
+from shared memory, without a FUSE round trip.
+
+:meth:`NameView.absent` is True only when the table says so and stayed the same table (same
+live generation) across the probe: then the entry did not exist at that instant, because the
+daemon adds an entry before it becomes visible and removes it after it is gone. False means
+"ask the filesystem" (present, or the table is not usable: missing, another version, another
+mount, replaced). A view remaps itself when the daemon replaced the table (it grew); one that
+cannot be used stays off until :meth:`reset`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+
+from kvfs.protocol import (CONTROL_NAME, H_CAPACITY, H_GENERATION, H_MAGIC, H_RUN, H_VERSION, NAMES_EMPTY,
+                           NAMES_HEADER, NAMES_MAGIC, NAMES_STALE, NAMES_STATS_KEY, NAMES_VERSION, STATS_FILE,
+                           names_hash)
+
+log = logging.getLogger(__name__)
+
+_REMAPS = 4         # tries to map a current table in one call (each replacement is a rebuild)
+
+
+class NameView:
+    """A read-only view of the name table of the kvfs mount at ``mount_root``."""
+
+    def __init__(self, mount_root: str):
+        self.mount_root = mount_root
+        self.path: str | None = None
+        self.run = 0
+        self._map: mmap.mmap | None = None
+        self._w: memoryview | None = None
+        self._off = False
+        self.remaps = 0
+
+    def _discover(self) -> bool:
+        with open(os.path.join(self.mount_root, CONTROL_NAME, STATS_FILE), "rb") as f:
+            doc = json.loads(f.read())
+        info = doc.get(NAMES_STATS_KEY)
+        if not info:
+            return False
+        self.path, self.run = str(info["path"]), int(info["run"])
+        return True
+
+    def _open(self) -> bool:
+        """Map the table file; False if it is not the table of this mount's run."""
+        self._close_map()
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            size = os.fstat(fd).st_size
+            if size < 8 * NAMES_HEADER:
+                return False
+            m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        w = memoryview(m).cast("Q")
+        cap = w[H_CAPACITY]
+        if (w[H_MAGIC] != NAMES_MAGIC or w[H_VERSION] != NAMES_VERSION or w[H_RUN] != self.run
+                or cap == 0 or cap & (cap - 1) or len(w) < NAMES_HEADER + cap):
+            w.release()
+            m.close()
+            return False
+        self._map, self._w = m, w
+        self.remaps += 1
+        return True
+
+    def _close_map(self) -> None:
+        if self._w is not None:
+            self._w.release()
+            self._map.close()
+        self._w = self._map = None
+
+    def absent(self, parent_ino: int, name: bytes) -> bool:
+        """True: the entry ``name`` of directory ``parent_ino`` does not exist (now). False:
+        ask the filesystem. Never raises."""
+        if self._off:
+            return False
+        try:
+            return self._absent(names_hash(parent_ino, name))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.info("name table of %s not usable (%s: %s): using lookups", self.mount_root, type(e).__name__, e)
+            self._off = True
+            self._close_map()
+            return False
+
+    def absent_in(self, directory: str, name: str) -> bool:
+        """``absent`` for the file ``name`` under ``directory`` (a path inside the mount).
+        ``name`` may hold subdirectories: each is looked up in the table too, so a missing
+        subdirectory is answered without a round trip; inodes of those present come from
+        ``stat`` (the kernel's attribute cache)."""
+        if self._off:
+            return False
+        parts = name.split("/")
+        path = directory
+        try:
+            parent = os.stat(path).st_ino
+            for part in parts[:-1]:
+                if not part or part == "." or part == "..":
+                    return False        # not a plain relative path: ask the filesystem
+                if self.absent(parent, os.fsencode(part)):
+                    return True
+                path = os.path.join(path, part)
+                parent = os.stat(path).st_ino
+        except OSError:
+            return False                # the ordinary path answers (and counts) it
+        return self.absent(parent, os.fsencode(parts[-1]))
+
+    def _absent(self, h: int) -> bool:
+        for _ in range(_REMAPS):
+            w = self._w
+            if w is None:
+                if self.path is None and not self._discover():
+                    self._off = True
+                    return False
+                if not self._open():
+                    self._off = True
+                    return False
+                w = self._w
+            gen = w[H_GENERATION]
+            if gen != NAMES_STALE:
+                mask = w[H_CAPACITY] - 1
+                i, v = h & mask, NAMES_EMPTY
+                for _n in range(mask + 1):      # the writer always leaves empty slots
+                    v = w[NAMES_HEADER + i]
+                    if v == h or v == NAMES_EMPTY:
+                        break
+                    i = (i + 1) & mask
+                if w[H_GENERATION] == gen and (v == h or v == NAMES_EMPTY):
+                    return v != h
+            self._close_map()           # replaced (grown) while we looked: map the new one
+        return False
+
+    def reset(self) -> None:
+        """Forget the table (the mount may have changed): the next call discovers it again."""
+        self._close_map()
+        self.path, self._off = None, False
+
+    close = reset

@@ -1,0 +1,202 @@
+"""The name table: which directory entries exist, in shared memory, for clients to answer
+"absent" without a round trip through FUSE (kvfs.kv.names reads it).
+
+One file (layout in kvfs.protocol) in the RAM tier's directory: a header (magic, version,
+capacity, generation, the run id ``.kvfs/stats`` publishes, live count) and a power-of-two
+array of uint64 slots holding ``names_hash(parent inode, name)`` of every directory entry,
+with linear probing and tombstones. The daemon's trio thread is the only writer; readers do
+aligned 8-byte loads (single loads on x86-64 and arm64).
+
+Ordering is what makes "absent" safe: every index transaction's changes pass through
+:meth:`NameTable.apply`, which adds the entries a transaction creates *before* its changes
+become visible to lookups and removes the entries it deletes *after*. A name absent from the
+table is therefore absent from the namespace at that instant. "Present" may be stale (a
+removal not yet applied, a hash collision, a transaction that failed after the add): the
+client confirms it by the ordinary lookup, so a false "present" costs a round trip, never a
+wrong answer. Two distinct live entries with one 64-bit hash (chance ~n²/2^65) would let the
+removal of one hide the other: a false miss (the runtime recomputes), not a wrong read.
+
+Growing (or clearing tombstones) writes a new file, renames it over the old name, and only
+then marks the old one stale (generation NAMES_STALE): a reader that sees the same live
+generation before and after its probe got an answer that held at that instant; otherwise it
+remaps. A crashed daemon's file goes with its RAM-tier directory; a new daemon has a new run id.
+
+Who may read it: the file lives in the RAM tier's directory (mode 0700, the daemon's user).
+A table of hashes is an existence oracle for guessed names -- it would let a user who cannot
+search a tenant's directory test whether a block is cached there -- so it is not readable by
+other users; their clients fall back to the ordinary lookup.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+
+from kvfs.protocol import (H_CAPACITY, H_GENERATION, H_LIVE, H_MAGIC, H_RUN, H_VERSION, NAMES_EMPTY,
+                           NAMES_HEADER, NAMES_MAGIC, NAMES_STALE, NAMES_TOMB, NAMES_VERSION, names_hash)
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "names.table"
+MIN_CAPACITY = 1 << 10         # 8 KiB; doubles as names come
+MAX_LOAD = 0.6              # (live + tombstones) / capacity that triggers a rebuild
+
+
+def _capacity_for(live: int) -> int:
+    cap = MIN_CAPACITY
+    while cap * MAX_LOAD < 2 * live + 1:
+        cap <<= 1
+    return cap
+
+
+class _Mapped:
+    """One table file, mapped read-write."""
+
+    def __init__(self, path: str, capacity: int, generation: int, run: int):
+        size = 8 * (NAMES_HEADER + capacity)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.words = memoryview(self.map).cast("Q")
+        self.capacity, self.mask = capacity, capacity - 1
+        self.used = 0               # live + tombstones
+        self.live = 0
+        w = self.words
+        w[H_VERSION], w[H_CAPACITY], w[H_RUN], w[H_GENERATION] = NAMES_VERSION, capacity, run, generation
+        w[H_MAGIC] = NAMES_MAGIC    # last: a reader never sees a half-made header as valid
+
+    def add(self, h: int) -> None:
+        w, mask, tomb = self.words, self.mask, -1
+        i = h & mask
+        while True:
+            v = w[NAMES_HEADER + i]
+            if v == h:
+                return
+            if v == NAMES_EMPTY:
+                break
+            if v == NAMES_TOMB and tomb < 0:
+                tomb = i
+            i = (i + 1) & mask
+        if tomb >= 0:
+            i = tomb
+        else:
+            self.used += 1
+        w[NAMES_HEADER + i] = h
+        self.live += 1
+        w[H_LIVE] = self.live
+
+    def remove(self, h: int) -> None:
+        w, mask = self.words, self.mask
+        i = h & mask
+        while True:
+            v = w[NAMES_HEADER + i]
+            if v == h:
+                w[NAMES_HEADER + i] = NAMES_TOMB
+                self.live -= 1
+                w[H_LIVE] = self.live
+                return
+            if v == NAMES_EMPTY:
+                return
+            i = (i + 1) & mask
+
+    def values(self):
+        w = self.words
+        for i in range(NAMES_HEADER, NAMES_HEADER + self.capacity):
+            if w[i] > NAMES_TOMB:
+                yield w[i]
+
+    def close(self, stale: bool) -> None:
+        if stale:
+            self.words[H_GENERATION] = NAMES_STALE
+        self.words.release()
+        self.map.close()
+
+
+class NameTable:
+    """The daemon's writer of the name table in directory ``where``."""
+
+    def __init__(self, where: str):
+        self.dir = where
+        self.path = os.path.join(where, FILE_NAME)
+        self.run = secrets.randbits(63) | 1
+        self.generation = 0
+        self.rebuilds = 0
+        self.t: _Mapped | None = None
+
+    def open(self, entries) -> None:
+        """Build the table from ``entries``: (parent inode, name) of every directory entry."""
+        hashes = [names_hash(p, n) for p, n in entries]
+        self._replace(_capacity_for(len(hashes)), hashes)
+        log.info("name table %s: %d names, %d slots", self.path, len(hashes), self.t.capacity)
+
+    def _replace(self, capacity: int, hashes) -> None:
+        """A new file with ``hashes`` renamed over the table, then the old one marked stale."""
+        self.generation += 1
+        tmp = f"{self.path}.{self.generation}"
+        new = _Mapped(tmp, capacity, self.generation + 1, self.run)   # generation 0 is "stale"
+        try:
+            for h in hashes:
+                new.add(h)
+            os.rename(tmp, self.path)
+        except BaseException:
+            new.close(stale=True)
+            os.unlink(tmp)
+            raise
+        old, self.t = self.t, new
+        if old is not None:
+            old.close(stale=True)
+
+    def apply(self, changes: dict, commit, dirents_db: int) -> None:
+        """Run ``commit()`` (which makes a transaction's ``changes`` visible) between adding
+        its new directory entries and removing its deleted ones. ``changes`` maps (db, key)
+        to a value or a deletion marker; a DIRENTS key is the parent inode (8 bytes, big
+        endian) and the name."""
+        t = self.t
+        if t is None:
+            commit()
+            return
+        gone = []
+        try:
+            for (db, key), v in changes.items():
+                if db != dirents_db:
+                    continue
+                if isinstance(v, bytes):
+                    self._add(names_hash(int.from_bytes(key[:8], "big"), key[8:]))
+                else:
+                    gone.append(names_hash(int.from_bytes(key[:8], "big"), key[8:]))
+        except OSError as e:            # cannot grow (shared memory full): readers fall back
+            log.error("name table %s cannot grow (%s): disabled, clients use lookups", self.path, e)
+            self.close()
+        commit()
+        if self.t is not None:
+            for h in gone:
+                self.t.remove(h)
+
+    def _add(self, h: int) -> None:
+        t = self.t
+        if t.used + 1 > t.capacity * MAX_LOAD:
+            self.rebuilds += 1
+            self._replace(_capacity_for(t.live + 1), list(t.values()))
+            t = self.t
+        t.add(h)
+
+    def statistics(self) -> dict | None:
+        if self.t is None:
+            return None
+        return {"path": self.path, "run": self.run, "names": self.t.live,
+                "capacity": self.t.capacity, "rebuilds": self.rebuilds}
+
+    def close(self) -> None:
+        """Mark the table stale and remove it (at unmount, or when it cannot be kept)."""
+        t, self.t = self.t, None
+        if t is None:
+            return
+        t.close(stale=True)
+        try:
+            os.unlink(self.path)
+        except OSError as e:
+            log.warning("could not remove the name table %s: %s", self.path, e)

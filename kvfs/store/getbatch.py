@@ -24,6 +24,7 @@ an open. Reading the answer again gives the same bytes until the next request.
 """
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 
@@ -60,14 +61,15 @@ class BatchGets:
         return plan
 
     async def get_answer(self, groups: list[tuple[bytes, list[bytes]]], cred: Cred = ROOT,
-                         cap: int = protocol.GET_MAX) -> memoryview:
-        """The ``.kvfs/get`` answer for ``groups`` (``[(base, paths), ...]``) as ``cred``."""
+                         cap: int = protocol.GET_MAX) -> "Pieces":
+        """The ``.kvfs/get`` answer for ``groups`` (``[(base, paths), ...]``) as ``cred``: the
+        index, then views of the objects' bytes (a view keeps its bytes as they were, even
+        once the object is replaced or freed: nothing is copied here)."""
         plan = self._get_plan(groups, cred, cap)
         n = len(plan)
-        start = protocol.get_data_offset(n)
-        out = bytearray(start + sum(obj.size for _, obj in plan if obj is not None))
-        protocol.GET_HEAD.pack_into(out, 0, protocol.GET_MAGIC, n)
-        pos = start
+        head = bytearray(protocol.get_data_offset(n))
+        protocol.GET_HEAD.pack_into(head, 0, protocol.GET_MAGIC, n)
+        pieces: list = [memoryview(head)]
         try:
             for k, (err, obj) in enumerate(plan):
                 size = digest = 0
@@ -76,17 +78,50 @@ class BatchGets:
                         data = await self.store.read_all(obj)
                         if len(data) != obj.size:
                             raise NoSuchObject(f"object {obj.oid:x}: {len(data)} of {obj.size} bytes")
-                        out[pos:pos + obj.size] = data
+                        if obj.size:
+                            pieces.append(memoryview(data).cast("B"))
                         size, digest = obj.size, obj.checksum
-                        pos += size
                     except (StoreError, OSError) as e:
                         log.warning("get: object %x unreadable (%s): EIO for its entry", obj.oid, e)
                         err = errno.EIO
-                protocol.GET_ENTRY.pack_into(out, protocol.GET_HEAD.size + protocol.GET_ENTRY.size * k,
+                protocol.GET_ENTRY.pack_into(head, protocol.GET_HEAD.size + protocol.GET_ENTRY.size * k,
                                              err, 0, size, digest)
         finally:
             for _, obj in plan:
                 if obj is not None:
                     obj.refs -= 1
                     await self.store.release_space(obj)
-        return memoryview(out)[:pos]
+        return Pieces(pieces)
+
+
+class Pieces:
+    """An answer made of byte views back to back; a slice within one view is not copied."""
+
+    def __init__(self, parts: list[memoryview]):
+        self.parts = parts
+        self.starts = []
+        pos = 0
+        for p in parts:
+            self.starts.append(pos)
+            pos += len(p)
+        self.size = pos
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, sl: slice):
+        lo, hi = max(0, sl.start or 0), min(self.size, self.size if sl.stop is None else sl.stop)
+        if lo >= hi:
+            return b""
+        i = bisect.bisect_right(self.starts, lo) - 1
+        at = lo - self.starts[i]
+        if at + (hi - lo) <= len(self.parts[i]):
+            return self.parts[i][at:at + hi - lo]
+        out = bytearray(hi - lo)
+        pos = 0
+        while lo + pos < hi:
+            take = min(hi - lo - pos, len(self.parts[i]) - at)
+            out[pos:pos + take] = self.parts[i][at:at + take]
+            pos += take
+            i, at = i + 1, 0
+        return out

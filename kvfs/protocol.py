@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import struct
 
 import xxhash
 
@@ -29,6 +30,7 @@ LOOKUP_FILE = "lookup"
 LEASE_FILE = "lease"
 EVENTS_FILE = "events"
 COMMIT_FILE = "commit"
+GET_FILE = "get"
 BACKING_XATTR = "user.kvfs.backing"
 
 # ---- alignment ---------------------------------------------------------------------------
@@ -70,6 +72,31 @@ def commit_request(base: str, fd: int, entries: list[tuple[int, int, str]], mode
         head += f"\0base {base}\n"
     body = "".join(f"{off} {n} {path}\n" for off, n, path in entries)
     return (head + body).encode("utf-8", "surrogateescape")
+
+
+# ---- batched get (.kvfs/get; grammar in kvfs/store/getbatch.py) ---------------------------
+GET_MAX = 64 << 20                   # bytes of page data one get answer carries at most
+GET_MAGIC = b"KVG1"
+GET_HEAD = struct.Struct("<4sI")     # magic, entries
+GET_ENTRY = struct.Struct("<iIQQ")   # errno, 0, size, xxh3_64 of the bytes
+
+
+def get_data_offset(n: int) -> int:
+    """Where the pages' bytes start in a get answer of ``n`` entries (after its index)."""
+    size = GET_HEAD.size + GET_ENTRY.size * n
+    return (size + ALIGN - 1) // ALIGN * ALIGN
+
+
+def decode_get_index(raw: bytes, n: int) -> list[tuple[int, int, int]]:
+    """``[(errno, size, xxh3_64), ...]`` of a get answer's index; ValueError if malformed."""
+    magic, count = GET_HEAD.unpack_from(raw, 0)
+    if magic != GET_MAGIC or count != n or len(raw) < GET_HEAD.size + GET_ENTRY.size * n:
+        raise ValueError(f"bad get answer head {bytes(raw[:16])!r}")
+    out = []
+    for i in range(n):
+        err, _, size, digest = GET_ENTRY.unpack_from(raw, GET_HEAD.size + GET_ENTRY.size * i)
+        out.append((err, size, digest))
+    return out
 
 
 # ---- lease entries -----------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The reserved ``.kvfs`` directory: read-only stats, the one-call prefix lookup and leases,
-KV events and the batched ``commit`` of files (its grammar: kvfs/fs/commitctl.py).
+KV events, the batched ``commit`` of files (its grammar: kvfs/fs/commitctl.py) and the
+batched ``get`` of small files' bytes (its answer: kvfs/store/getbatch.py; its request is
+the ``lookup`` grammar below).
 
 ``lookup`` and ``lease`` take a request written at offset 0 (a larger request may arrive as
 several writes at increasing offsets) and answer it on the next read:
@@ -56,10 +58,11 @@ LOOKUP = CTRL_DIR + 2
 LEASE = CTRL_DIR + 3
 EVENTS = CTRL_DIR + 4
 COMMIT = CTRL_DIR + 5
+GET = CTRL_DIR + 6
 FILES = {protocol.STATS_FILE.encode(): STATS, protocol.LOOKUP_FILE.encode(): LOOKUP,
          protocol.LEASE_FILE.encode(): LEASE, protocol.EVENTS_FILE.encode(): EVENTS,
-         protocol.COMMIT_FILE.encode(): COMMIT}
-REQUESTS = (LOOKUP, LEASE, COMMIT)     # control files that take a request and answer it
+         protocol.COMMIT_FILE.encode(): COMMIT, protocol.GET_FILE.encode(): GET}
+REQUESTS = (LOOKUP, LEASE, COMMIT, GET)     # control files that take a request and answer it
 EVENT_READERS = 8
 EVENT_WAIT = 1.0        # seconds a read of .kvfs/events waits before it answers an idle line
 
@@ -244,6 +247,14 @@ class Control:
         if h.answer is None and h.ino == COMMIT:
             raw, h.request = bytes(h.request), bytearray()
             h.answer = _json(await self.commits.serve(h, raw))
+        if h.answer is None and h.ino == GET:
+            raw, h.request = bytes(h.request), bytearray()
+            groups, opts = parse_request(raw)
+            if opts:
+                raise pyfuse3.FUSEError(errno.EINVAL)
+            if self.shared is not None:           # names other nodes published, not yet local
+                await self.shared.adopt_paths(groups)
+            h.answer = await self.cache.get_answer(groups, h.cred)
         if h.answer is None and h.ino in (LOOKUP, LEASE):
             raw, h.request = bytes(h.request), bytearray()
             groups, opts = parse_request(raw)

@@ -37,64 +37,19 @@ import time
 
 from kvfs.kv.block import ChecksumMismatch
 from kvfs.kv.commit import CommitClient
+from kvfs.kv.getbatch import EBADMSG, GetClient
 from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObjects, preadv_full, read_backing,
                              read_backing_into, write_all)
 from kvfs.kv.lookup import PrefixLookup, find_control
 from kvfs.kv.names import NameView
+from kvfs.integrations.pagetypes import (LeaseHold, NotOnKvfs, PageSizeError, PageStoreStats,  # noqa: F401
+                                         Stalled)
 
 log = logging.getLogger(__name__)
 
 PIECE = 512 << 10          # leased reads land and are hashed in pieces of about this size
 _LOG_EVERY = 30.0          # seconds between repeated warnings of one kind
 _NO_HEAD = memoryview(bytearray(0))   # raw pages have no header
-
-
-class NotOnKvfs(OSError):
-    """The page directory is not (or no longer) inside a kvfs mount."""
-
-
-class Stalled(OSError):
-    """A kvfs request of this store has been waiting longer than ``stall_timeout``."""
-
-
-class PageSizeError(OSError):
-    """A page file does not have the size the caller's page has (another geometry)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PageStoreStats:
-    """Counters of one PageStore (pages unless said otherwise)."""
-
-    lookups: int            # existence queries (one round trip each on kvfs)
-    lookup_hits: int        # pages found by them
-    lookup_misses: int      # pages asked about and not found (past the prefix)
-    gets: int               # pages asked for
-    hits: int               # pages read back and verified
-    misses: int             # pages not read (absent, or any error)
-    bytes_read: int
-    lease_fallbacks: int    # pages read through the mount (no fast path for them)
-    sets: int               # pages asked to store
-    written: int
-    skipped: int            # already present: not rewritten
-    set_failures: int
-    bytes_written: int
-    checksum_errors: int
-    errors: int             # failed calls (each made its pages misses / failed sets)
-    stalled: int            # calls answered "miss" at once: an earlier request is still waiting
-    reconnects: int
-    commit_refused: int = 0  # pages the batched commit refused (then written through the mount)
-    table_misses: int = 0    # misses the name table answered (kvfs.kv.names: no round trip)
-
-
-@dataclasses.dataclass
-class LeaseHold:
-    """A lease kept on a descriptor of its own (see :meth:`PageStore.hold`): the daemon keeps
-    the leased pages where they are, and their backing files valid, until it is released
-    (or its ttl runs out)."""
-
-    client: LeaseClient | None     # None: a plain directory (nothing to pin)
-    backings: dict[str, Backing | None]   # leased pages -> fast path (None: read via the mount)
-    epoch: int
 
 
 def _cuts(segs: list[memoryview]) -> list[tuple[int, int, int]]:
@@ -364,10 +319,16 @@ class PageStore:
         backings = held.backings if held is not None else {}
         try:
             with self._call() as progress:
+                sizes = [sum(len(s) for s in d) for d in dests]
+                batched = self._batch_get(names, dests, [i for i, name in enumerate(names) if on_kvfs and (
+                    backings.get(name) is None or backings[name].size != sizes[i])])
                 for i, name in enumerate(names):
                     progress()
-                    size = sum(len(s) for s in dests[i])
+                    size = sizes[i]
                     b = backings.get(name)
+                    if i in batched:
+                        ok[i] = True
+                        continue
                     try:
                         r = self._read_leased(b, name, dests[i], size) if b is not None and b.size == size else None
                         if r is None:
@@ -416,12 +377,19 @@ class PageStore:
         lease = self._lease()
         leased = lease.acquire(names) if lease is not None else None
         on_kvfs = self._lookup is not None and self._lookup.one_call
+        sizes = [sum(len(s) for s in d) for d in dests]
         try:
+            batched = self._batch_get(names, dests, [i for i, b in enumerate(leased or ()) if b is None or
+                                                     b.size != sizes[i]])
             for i, name in enumerate(names):
                 if leased is not None and i >= len(leased):
                     return                  # not sealed when leased: a miss, and the run ends
                 b = leased[i] if leased is not None else None
-                size = sum(len(s) for s in dests[i])
+                size = sizes[i]
+                if i in batched:
+                    ok[i] = True
+                    progress()
+                    continue
                 r = self._read_leased(b, name, dests[i], size) if b is not None and b.size == size else None
                 if r is None:               # no fast path for it: through the mount
                     r = self._read_mount(name, dests[i], size)
@@ -433,6 +401,30 @@ class PageStore:
         finally:
             if leased is not None:
                 lease.release(lease.generation)
+
+    def _batch_get(self, names: list[str], dests: list[list[memoryview]], idx: list[int]) -> set[int]:
+        """Read pages ``idx`` (no fast path) by one ``.kvfs/get``; the indices read and verified
+        (the others go through the mount). A gone daemon raises; any other failure: none."""
+        st = self._local
+        if not idx:
+            return set()
+        if getattr(st, "get_epoch", -1) != self._epoch:
+            st.getter, st.get_epoch = GetClient.open(self._mount_root, self.dir), self._epoch
+            if st.getter is not None:
+                with self._lock:
+                    self._leases.append(st.getter)      # closed with the lease descriptors
+        if st.getter is None:
+            return set()
+        try:
+            res = st.getter.get_into([names[i] for i in idx], [dests[i] for i in idx])
+        except OSError as e:
+            if e.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV):
+                raise
+            log.debug("kvfs get of %d pages failed (%s): through the mount", len(idx), e)
+            return set()
+        done = {i for i, r in zip(idx, res) if r == 0}
+        self._count(batch_reads=len(done), checksum_errors=sum(r == EBADMSG for r in res))
+        return done
 
     def _read_leased(self, b: Backing, name: str, segs: list[memoryview], size: int) -> int | None:
         """Read a leased page beside FUSE and verify it; None: use the mount instead."""

@@ -3,7 +3,8 @@
 ``Cache`` is a facade over the store's concerns, each in its own module:
 files.py (handles, write state, sealing), xattrs.py, leases.py (prefix lookup and leases),
 sniff.py (is a sealed buffer a KV block), cred.py (who asks), owners.py (who is handed which
-backing file), commit.py (batched publication of caller-held bytes). Here: its state, startup and
+backing file), commit.py (batched publication of caller-held bytes), getbatch.py (many small files' bytes
+in one answer). Here: its state, startup and
 recovery, the namespace pass-throughs that free bytes, KV-event descriptions and stats.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Awaitable, Callable
 from kvfs.store.commit import Commits
 from kvfs.store.cred import ROOT, Cred  # noqa: F401  (re-exported: fs imports them from here)
 from kvfs.store.files import CREATE_MTIME_SLACK, FileHandles, Handle, WriteState  # noqa: F401
+from kvfs.store.getbatch import BatchGets
 from kvfs.store.index import Index
 from kvfs.store import marker
 from kvfs.store.leases import Lease, Leases
@@ -27,7 +29,7 @@ from kvfs.store.xattrs import KV_PREFIX, XATTR_MAX, Xattrs  # noqa: F401
 log = logging.getLogger(__name__)
 
 
-class Cache(FileHandles, Xattrs, Leases, Owners, Commits):
+class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
     def __init__(self, index: Index, store: ObjectStore, spill_dir):
         self.index = index
         self.store = store

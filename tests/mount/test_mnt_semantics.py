@@ -319,7 +319,7 @@ def test_control_dir_reserved(mnt):
     finally:
         pass
     assert (root / ".kvfs").is_dir()
-    assert sorted(os.listdir(root / ".kvfs")) == ["commit", "events", "lease", "lookup", "stats"]
+    assert sorted(os.listdir(root / ".kvfs")) == ["commit", "events", "get", "lease", "lookup", "stats"]
 
 
 # ---- open flags ---------------------------------------------------------------

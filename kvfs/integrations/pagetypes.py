@@ -1,0 +1,55 @@
+"""The types of kvfs.integrations.pages: its errors, counters and lease holds."""
+from __future__ import annotations
+
+import dataclasses
+
+from kvfs.kv.blockio import Backing, LeaseClient
+
+
+class NotOnKvfs(OSError):
+    """The page directory is not (or no longer) inside a kvfs mount."""
+
+
+class Stalled(OSError):
+    """A kvfs request of this store has been waiting longer than ``stall_timeout``."""
+
+
+class PageSizeError(OSError):
+    """A page file does not have the size the caller's page has (another geometry)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PageStoreStats:
+    """Counters of one PageStore (pages unless said otherwise)."""
+
+    lookups: int            # existence queries (one round trip each on kvfs)
+    lookup_hits: int        # pages found by them
+    lookup_misses: int      # pages asked about and not found (past the prefix)
+    gets: int               # pages asked for
+    hits: int               # pages read back and verified
+    misses: int             # pages not read (absent, or any error)
+    bytes_read: int
+    lease_fallbacks: int    # pages read through the mount (no fast path for them)
+    sets: int               # pages asked to store
+    written: int
+    skipped: int            # already present: not rewritten
+    set_failures: int
+    bytes_written: int
+    checksum_errors: int
+    errors: int             # failed calls (each made its pages misses / failed sets)
+    stalled: int            # calls answered "miss" at once: an earlier request is still waiting
+    reconnects: int
+    commit_refused: int = 0  # pages the batched commit refused (then written through the mount)
+    batch_reads: int = 0     # pages without a fast path read by one .kvfs/get per batch
+    table_misses: int = 0    # misses the name table answered (kvfs.kv.names: no round trip)
+
+
+@dataclasses.dataclass
+class LeaseHold:
+    """A lease kept on a descriptor of its own (see :meth:`PageStore.hold`): the daemon keeps
+    the leased pages where they are, and their backing files valid, until it is released
+    (or its ttl runs out)."""
+
+    client: LeaseClient | None     # None: a plain directory (nothing to pin)
+    backings: dict[str, Backing | None]   # leased pages -> fast path (None: read via the mount)
+    epoch: int

@@ -40,7 +40,7 @@ from kvfs.kv.commit import CommitClient
 from kvfs.kv.getbatch import EBADMSG, GetClient
 from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObjects, preadv_full, read_backing,
                              read_backing_into, write_all)
-from kvfs.kv.lookup import PrefixLookup, find_control
+from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_on_mount
 from kvfs.kv.names import NameView
 from kvfs.integrations.pagetypes import (LeaseHold, NotOnKvfs, PageSizeError, PageStoreStats,  # noqa: F401
                                          Stalled)
@@ -117,10 +117,20 @@ class PageStore:
             ctl = find_control(probe)
             if ctl is None and self.require_kvfs:
                 raise NotOnKvfs(errno.ENOTCONN, f"{self.root} is not inside a kvfs mount")
-            os.makedirs(self.dir, exist_ok=True)
+            if ctl is not None:
+                dev = makedirs_on_mount(ctl[0], self.dir)
+            else:
+                os.makedirs(self.dir, exist_ok=True)
+                dev = os.stat(self.dir).st_dev
             lk = PrefixLookup(self.dir, use_control=ctl is not None)
-            self._dev = os.stat(self.dir).st_dev
-            self._mount_root = lk.mount_root
+            try:                # the mount may have gone since find_control (unmounted meanwhile):
+                on = lk.one_call and os.fstat(lk.fileno()).st_dev == dev == os.stat(self.dir).st_dev
+            except OSError:
+                on = False
+            if ctl is not None and not on:
+                lk.close()
+                raise NotOnKvfs(errno.ENOTCONN, f"{self.root} left its kvfs mount while connecting")
+            self._dev, self._mount_root = dev, lk.mount_root
             self._names = NameView(lk.mount_root) if lk.one_call else None
             self._lookup = lk
             log.debug("page store %s (%s)", self.dir, "kvfs" if lk.one_call else "plain directory")

@@ -66,6 +66,25 @@ def find_control(path: str) -> tuple[str, str] | None:
         cur = parent
 
 
+def makedirs_on_mount(mount_root: str, path: str) -> int:
+    """Make ``path`` (inside ``mount_root``) through a descriptor of the mount's root, so a
+    mount that goes away meanwhile fails (ENOTCONN) instead of the directories landing under
+    the bare mount point; returns the mount's st_dev."""
+    fd = os.open(mount_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.stat(os.path.join(CONTROL_NAME, LOOKUP_FILE), dir_fd=fd)   # the kvfs mount, not what is under it
+        rel = os.path.relpath(os.path.realpath(path), mount_root)
+        parts = [] if rel == os.curdir else rel.split(os.sep)
+        for k in range(1, len(parts) + 1):
+            try:
+                os.mkdir(os.path.join(*parts[:k]), dir_fd=fd)
+            except FileExistsError:
+                pass
+        return os.fstat(fd).st_dev
+    finally:
+        os.close(fd)
+
+
 class PrefixLookup:
     """Answers "how many leading blocks of this chain are cached?" for one cache root."""
 
@@ -82,6 +101,10 @@ class PrefixLookup:
             log.debug("prefix lookups through %s", path)
         else:
             self.mount_root = None
+
+    def fileno(self) -> int:
+        """The lookup control file's descriptor (-1: a plain directory)."""
+        return self._fd
 
     @property
     def one_call(self) -> bool:

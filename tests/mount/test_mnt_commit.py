@@ -215,3 +215,29 @@ def test_commit_into_makes_missing_subdirectories_and_retries(kvfs_mount):
     finally:
         c.close()
     assert read(m.path / "v/abc/de_g0/h1.bin") == b"1" * 4096 and read(m.path / "v/abc/de_g0/h2.bin") == b"2"
+
+
+def test_page_store_connecting_as_the_mount_dies_writes_nothing_under_it(kvfs_mount, monkeypatch):
+    """The daemon killed and its mount detached between the page store's find_control and
+    the rest of its connect (the race a prefetch loop hit when the daemon was SIGKILLed):
+    the connect fails, nothing is made under the bare mount point, and a store of pages
+    fails instead of landing there (it once made ``<mnt>/pages`` on the disk below and
+    reported the pages stored)."""
+    import kvfs.integrations.pages as pages
+    m = kvfs_mount()
+    real, killed = pages.find_control, []
+
+    def then_killed(path):
+        ctl = real(path)
+        if not killed:
+            killed.append(path)
+            m.kill9()                    # the daemon dies right after it was found
+        return ctl
+    monkeypatch.setattr(pages, "find_control", then_killed)
+    s = PageStore(m.path / "pages")
+    assert s.write_many(["a", "b"], lambda i: [b"x" * 4096]) == [False, False]
+    assert killed and not os.path.ismount(m.path)
+    assert os.listdir(m.path) == []
+    assert s.write_many(["c"], lambda i: [b"y" * 4096]) == [False]
+    assert not s.on_kvfs and os.listdir(m.path) == []
+    assert s.statistics().written == 0 and s.statistics().set_failures == 3

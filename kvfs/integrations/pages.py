@@ -21,7 +21,6 @@ a dead or unmounted daemon (ENOTCONN), a vanished file, a short read, a checksum
 malformed answer -- makes the affected pages misses, is counted and logged, and drops the
 control-file descriptors so the next call reconnects. If the root stops being on a kvfs mount
 (unmounted), nothing is read or written there (``require_kvfs``): the runtime recomputes.
-
 Pure Python (no torch); thread-safe: each thread gets its own lease descriptor.
 """
 from __future__ import annotations
@@ -42,8 +41,7 @@ from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObject
                              read_backing_into, write_all)
 from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_on_mount
 from kvfs.kv.names import NameView
-from kvfs.integrations.pagetypes import (LeaseHold, NotOnKvfs, PageSizeError, PageStoreStats,  # noqa: F401
-                                         Stalled)
+from kvfs.integrations.pagetypes import LeaseHold, NotOnKvfs, PageSizeError, PageStoreStats, Stalled  # noqa: F401
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,6 +38,7 @@ sys.path.insert(0, str(REPO))
 import kvfs  # noqa: E402
 from kvfs.kv.blockio import AlignedBuffer, backing_info, open_for_read, read_full  # noqa: E402
 from kvfs.kv.lookup import PrefixLookup  # noqa: E402
+from kvfs.bench import BenchMount  # noqa: E402
 from kvfs.cli.bench_report import finish_bars  # noqa: E402
 from kvfs.gpu import host_empty  # noqa: E402
 
@@ -73,32 +73,6 @@ def median_time(fn, runs: int, warmup: int = 1) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
-
-
-class Mounted:
-    """A kvfs mount through the CLI, torn down on exit."""
-
-    def __init__(self, root: Path, name: str, ram: str, nvme_size: str, **config):
-        self.dir = root / name
-        self.path = self.dir / "mnt"
-        self.path.mkdir(parents=True)
-        cfg = self.dir / "kvfs.toml"
-        cfg.write_text("[kvfs]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items()))
-        self.args = [str(self.path), "--ram", ram, "--nvme", str(self.dir / "nvme"), "--nvme-size", nvme_size,
-                     "--state", str(self.dir / "state"), "--config", str(cfg)]
-
-    def __enter__(self):
-        r = subprocess.run([sys.executable, "-m", "kvfs.cli", "mount", *self.args], capture_output=True,
-                           text=True, cwd=REPO, timeout=180)
-        if r.returncode != 0:
-            raise SystemExit(f"kvfs mount failed: {r.stderr.strip()}")
-        return self
-
-    def __exit__(self, *exc):
-        r = subprocess.run([sys.executable, "-m", "kvfs.cli", "umount", str(self.path)], capture_output=True,
-                           text=True, cwd=REPO, timeout=300)
-        if r.returncode != 0 and os.path.ismount(self.path):
-            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -513,7 +487,7 @@ def main(argv=None) -> int:
     try:
         if parts & {"lookup", "ram", "mount", "hf"}:
             shm = {"shm_dir": args.shm_dir} if args.shm_dir else {}
-            with Mounted(root, "ram", ram=big, nvme_size="4GiB", volatile_ram=True, **shm) as m:
+            with BenchMount(root / "ram", ram=big, nvme_size="4GiB", promote_hits=None, volatile_ram=True, **shm) as m:
                 if "lookup" in parts:
                     phase("lookup", bench_lookup, m.path, tmpfs, args.runs)
                 if "ram" in parts:
@@ -524,7 +498,7 @@ def main(argv=None) -> int:
                 if "hf" in parts:
                     phase("hf", bench_hf, m, args.prompt_tokens, args.runs)
         if "nvme" in parts:
-            with Mounted(root, "nvme", ram="8MiB", nvme_size="4GiB", promote_hits=1000000) as m:
+            with BenchMount(root / "nvme", ram="8MiB", nvme_size="4GiB") as m:
                 phase("fast_nvme", bench_loader_tier, m, "nvme", args.blocks, args.runs)
                 phase("fast_nvme_big", bench_loader_tier, m, "nvme", max(2, args.blocks // 8), args.runs, BIG_BLOCKS)
     finally:

@@ -148,14 +148,17 @@ def pair(name: str, what: str, kvfs_runs: list[float], base_name: str,
 class BenchMount:
     """A kvfs mount driven through the real CLI, as an operator would."""
 
-    def __init__(self, root: Path, ram: int, nvme_size: int, promote_hits: int = 1_000_000):
+    def __init__(self, root: Path, ram: int | str, nvme_size: int | str, promote_hits: int | None = 1_000_000,
+                 **config):
         self.root = root
         self.path, self.nvme, self.state = root / "mnt", root / "nvme", root / "state"
         self.config = root / "bench.toml"
         for d in (self.path, self.nvme, self.state):
             d.mkdir(parents=True, exist_ok=True)
         # a huge promote_hits keeps NVMe-tier files on NVMe while they are re-read
-        self.config.write_text(f"[kvfs]\npromote_hits = {promote_hits}\n")
+        if promote_hits is not None:
+            config["promote_hits"] = promote_hits
+        self.config.write_text("[kvfs]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items()))
         self.args = ["--ram", str(ram), "--nvme", str(self.nvme), "--nvme-size", str(nvme_size),
                      "--state", str(self.state), "--config", str(self.config)]
         self.pid: int | None = None
@@ -173,6 +176,16 @@ class BenchMount:
             raise BenchError(f"kvfs mount failed: {res.stderr.strip()}")
         self.pid = int(self.stats()["pid"])
         return dt
+
+    def __enter__(self) -> "BenchMount":
+        self.mount()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.umount()
+        except (BenchError, subprocess.TimeoutExpired):
+            subprocess.run(["fusermount3", "-u", "-z", str(self.path)], capture_output=True)
 
     def umount(self) -> float:
         t0 = time.perf_counter()

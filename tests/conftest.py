@@ -68,6 +68,33 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.01):
         time.sleep(interval)
 
 
+def put(path: Path, data: bytes) -> None:
+    """The runtime pattern: write ``name.tmp`` then ``os.replace`` over the final name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def tier_of(path: Path) -> str | None:
+    """The tier a file of a mount lives on (``user.kvfs.tier``), or None if it cannot be read."""
+    try:
+        return os.getxattr(path, "user.kvfs.tier").decode()
+    except OSError:
+        return None
+
+
+def direct_read(path: Path, buf) -> bytes:
+    """The whole file read with O_DIRECT (past the kernel's page cache) into ``buf``, an
+    aligned buffer (``mmap.mmap(-1, size)``) at least as large as the file."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        return bytes(buf[:os.preadv(fd, [buf], 0)])
+    finally:
+        os.close(fd)
+
+
 def lazy_unmount(path: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True, timeout=60)
 

@@ -50,4 +50,16 @@ def _run_exit_child(root, n_prompts: int, exit_timeout: float, release: bool):
                            "1" if release else "0"], capture_output=True, text=True, env=env, timeout=300)
 
 
+def assert_exit_child_saves_read_back(root, n_prompts: int) -> None:
+    """Another process's view of ``root`` after :func:`_run_exit_child` saved ``n_prompts``
+    prompts: every prompt is found whole and loads back equal."""
+    with kvfs.KVCache(root, model="test/model", layout=LAYOUT) as other:
+        for i in range(n_prompts):
+            g = torch.Generator().manual_seed(i)
+            toks = torch.randint(0, 50000, (64,), generator=g).tolist()
+            kv = torch.randn(LAYOUT.block_shape(64), generator=g).to(LAYOUT.torch_dtype)
+            assert other.lookup(toks) == 64, f"prompt {i} lost at exit"
+            assert torch.equal(other.load(toks), kv)
+
+
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -17,7 +17,7 @@ from kvfs.kv.block import ChecksumMismatch  # noqa: E402
 from kvfs.blockformat import BlockFormatError  # noqa: E402
 from kvfs.kv.loader import BlockNotFound  # noqa: E402
 from kvfs.kv.writer import BlockWriter, SaveError, SaveJob  # noqa: E402
-from kv.kvkit import LAYOUT, _run_exit_child  # noqa: E402
+from kv.kvkit import LAYOUT, _run_exit_child, assert_exit_child_saves_read_back  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -311,13 +311,7 @@ def test_queued_saves_are_written_before_a_normal_exit(tmp_path):
     assert res.returncode == 0, res.stderr
     assert f"unwritten {4 * n}" in res.stdout, res.stdout   # nothing was written before exit
     assert "unwritten" not in res.stderr and "Traceback" not in res.stderr, res.stderr
-    with kvfs.KVCache(tmp_path, model="test/model", layout=LAYOUT) as other:   # another process's view
-        for i in range(n):
-            g = torch.Generator().manual_seed(i)
-            toks = torch.randint(0, 50000, (64,), generator=g).tolist()
-            kv = torch.randn(LAYOUT.block_shape(64), generator=g).to(LAYOUT.torch_dtype)
-            assert other.lookup(toks) == 64, f"prompt {i} lost at exit"
-            assert torch.equal(other.load(toks), kv)
+    assert_exit_child_saves_read_back(tmp_path, n)
 
 
 def test_exit_is_bounded_and_warns_with_the_unwritten_count(tmp_path):

@@ -402,7 +402,7 @@ def test_lookup_hold_api_edges(kvfs_mount, tmp_path):
 
 def test_save_then_normal_exit_keeps_every_block_through_commit(kvfs_mount):
     """KVCache.save on kvfs goes through .kvfs/commit; queued saves still land at exit."""
-    from kv.kvkit import LAYOUT, _run_exit_child
+    from kv.kvkit import LAYOUT, _run_exit_child, assert_exit_child_saves_read_back
     m = kvfs_mount()
     with kvfs.KVCache(m.path, model="test/model", layout=LAYOUT) as c:
         assert c._writer._commit is not None, "the writer does not use .kvfs/commit on a kvfs mount"
@@ -411,13 +411,7 @@ def test_save_then_normal_exit_keeps_every_block_through_commit(kvfs_mount):
     assert res.returncode == 0, res.stderr
     assert f"unwritten {4 * n}" in res.stdout, res.stdout
     assert "unwritten" not in res.stderr and "Traceback" not in res.stderr, res.stderr
-    with kvfs.KVCache(m.path, model="test/model", layout=LAYOUT) as other:
-        for i in range(n):
-            g = torch.Generator().manual_seed(i)
-            toks = torch.randint(0, 50000, (64,), generator=g).tolist()
-            kv = torch.randn(LAYOUT.block_shape(64), generator=g).to(LAYOUT.torch_dtype)
-            assert other.lookup(toks) == 64, f"prompt {i} lost at exit"
-            assert torch.equal(other.load(toks), kv)
+    assert_exit_child_saves_read_back(m.path, n)
     ns = [d for d in os.listdir(m.path) if not d.startswith(".")]
     leftover = [f for d, _, fs in os.walk(m.path / ns[0]) for f in fs if f.startswith(".kvfs-commit")]
     assert leftover == []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import pid_alive, run_kvfs, wait_for  # noqa: E402,F401
+from conftest import pid_alive, put, run_kvfs, wait_for  # noqa: E402,F401
 
 MiB = 1 << 20
 
@@ -19,15 +19,6 @@ MiB = 1 << 20
 def content(seed: str, size: int) -> bytes:
     """Deterministic bytes of ``size`` derived from ``seed``."""
     return random.Random(seed).randbytes(size)
-
-
-def put(path: Path, data: bytes) -> None:
-    """The runtime pattern: write ``name.tmp`` then ``os.replace`` over the final name."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def read(path: Path) -> bytes:

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mounthelp import MiB, content, put, read, run_kvfs, scrape, wait_for
 
-from conftest import _env, kvfs_command
+from conftest import _env, direct_read, kvfs_command
 from kvfs.blockformat import build_header
 
 pytestmark = pytest.mark.mount
@@ -390,18 +390,11 @@ def test_read_deadline_on_a_hung_nvme_disk(kvfs_mount, tmp_path):
     victim = next(p for p in files if os.getxattr(p, "user.kvfs.tier") == b"nvme")
     buf = mmap.mmap(-1, 2 * MiB)
 
-    def direct_read() -> bytes:
-        fd = os.open(victim, os.O_RDONLY | os.O_DIRECT)     # past the kernel's page cache
-        try:
-            return bytes(buf[:os.preadv(fd, [buf], 0)])
-        finally:
-            os.close(fd)
-
     from concurrent.futures import ThreadPoolExecutor, TimeoutError as Hung
     os.kill(lower.pid, signal.SIGSTOP)
     try:
         with ThreadPoolExecutor(1) as pool:
-            stalled = pool.submit(direct_read)
+            stalled = pool.submit(direct_read, victim, buf)
             try:    # a hang guard, not a timing check: without the deadline the read never returns
                 err = stalled.exception(timeout=90)
             except Hung:
@@ -411,7 +404,7 @@ def test_read_deadline_on_a_hung_nvme_disk(kvfs_mount, tmp_path):
         assert m.stats()["deadline_exceeded"].get("nvme", 0) >= 1
     finally:
         os.kill(lower.pid, signal.SIGCONT)
-    assert direct_read() == files[victim]
+    assert direct_read(victim, buf) == files[victim]
     buf.close()
     assert scrape(m)[("kvfs_tier_read_deadline_exceeded_total", ("nvme",))] >= 1
     m.umount()                        # before the filesystem under its NVMe tier goes

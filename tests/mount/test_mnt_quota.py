@@ -5,10 +5,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+from pathlib import Path
 
 import pytest
 
-from mounthelp import content, read, run_kvfs
+from mounthelp import content, put, read, run_kvfs
 
 from conftest import reachable
 
@@ -99,20 +100,25 @@ def _settled(m) -> dict:
     return wait_for(lambda: (lambda s: s if s["settled"] else None)(m.stats()), 120, "the store to settle")
 
 
+def _fill_in_turn(m, first: Path, first_files: dict, then: Path, then_files: dict) -> dict:
+    """Write ``first_files`` into ``first`` and let the store settle, then ``then_files`` into
+    ``then``; the stats once it has settled again."""
+    from mounthelp import put
+    for d, files in ((first, first_files), (then, then_files)):
+        for name, data in files.items():
+            put(d / name, data)
+        st = _settled(m)
+    return st
+
+
 def test_eviction_under_pressure_is_fair_between_namespaces(kvfs_mount):
     """Two namespaces, no quotas: one writes three blocks, the other far more than the tiers
     hold. Under plain LRU the small one's blocks (the oldest) would go first; fair eviction
     takes them from the namespace holding the most of the full tier."""
-    from mounthelp import put
     m = kvfs_mount(ram="4MiB", nvme_size="12MiB")
     small = {f"s{i}": content(f"small{i}", MB) for i in range(3)}
-    for name, data in small.items():
-        put(m.path / "small" / name, data)
-    _settled(m)
     big = {f"b{i:02d}": content(f"big{i}", MB) for i in range(30)}
-    for name, data in big.items():
-        put(m.path / "big" / name, data)
-    st = _settled(m)
+    st = _fill_in_turn(m, m.path / "small", small, m.path / "big", big)
     assert st["tiers"]["nvme"]["evictions"] > 0                 # the tiers were full
     for name, data in small.items():
         assert read(m.path / "small" / name) == data, name   # the small namespace kept them all
@@ -129,19 +135,13 @@ def test_under_pressure_quotas_weigh_the_shares(kvfs_mount):
     """Shares follow quotas: a namespace with a small quota that fills it loses blocks before a
     namespace that holds more bytes but far less of its (larger) quota; with equal weights it
     would be the other way round (the test above)."""
-    from mounthelp import put
     m = kvfs_mount(ram="4MiB", nvme_size="12MiB")
     for ns, size in (("big-quota", "64MiB"), ("small-quota", "8MiB")):
         (m.path / ns).mkdir()
         assert run_kvfs("quota", "set", m.path, ns, size).returncode == 0
     small = {f"s{i}": content(f"sq{i}", MB) for i in range(6)}
-    for name, data in small.items():
-        put(m.path / "small-quota" / name, data)
-    _settled(m)
     big = {f"b{i:02d}": content(f"bq{i}", MB) for i in range(10)}
-    for name, data in big.items():
-        put(m.path / "big-quota" / name, data)
-    st = _settled(m)
+    st = _fill_in_turn(m, m.path / "small-quota", small, m.path / "big-quota", big)
     assert st["tiers"]["nvme"]["evictions"] > 0
     for name, data in big.items():                           # 10 MB of 64: under its share
         assert read(m.path / "big-quota" / name) == data, name

@@ -2,11 +2,12 @@
 object infos, nodes on a file volume, reads of another node's published blocks."""
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import xxhash
+
+from conftest import put, tier_of  # noqa: F401  (the share tests import them from here)
 
 from kvfs.remote import make_volume
 from kvfs.remote.share import format as F
@@ -41,21 +42,6 @@ MiB = 1 << 20
 
 def content(i: int, v: int = 0) -> bytes:
     return random.Random(f"share-{i}-{v}").randbytes(MiB)
-
-
-def put(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def tier_of(path: Path) -> str | None:
-    try:
-        return os.getxattr(path, "user.kvfs.tier").decode()
-    except OSError:
-        return None
 
 
 def outcome(path: Path) -> bytes | int:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_kvfs, wait_for
+from conftest import direct_read, put, run_kvfs, tier_of, wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.target]
 
@@ -36,24 +36,6 @@ def content(i: int) -> bytes:
 
 def path_of(root: Path, i: int) -> Path:
     return root / "model_cfg" / f"{i % 5:03x}" / f"{i:02x}_g0" / f"blk{i:04d}.bin"
-
-
-def put(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f"_{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def tier_of(path: Path) -> str | None:
-    try:
-        return os.getxattr(path, "user.kvfs.tier").decode()
-    except OSError:
-        return None
 
 
 def read_outcome(path: Path) -> bytes | int:
@@ -202,17 +184,10 @@ def test_read_deadline_on_a_stalled_target(kvfs_mount, fresh_target, tmp_path):
     victim = next(p for p in files if tier_of(p) == "remote")
     buf = mmap.mmap(-1, 4 * MiB)
 
-    def direct_read() -> bytes:
-        fd = os.open(victim, os.O_RDONLY | os.O_DIRECT)     # past the kernel's page cache
-        try:
-            return bytes(buf[:os.preadv(fd, [buf], 0)])
-        finally:
-            os.close(fd)
-
     os.kill(fresh_target.pid, signal.SIGSTOP)
     try:
         with pytest.raises(OSError) as e:
-            direct_read()
+            direct_read(victim, buf)
         assert e.value.errno == errno.EIO
         st = m.stats()
         assert st["deadline_exceeded"].get("remote", 0) >= 1
@@ -221,7 +196,7 @@ def test_read_deadline_on_a_stalled_target(kvfs_mount, fresh_target, tmp_path):
         os.kill(fresh_target.pid, signal.SIGCONT)
     def intact() -> bool:
         try:
-            return direct_read() == content(files[victim])
+            return direct_read(victim, buf) == content(files[victim])
         except OSError as e:          # the resumed VM may still miss a deadline or two
             assert e.errno == errno.EIO
             return False

@@ -39,7 +39,7 @@ from kvfs.kv.commit import CommitClient
 from kvfs.kv.getbatch import EBADMSG, GetClient
 from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObjects, preadv_full, read_backing,
                              read_backing_into, write_all)
-from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_on_mount
+from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_under
 from kvfs.kv.names import NameView
 from kvfs.integrations.pagetypes import LeaseHold, NotOnKvfs, PageSizeError, PageStoreStats, Stalled  # noqa: F401
 
@@ -115,11 +115,7 @@ class PageStore:
             ctl = find_control(probe)
             if ctl is None and self.require_kvfs:
                 raise NotOnKvfs(errno.ENOTCONN, f"{self.root} is not inside a kvfs mount")
-            if ctl is not None:
-                dev = makedirs_on_mount(ctl[0], self.dir)
-            else:
-                os.makedirs(self.dir, exist_ok=True)
-                dev = os.stat(self.dir).st_dev
+            dev = makedirs_under(ctl[0] if ctl is not None else None, self.dir)
             lk = PrefixLookup(self.dir, use_control=ctl is not None)
             try:                # the mount may have gone since find_control (unmounted meanwhile):
                 on = lk.one_call and os.fstat(lk.fileno()).st_dev == dev == os.stat(self.dir).st_dev
@@ -133,6 +129,10 @@ class PageStore:
             self._lookup = lk
             log.debug("page store %s (%s)", self.dir, "kvfs" if lk.one_call else "plain directory")
             return lk
+
+    def makedirs(self, path: str) -> None:
+        """Make ``path`` through the kvfs mount's root (a mount gone meanwhile fails), else os.makedirs."""
+        makedirs_under(self._connect().mount_root, path)
 
     @property
     def on_kvfs(self) -> bool:
@@ -554,7 +554,7 @@ class PageStore:
         except FileNotFoundError:
             if sub == self.dir:
                 raise
-            os.makedirs(sub, exist_ok=True)   # names with subdirectories (vLLM's fs layout)
+            self.makedirs(sub)                # names with subdirectories (vLLM's fs layout)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             total = write_all(fd, bufs)
@@ -564,10 +564,8 @@ class PageStore:
         except BaseException:
             if fd >= 0:
                 os.close(fd)
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
         return total
 

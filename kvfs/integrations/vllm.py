@@ -188,7 +188,7 @@ class KvfsTierManager(SecondaryTierManager):
             log.warning("kvfs vLLM tier: %s is not on a kvfs mount: every lookup is a miss", self.dir)
             return
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.store.makedirs(os.path.dirname(path))     # through the mount's root (it may be gone)
             if not os.path.exists(path):
                 tmp = f"{path}.{os.urandom(6).hex()}.tmp"
                 with open(tmp, "w") as f:

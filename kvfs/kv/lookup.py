@@ -85,6 +85,16 @@ def makedirs_on_mount(mount_root: str, path: str) -> int:
         os.close(fd)
 
 
+def makedirs_under(mount_root: str | None, path: str) -> int:
+    """Make ``path`` and its parents: through the mount's root (:func:`makedirs_on_mount`)
+    when ``mount_root`` is a kvfs mount's, with ``os.makedirs`` when it is None (a plain
+    directory); returns the st_dev of the filesystem they were made on."""
+    if mount_root is not None:
+        return makedirs_on_mount(mount_root, path)
+    os.makedirs(path, exist_ok=True)
+    return os.stat(path).st_dev
+
+
 class PrefixLookup:
     """Answers "how many leading blocks of this chain are cached?" for one cache root."""
 

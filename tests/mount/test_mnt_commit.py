@@ -241,3 +241,31 @@ def test_page_store_connecting_as_the_mount_dies_writes_nothing_under_it(kvfs_mo
     assert s.write_many(["c"], lambda i: [b"y" * 4096]) == [False]
     assert not s.on_kvfs and os.listdir(m.path) == []
     assert s.statistics().written == 0 and s.statistics().set_failures == 3
+
+
+def test_page_store_writing_a_new_subdirectory_as_the_mount_dies_writes_nothing_under_it(kvfs_mount, monkeypatch):
+    """The daemon killed and its mount detached after a page write found the store connected
+    but before it made the page's subdirectory (names like vLLM's ``abc/de_g0/h.bin``): the
+    write fails and nothing is made under the bare mount point (the subdirectory, and then
+    the page, were once made on the disk below and the page reported stored)."""
+    m = kvfs_mount()
+    s = PageStore(m.path / "pages", use_commit=False)
+    assert s.write_many(["first"], lambda i: [b"0" * 4096]) == [True]
+    real_write, real_connect, writing, killed = s._write, s._connect, [], []
+
+    def write(name, bufs):
+        writing.append(name)
+        return real_write(name, bufs)
+
+    def connect_then_killed():
+        lk = real_connect()
+        if writing and not killed:
+            killed.append(writing[-1])
+            m.kill9()                    # the daemon dies right after the write found it
+        return lk
+    monkeypatch.setattr(s, "_write", write)
+    monkeypatch.setattr(s, "_connect", connect_then_killed)
+    assert s.write_many(["abc/de_g0/h1.bin"], lambda i: [b"x" * 4096]) == [False]
+    assert killed == ["abc/de_g0/h1.bin"] and not os.path.ismount(m.path)
+    assert os.listdir(m.path) == []
+    assert s.statistics().written == 1 and s.statistics().set_failures == 1

@@ -188,6 +188,30 @@ def test_killed_daemon_mid_run_gives_misses(v, kvfs_mount, tiers):
     assert d.load(keys, range(n, 2 * n)).success and d.read(range(n, 2 * n)) == want
 
 
+def test_tier_starting_as_the_mount_dies_writes_nothing_under_it(v, kvfs_mount, tiers, monkeypatch):
+    """The daemon killed and its mount detached after the starting tier found its page store
+    on kvfs but before it made the directory of ``config.json``: the tier starts, every store
+    fails, and nothing is made under the bare mount point (the directory and ``config.json``
+    were once written on the disk below)."""
+    from kvfs.integrations.pages import PageStore
+    m = kvfs_mount(ram="64MiB")
+    real, killed = PageStore.on_kvfs, []
+
+    def on_kvfs_then_killed(store):
+        on = real.fget(store)
+        if not killed:
+            killed.append(on)
+            m.kill9()                    # the daemon dies right after the tier found it
+        return on
+    monkeypatch.setattr(PageStore, "on_kvfs", property(on_kvfs_then_killed))
+    d = _tier(v, tiers, m.path / "vllm", chunks=4)
+    assert killed == [True] and not os.path.ismount(m.path)
+    assert os.listdir(m.path) == []
+    d.fill(range(2), seed=3)
+    assert not d.store(_keys(v, 2), range(2)).success
+    assert os.listdir(m.path) == []
+
+
 def test_unmount_gives_misses(v, kvfs_mount, tiers):
     """A lazily unmounted mount: misses, failed jobs, nothing written under the mount point,
     and the detached daemon exits (the tier closed its control files)."""

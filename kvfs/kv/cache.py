@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -26,7 +27,7 @@ import torch
 import xxhash
 
 from kvfs.kv.hashing import MMInput, PrefixHasher, as_token_list, token_array
-from kvfs.kv.layout import KVLayout, block_path, block_relpath, ensure_namespace
+from kvfs.kv.layout import KVLayout, block_path, block_relpath, open_namespace
 from kvfs.kv.blockio import LeaseClient
 from kvfs.kv.loader import BlockPlan, Loader, LoadStats, check_verify_shm
 from kvfs.kv.lookup import PrefixLookup
@@ -109,6 +110,18 @@ class SaveResult:
             raise self.job.error
 
 
+def _check_still_on(lookup: PrefixLookup, ns_dir: str, dev: int) -> None:
+    """Raise ENOTCONN (closing ``lookup``) unless the lookup file and ``ns_dir`` are still on
+    the kvfs mount (st_dev ``dev``) the namespace was made on: it may have died since."""
+    try:
+        on = lookup.one_call and os.fstat(lookup.fileno()).st_dev == dev == os.stat(ns_dir).st_dev
+    except OSError:
+        on = False
+    if not on:
+        lookup.close()
+        raise OSError(errno.ENOTCONN, f"{ns_dir} left its kvfs mount while the cache opened")
+
+
 class KVCache:
     """A prefix-hashed KV block cache in one namespace directory under ``root``.
 
@@ -136,10 +149,12 @@ class KVCache:
         self.model = model
         self.layout = layout
         self.hasher = PrefixHasher(layout.block_tokens, hash_algo, cache_salt=cache_salt, lora_name=lora_name)
-        self.ns_dir = ensure_namespace(self.root, model, layout, self.hasher.algo)
+        self.ns_dir, dev = open_namespace(self.root, model, layout, self.hasher.algo)
         self.namespace = os.path.basename(self.ns_dir)
         self.save_timeout = save_timeout
         self._lookup = PrefixLookup(self.ns_dir)
+        if dev is not None:
+            _check_still_on(self._lookup, self.ns_dir, dev)
         self._writer = BlockWriter(self.ns_dir, self.namespace, layout, self.hasher.algo,
                                    max_pending=max_pending_saves, store_token_ids=store_token_ids,
                                    exit_timeout=exit_timeout, mount_root=self._lookup.mount_root)

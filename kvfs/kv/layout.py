@@ -22,6 +22,7 @@ import os
 import re
 
 from kvfs.blockformat import FORMAT
+from kvfs.kv.lookup import find_control, makedirs_under
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +141,20 @@ def namespace_name(model: str, layout: KVLayout, hash_algo: str) -> str:
 
 def ensure_namespace(root: str, model: str, layout: KVLayout, hash_algo: str) -> str:
     """Create (or verify) the namespace directory under ``root``; return its path."""
+    return open_namespace(root, model, layout, hash_algo)[0]
+
+
+def open_namespace(root: str, model: str, layout: KVLayout, hash_algo: str) -> tuple[str, int | None]:
+    """Create (or verify) the namespace directory under ``root``: ``(path, dev)``. Inside a
+    kvfs mount the directory is made through the mount's root (a mount that dies meanwhile
+    fails instead of the directory landing under the bare mount point) and ``dev`` is the
+    mount's st_dev; elsewhere ``dev`` is None."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"KV cache root {root!r} is not a directory")
     name = namespace_name(model, layout, hash_algo)
     ns_dir = os.path.join(root, name)
-    os.makedirs(ns_dir, exist_ok=True)
+    ctl = find_control(root)
+    dev = makedirs_under(ctl[0] if ctl is not None else None, ns_dir)
     meta_path = os.path.join(ns_dir, NAMESPACE_FILE)
     desc = dict(namespace_descriptor(model, layout, hash_algo), namespace=name)
     try:
@@ -163,4 +173,4 @@ def ensure_namespace(root: str, model: str, layout: KVLayout, hash_algo: str) ->
         log.info("created KV namespace %s", ns_dir)
     elif existing != desc:
         raise ValueError(f"{meta_path} describes a different cache: {existing} != {desc}")
-    return ns_dir
+    return ns_dir, (dev if ctl is not None else None)

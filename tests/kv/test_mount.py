@@ -415,3 +415,26 @@ def test_save_then_normal_exit_keeps_every_block_through_commit(kvfs_mount):
     ns = [d for d in os.listdir(m.path) if not d.startswith(".")]
     leftover = [f for d, _, fs in os.walk(m.path / ns[0]) for f in fs if f.startswith(".kvfs-commit")]
     assert leftover == []
+
+
+def test_cache_opening_as_the_mount_dies_writes_nothing_under_it(kvfs_mount, monkeypatch):
+    """The daemon killed and its mount detached after KVCache found the root on kvfs but
+    before it made the namespace directory: the cache does not open, and nothing is made under
+    the bare mount point (the namespace and its namespace.json once landed on the disk below,
+    and the cache saved blocks there as a plain directory)."""
+    import kvfs.kv.layout as layout
+    from kv.kvkit import LAYOUT
+    m = kvfs_mount()
+    real, killed = layout.find_control, []
+
+    def then_killed(path):
+        ctl = real(path)
+        if not killed:
+            killed.append(ctl is not None)
+            m.kill9()                    # the daemon dies right after it was found
+        return ctl
+    monkeypatch.setattr(layout, "find_control", then_killed)
+    with pytest.raises(OSError):
+        kvfs.KVCache(m.path, model="test/model", layout=LAYOUT)
+    assert killed == [True] and not os.path.ismount(m.path)
+    assert os.listdir(m.path) == []

@@ -552,11 +552,20 @@ class ObjectStore(Policy, Moves):
                     txn.put_object(oid, obj.record())
 
     def statistics(self) -> dict:
+        """Per tier: its size, the store's counters and the tier's own status. A tier that
+        counts errors of its own (the remote volume's transport: failed connects and I/O)
+        reports ``errors`` as the sum of both, with ``store_errors`` (the store's count: failed
+        reads and writes) and ``transport_errors`` (the tier's) beside it."""
         out = {}
         for t in self.tiers:
             d = {"capacity": t.capacity, "used": t.used, "objects": t.objects, "available": t.available}
             d.update(self.counters[t.name].as_dict())
-            d.update(t.status())
+            status = t.status()
+            own = status.pop("errors", None)
+            d.update(status)
+            if own is not None:
+                d["store_errors"], d["transport_errors"] = d["errors"], own
+                d["errors"] += own
             out[t.name] = d
         out[self.ram.name]["staged"] = self.ram.staged
         return out

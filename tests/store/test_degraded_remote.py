@@ -87,3 +87,27 @@ async def test_pressure_with_the_remote_down_drops_copies_that_live_there_first(
                 assert await read(cache, n) == data
         await remote.vol.open()
         assert await read(cache, hot) == files[hot]
+
+
+async def test_remote_errors_count_the_stores_and_the_transports(tmp_path):
+    """The remote tier's ``errors`` in the statistics is the store's count (its reads that
+    failed) plus the transport's own (the volume's failed I/O), each also reported on its
+    own: reads of a volume file truncated under the tier fail in both. The transport's count
+    once replaced the store's."""
+    import pytest
+    from kvfs.errors import TierUnavailable
+    remote = await file_remote_tier(tmp_path)
+    async with open_cache(tmp_path, ram=1 << 20, nvme=2 << 20, extra_tiers=[remote]) as cache:
+        store = cache.store
+        files = await fill(cache, 16, "f")
+        down = [n for n in files if set(obj_of(cache, n).place) == {"remote"}]
+        assert down
+        os.truncate(tmp_path / "volume.img", 0)        # short reads from now on
+        for n in down[:2]:
+            with pytest.raises(TierUnavailable):
+                await read(cache, n)
+        st = store.statistics()["remote"]
+        assert st["store_errors"] == store.counters["remote"].errors >= 1
+        assert st["transport_errors"] == remote.vol.errors >= 1
+        assert st["errors"] == st["store_errors"] + st["transport_errors"]
+        assert "store_errors" not in store.statistics()["nvme"]     # a tier with no errors of its own

@@ -20,7 +20,8 @@ same rule as ``lookup`` (search permission on every directory, read permission o
 file). The answer is built when its first byte is read, from the files' versions at that
 moment, each object held (counted as open) while it is copied: a file replaced meanwhile
 is answered whole in its old or its new version, never a mix. Each file counts a hit, like
-an open. Reading the answer again gives the same bytes until the next request.
+an open; each ENOENT entry a miss of its namespace (``namespaces`` in ``.kvfs/stats``), like
+a path past the prefix ``lookup`` found. Reading the answer again gives the same bytes until the next request.
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ from kvfs.errors import NoSuchObject, StoreError
 from kvfs.store.cred import ROOT, Cred
 
 log = logging.getLogger(__name__)
+
+
+def _joined(base: bytes, path: bytes) -> str:
+    """A request path with its ``base``, relative to the mount root."""
+    return ((base + b"/" + path) if base else path).decode("utf-8", "surrogateescape")
 
 
 class BatchGets:
@@ -57,6 +63,7 @@ class BatchGets:
                 i += len(got)
                 if i < len(paths):
                     plan.append((errno.ENOENT, None))
+                    self.telemetry.miss(_joined(base, paths[i]))     # its namespace's miss, as lookup counts
                     i += 1
         return plan
 

@@ -57,6 +57,34 @@ def test_get_answers_a_mixed_batch_per_entry(kvfs_mount):
         c.close()
 
 
+def test_get_counts_hits_and_misses_per_namespace(kvfs_mount):
+    """Each entry of a get is a hit or (ENOENT) a miss of its namespace in ``.kvfs/stats``,
+    paths relative to a base included, as lookup and lease count them."""
+    m = kvfs_mount()
+    put(m.path / "na" / "a", b"a" * 4096)
+    put(m.path / "nb" / "b", b"b" * 4096)
+
+    def counts() -> dict:
+        ns = m.stats()["namespaces"]
+        return {k: (ns.get(k, {}).get("hits", 0), ns.get(k, {}).get("misses", 0)) for k in ("na", "nb", "nc")}
+    before = counts()
+    c = GetClient(str(m.path), str(m.path))
+    try:
+        names = ["na/a", "na/x", "nb/b", "nb/y", "nb/z", "nc/q"]
+        assert c.get_into(names, dests_for([4096] * 6)) == [0, errno.ENOENT, 0, errno.ENOENT, errno.ENOENT,
+                                                            errno.ENOENT]
+    finally:
+        c.close()
+    c = GetClient(str(m.path), str(m.path / "nb"))
+    try:
+        assert c.get_into(["b", "w"], dests_for([4096] * 2)) == [0, errno.ENOENT]
+    finally:
+        c.close()
+    after = counts()
+    delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
+    assert delta == {"na": (1, 1), "nb": (2, 3), "nc": (0, 1)}
+
+
 def raw_index(fd: int, n: int) -> list[tuple[int, int, int]]:
     return protocol.decode_get_index(os.pread(fd, protocol.get_data_offset(n), 0), n)
 

@@ -208,3 +208,30 @@ def test_get_refuses_lease_options(kvfs_mount):
         assert struct.unpack_from("<iIQQ", head, 8)[:3] == (0, 0, 1) and head[4096:] == b"x"
     finally:
         os.close(fd)
+
+
+def test_the_daemon_answers_efbig_past_the_answers_cap(kvfs_mount):
+    """A raw request (the client would split it) whose files hold more than ``GET_MAX``
+    (64 MiB) of data: the daemon answers the files that fit, in request order, and EFBIG for
+    the one that would pass the cap (a smaller one after it still fits)."""
+    m = kvfs_mount(ram="256MiB")
+    sizes = {"f0": 33 * MiB, "f1": 32 * MiB, "small": 4 * KiB}
+    assert sizes["f0"] + sizes["f1"] > protocol.GET_MAX > sizes["f0"] + sizes["small"]
+    for k, (name, size) in enumerate(sizes.items()):
+        put(m.path / name, bytes([k + 1]) * size)
+    fd = os.open(m.path / ".kvfs" / protocol.GET_FILE, os.O_RDWR)
+    try:
+        os.pwrite(fd, "".join(f"{n}\n" for n in sizes).encode(), 0)
+        index = raw_index(fd, len(sizes))
+        assert [(e, s) for e, s, _ in index] == [(0, 33 * MiB), (errno.EFBIG, 0), (0, 4 * KiB)]
+        off, want = protocol.get_data_offset(len(sizes)), 33 * MiB + 4 * KiB
+        data = bytearray()
+        while len(data) < want:
+            chunk = os.pread(fd, want - len(data), off + len(data))
+            assert chunk, f"the answer ended at {len(data)} of {want} data bytes"
+            data += chunk
+        assert os.pread(fd, 4096, off + want) == b""          # nothing of f1's
+        assert data == b"\x01" * (33 * MiB) + b"\x03" * (4 * KiB)
+        assert index[0][2] == xxhash.xxh3_64_intdigest(b"\x01" * (33 * MiB))
+    finally:
+        os.close(fd)

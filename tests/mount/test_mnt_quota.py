@@ -103,7 +103,6 @@ def _settled(m) -> dict:
 def _fill_in_turn(m, first: Path, first_files: dict, then: Path, then_files: dict) -> dict:
     """Write ``first_files`` into ``first`` and let the store settle, then ``then_files`` into
     ``then``; the stats once it has settled again."""
-    from mounthelp import put
     for d, files in ((first, first_files), (then, then_files)):
         for name, data in files.items():
             put(d / name, data)
@@ -146,8 +145,10 @@ def test_under_pressure_quotas_weigh_the_shares(kvfs_mount):
     for name, data in big.items():                           # 10 MB of 64: under its share
         assert read(m.path / "big-quota" / name) == data, name
     kept = sorted(p.name for p in (m.path / "small-quota").iterdir())
-    # it lost blocks, not its newest: LRU holds per tier (a block demoted from RAM late is
-    # younger on NVMe than an older one that went there first), so no total order is promised
-    assert len(kept) < len(small) and "s5" in kept
+    # it lost blocks, not all of them (its share is 8 of 72 MiB). Which ones is not promised:
+    # LRU holds per tier, in the order blocks reached it, and a write that spills under RAM
+    # pressure reaches NVMe before older blocks demoted from RAM later (failed 1 run in ~20
+    # at load 11 when this asserted that the newest, s5, survives)
+    assert 0 < len(kept) < len(small)
     for name in kept:
         assert read(m.path / "small-quota" / name) == small[name]

@@ -74,8 +74,9 @@ async def test_dead_node_region_taken_over_and_the_returning_node_refused(tmp_pa
         assert c.takeovers == 1 and list(c.held) == [a.region] and b.takeovers == 0
         assert c.held[a.region]["writable_at"] >= clock.t + LEASE + c.grace
         st = c.status()["share"]
-        assert st["held"] == {str(a.region): {"from_slot": a.slot, "from_node": "node-a",
-                                               "from_epoch": a.node.epoch}}
+        held = st["held"][str(a.region)]
+        assert (held["from_slot"], held["from_node"], held["from_epoch"]) == (a.slot, "node-a", a.node.epoch)
+        assert (held["inherited_objects"], held["own_objects"], held["reclaimed"]) == (6, 0, 0)
         # B now sees A's blocks as published by C (A's log replayed, republished by C) and
         # reads them byte-equal; C's own block with the same oid is untouched
         await b.tail_once()

@@ -29,7 +29,7 @@ class Published:
 class SharedView:
     def __init__(self) -> None:
         self.by_path: dict[str, Published] = {}
-        self._by_oid: dict[tuple[int, int, int], str] = {}   # (slot, region, oid) -> path
+        self._by_oid: dict[tuple[int, int, int, int], str] = {}   # (slot, region, oid, start) -> path
         self.dirs: dict[str, dict[str, int]] = {}     # directory -> child name -> published paths under it
         # (path, Published) of names that went away or were replaced, for the node to drop
         self.dropped: list[tuple[str, Published]] = []
@@ -45,24 +45,24 @@ class SharedView:
 
     def apply(self, slot: int, node_id: str, e: F.LogEntry) -> None:
         if e.op == F.OP_PUT:
-            prev = self._by_oid.get((slot, e.region, e.oid))
+            prev = self._by_oid.get((slot, e.region, e.oid, e.start))
             if prev is not None and prev != e.key:      # republished under a new name (rename)
                 self._remove(prev, self.by_path[prev])
             old = self.by_path.get(e.key)
             p = Published(slot, node_id, e)
             if old is not None and _same_block(old.entry, e):   # republished by a new owner (takeover)
-                self._by_oid.pop((old.slot, old.entry.region, old.entry.oid), None)
+                self._by_oid.pop((old.slot, old.entry.region, old.entry.oid, old.entry.start), None)
                 self.by_path[e.key] = p
-                self._by_oid[(slot, e.region, e.oid)] = e.key
+                self._by_oid[(slot, e.region, e.oid, e.start)] = e.key
                 return
             if old is not None:
                 self._remove(e.key, old)
             self.by_path[e.key] = p
-            self._by_oid[(slot, e.region, e.oid)] = e.key
+            self._by_oid[(slot, e.region, e.oid, e.start)] = e.key
             self._link(e.key)
         elif e.op == F.OP_FREE:
-            path = self._by_oid.get((slot, e.region, e.oid))
-            if path is not None and self.by_path[path].entry.start == e.start:   # that record, not another
+            path = self._by_oid.get((slot, e.region, e.oid, e.start))     # that record, not another
+            if path is not None:
                 self._remove(path, self.by_path[path])
 
     def drop_owner(self, slot: int) -> None:
@@ -72,8 +72,8 @@ class SharedView:
 
     def _remove(self, path: str, p: Published) -> None:
         del self.by_path[path]
-        if self._by_oid.get((p.slot, p.entry.region, p.entry.oid)) == path:
-            del self._by_oid[(p.slot, p.entry.region, p.entry.oid)]
+        if self._by_oid.get((p.slot, p.entry.region, p.entry.oid, p.entry.start)) == path:
+            del self._by_oid[(p.slot, p.entry.region, p.entry.oid, p.entry.start)]
         self._unlink(path)
         self.dropped.append((path, p))
 

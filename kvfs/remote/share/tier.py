@@ -565,6 +565,8 @@ class SharedRemoteTier(RemoteTier):
                            "partitions": self.partitions, "lease": self.lease, "grace": self.grace,
                            "takeovers": self.takeovers,
                            "held": {str(r): {**{k: v for k, v in h.items() if k != "writable_at"},
+                                             "writable": r in self.held_tiers
+                                             and self.clock() >= h["writable_at"],
                                              **(H.describe(self.held_tiers[r]) if r in self.held_tiers else {})}
                                     for r, h in self.held.items()},
                            "tail": self.tailer.status() if self.tailer else {},

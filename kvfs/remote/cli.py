@@ -146,11 +146,11 @@ def _print_status(info: dict) -> None:
     if v:
         t = Table(title=f"view of node {v['node_id']} (slot {v['slot']}): {v['polls']} polls, "
                         f"{v['rescans']} rescans")
-        for c in ("node", "next seq", "behind", "of ring", "lost"):
+        for c in ("node", "next seq", "behind", "of ring", "rescan due"):
             t.add_column(c)
         for nid, p in v["peers"].items():
             t.add_row(nid, str(p["next_seq"]), str(p["behind"]), f"{100 * p['wrap_risk']:.1f} %",
-                      "yes" if p["lost"] else "no")
+                      "yes" if p["needs_rescan"] else "no")
         con.print(t)
 
 

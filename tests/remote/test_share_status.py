@@ -58,7 +58,7 @@ def test_status_of_a_shared_volume_with_two_live_daemons(kvfs_mount, tmp_path):
     assert regions[sb["region"]]["objects"] == 0
     view = st["view"]
     assert view["node_id"] == "node-b" and view["peers"]["node-a"]["behind"] == 0
-    assert not view["peers"]["node-a"]["lost"]
+    assert not view["peers"]["node-a"]["needs_rescan"]
     # the table form names both nodes (the daemons are still running)
     res = run_kvfs("remote", "status", vol)
     assert res.returncode == 0 and "node-a" in res.stdout and "node-b" in res.stdout, res.stderr

@@ -161,7 +161,7 @@ def view_lag(status: dict, stats: dict) -> dict:
         seen = p["next_seq"] if p else 0
         behind = max(0, n["log"]["head"] - max(seen, 1))
         lag[nid] = {"next_seq": seen, "behind": behind, "wrap_risk": round(behind / cap, 4),
-                    "lost": behind >= cap}
+                    "needs_rescan": behind >= cap}
     return {"node_id": share.get("node_id"), "slot": share.get("slot"), "polls": share["tail"].get("polls"),
             "rescans": share["tail"].get("rescans"), "peers": lag}
 

@@ -21,9 +21,12 @@ from __future__ import annotations
 import logging
 import struct
 
-from kvfs.errors import NoSuchObject
+from kvfs.errors import ConfigError, NoSuchObject, TierFull, TierUnavailable
+from kvfs.remote.share import format as F
+from kvfs.remote.share.member import write_unit
 from kvfs.remote.share.region import RegionVolume
 from kvfs.remote.tier import _LOC, RemoteTier
+from kvfs.store.tier import ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -118,3 +121,103 @@ def describe(t: HeldRegion) -> dict:
     return {"capacity": t.capacity, "own_bytes": t.own_used, "own_objects": len(t.own),
             "inherited_bytes": sum(e[3] for _s, e in inh) * t.unit, "inherited_objects": len(inh),
             "reclaimed": t.reclaimed}
+
+
+class HoldsRegions:
+    """SharedRemoteTier's part for the regions it took over (``held_tiers``): open them,
+    put into them when its own region is full, reclaim the dead node's records there, free
+    its own records there, count and list them."""
+
+    async def _open_held(self, region: int) -> None:
+        """Open a held region's format-1 volume (reads only) so this node may reclaim the dead
+        node's records there and put its own, from ``writable_at`` on."""
+        if region in self.held_tiers or self.sb2 is None:
+            return
+        rv = RegionVolume(self.parent, self.sb2.region_off(region), self.sb2.region_bytes)
+        rv.guard = self._may_write
+        h = HeldRegion(rv, region=region, owner=self.instance_id,
+                         writable_at=self.held[region]["writable_at"])
+        try:
+            await h.open()
+        except (ConfigError, ValueError, TierUnavailable) as e:
+            log.error("held region %d stays read-only: %s", region, e)
+            return
+        self.held_tiers[region] = h
+        self.capacity += h.capacity
+        log.info("held region %d: %d inherited records (%d bytes), writable in %.1f s", region,
+                 len(h.inherited()), sum(e[3] for _s, e in h.inherited()) * h.unit,
+                 max(0.0, h.writable_at - self.clock()))
+
+    async def _put_held(self, info: ObjectInfo, data: memoryview) -> bytes:
+        """Our region is full: put into a held region, first freeing as many of the dead node's
+        records there as the new one needs (each free published in our log)."""
+        for region, h in sorted(self.held_tiers.items()):
+            if self.clock() < h.writable_at or not h.available or h.footprint(info.size) > h.capacity:
+                continue
+            while not h.fits(info.size) and h.inherited():
+                await self._reclaim(h, *h.inherited()[0])
+            if not h.fits(info.size):
+                continue
+            rloc = await h.put(info, data)
+            units = _LOC.unpack(rloc)[3]
+            self.used += units * h.unit
+            self.objects += 1
+            await self._publish(F.OP_PUT, info.oid, rloc, info, region, h.sb.volume_uuid)
+            return held_loc(region, rloc)
+        raise TierFull("remote tier: no room in our region or the regions we hold")
+
+    async def _reclaim(self, h: HeldRegion, slot: int, entry: tuple) -> None:
+        """Free one inherited record of a held region as its owner: publish the free, zero its
+        header (a reader by location misses from now on), free its table entry."""
+        oid, start, _size, _units, _hu = entry
+        rloc = h.loc_of(slot)
+        await self._publish(F.OP_FREE, oid, rloc, None, h.region, h.sb.volume_uuid)
+        await write_unit(h.vol, start * h.unit, bytes(h.unit), h.unit)
+        await h.delete(oid, rloc)
+        h.reclaimed += 1
+        victim = self.held[h.region]["from_slot"]
+        self.view.apply(victim, "", F.LogEntry(0, 0, F.OP_FREE, h.region, start, oid=oid))
+
+    async def _delete_held(self, oid: int, loc: bytes) -> None:
+        region, rloc = unpack_held_loc(loc)
+        h = self.held_tiers.get(region)
+        if h is None or self.fenced:
+            return
+        try:
+            _slot, (_oid, start, _size, units, _hu) = h._entry(oid, rloc)
+        except NoSuchObject:
+            return
+        if self.available:
+            await self._check_fence()
+        await self._publish(F.OP_FREE, oid, rloc, None, region, h.sb.volume_uuid)
+        try:
+            await write_unit(h.vol, start * h.unit, bytes(h.unit), h.unit)
+        except TierUnavailable as e:
+            log.warning("could not clear the record header of object %x: %s", oid, e)
+        await h.delete(oid, rloc)
+        self.used -= units * h.unit
+        self.objects -= 1
+
+    def recount(self, locs) -> None:
+        """After the store loaded (``locs``: every loc the index holds on this tier): mark our
+        own records in held regions, and count only our records as used (not the dead nodes'
+        inherited ones, nor other nodes' blocks the index adopted)."""
+        for loc in locs:
+            if is_held_loc(loc):
+                region, rloc = unpack_held_loc(loc)
+                if region in self.held_tiers:
+                    self.held_tiers[region].mark_own(rloc)
+        self.used = sum(e[3] for e in self.entries.values()) * self.sb.unit if self.sb else 0
+        self.objects = len(self.entries)
+        for h in self.held_tiers.values():
+            self.used += h.own_used
+            self.objects += len(h.own)
+
+    async def scan(self):
+        async for item in super().scan():
+            yield item
+        for region, h in sorted(self.held_tiers.items()):
+            for slot in sorted(h.own):
+                if slot in h.entries:
+                    oid, _start, size, _units, _hu = h.entries[slot]
+                    yield oid, held_loc(region, h.loc_of(slot)), size

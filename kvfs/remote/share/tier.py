@@ -30,7 +30,7 @@ from kvfs.store.tier import ObjectInfo
 log = logging.getLogger(__name__)
 
 
-class SharedRemoteTier(RemoteTier):
+class SharedRemoteTier(H.HoldsRegions, RemoteTier):
     sweep_by_location = True        # Cache.sweep_orphans: a stray record of a known object is freed
     def __init__(self, volume: Volume, *, instance_id: str, node_id: str = "", hostnqn: str = "",
                  format: bool = False, max_nodes: int = 8, poll: float = 0.5, lease: float = 10.0,
@@ -297,101 +297,6 @@ class SharedRemoteTier(RemoteTier):
         except TierUnavailable as e:
             log.warning("could not clear the record header of object %x: %s", oid, e)
         await super().delete(oid, loc)
-
-    # ---- regions taken over: ours to free and allocate in (held.py) -------------------
-    async def _open_held(self, region: int) -> None:
-        """Open a held region's format-1 volume (reads only) so this node may reclaim the dead
-        node's records there and put its own, from ``writable_at`` on."""
-        if region in self.held_tiers or self.sb2 is None:
-            return
-        rv = RegionVolume(self.parent, self.sb2.region_off(region), self.sb2.region_bytes)
-        rv.guard = self._may_write
-        h = H.HeldRegion(rv, region=region, owner=self.instance_id,
-                         writable_at=self.held[region]["writable_at"])
-        try:
-            await h.open()
-        except (ConfigError, ValueError, TierUnavailable) as e:
-            log.error("held region %d stays read-only: %s", region, e)
-            return
-        self.held_tiers[region] = h
-        self.capacity += h.capacity
-        log.info("held region %d: %d inherited records (%d bytes), writable in %.1f s", region,
-                 len(h.inherited()), sum(e[3] for _s, e in h.inherited()) * h.unit,
-                 max(0.0, h.writable_at - self.clock()))
-
-    async def _put_held(self, info: ObjectInfo, data: memoryview) -> bytes:
-        """Our region is full: put into a held region, first freeing as many of the dead node's
-        records there as the new one needs (each free published in our log)."""
-        for region, h in sorted(self.held_tiers.items()):
-            if self.clock() < h.writable_at or not h.available or h.footprint(info.size) > h.capacity:
-                continue
-            while not h.fits(info.size) and h.inherited():
-                await self._reclaim(h, *h.inherited()[0])
-            if not h.fits(info.size):
-                continue
-            rloc = await h.put(info, data)
-            units = _LOC.unpack(rloc)[3]
-            self.used += units * h.unit
-            self.objects += 1
-            await self._publish(F.OP_PUT, info.oid, rloc, info, region, h.sb.volume_uuid)
-            return H.held_loc(region, rloc)
-        raise TierFull("remote tier: no room in our region or the regions we hold")
-
-    async def _reclaim(self, h: H.HeldRegion, slot: int, entry: tuple) -> None:
-        """Free one inherited record of a held region as its owner: publish the free, zero its
-        header (a reader by location misses from now on), free its table entry."""
-        oid, start, _size, _units, _hu = entry
-        rloc = h.loc_of(slot)
-        await self._publish(F.OP_FREE, oid, rloc, None, h.region, h.sb.volume_uuid)
-        await write_unit(h.vol, start * h.unit, bytes(h.unit), h.unit)
-        await h.delete(oid, rloc)
-        h.reclaimed += 1
-        victim = self.held[h.region]["from_slot"]
-        self.view.apply(victim, "", F.LogEntry(0, 0, F.OP_FREE, h.region, start, oid=oid))
-
-    async def _delete_held(self, oid: int, loc: bytes) -> None:
-        region, rloc = H.unpack_held_loc(loc)
-        h = self.held_tiers.get(region)
-        if h is None or self.fenced:
-            return
-        try:
-            _slot, (_oid, start, _size, units, _hu) = h._entry(oid, rloc)
-        except NoSuchObject:
-            return
-        if self.available:
-            await self._check_fence()
-        await self._publish(F.OP_FREE, oid, rloc, None, region, h.sb.volume_uuid)
-        try:
-            await write_unit(h.vol, start * h.unit, bytes(h.unit), h.unit)
-        except TierUnavailable as e:
-            log.warning("could not clear the record header of object %x: %s", oid, e)
-        await h.delete(oid, rloc)
-        self.used -= units * h.unit
-        self.objects -= 1
-
-    def recount(self, locs) -> None:
-        """After the store loaded (``locs``: every loc the index holds on this tier): mark our
-        own records in held regions, and count only our records as used (not the dead nodes'
-        inherited ones, nor other nodes' blocks the index adopted)."""
-        for loc in locs:
-            if H.is_held_loc(loc):
-                region, rloc = H.unpack_held_loc(loc)
-                if region in self.held_tiers:
-                    self.held_tiers[region].mark_own(rloc)
-        self.used = sum(e[3] for e in self.entries.values()) * self.sb.unit if self.sb else 0
-        self.objects = len(self.entries)
-        for h in self.held_tiers.values():
-            self.used += h.own_used
-            self.objects += len(h.own)
-
-    async def scan(self):
-        async for item in super().scan():
-            yield item
-        for region, h in sorted(self.held_tiers.items()):
-            for slot in sorted(h.own):
-                if slot in h.entries:
-                    oid, _start, size, _units, _hu = h.entries[slot]
-                    yield oid, H.held_loc(region, h.loc_of(slot)), size
 
     # ---- reading other nodes' blocks ------------------------------------------------
     async def foreign_header(self, p: Published, *, check_size: bool = True,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+import trio
 
 from kvfs.errors import NoSuchObject, TierUnavailable
 from kvfs.remote import make_volume
@@ -246,13 +247,18 @@ async def test_the_taker_frees_the_dead_nodes_blocks_and_reuses_their_space(tmp_
         assert len(h.inherited()) == 8 and c.used == 0 and c.capacity == 2 * h.capacity
         # C fills its own region, then the region it holds: it has to free A's blocks there
         oid, mine = 1, {}               # C's oids start at 1 too: they meet A's in A's region
-        while h.reclaimed < 8:
-            data = bytes([0x80 | oid % 64]) * MiB
-            loc = await c.put(info_of(oid, data, f"/kv/c{oid:03x}.bin"), memoryview(data))
-            mine[oid] = (loc, data)
-            oid += 1
+
+        async def put_c(o: int) -> None:
+            data = bytes([0x80 | o % 64]) * MiB
+            mine[o] = (await c.put(info_of(o, data, f"/kv/c{o:03x}.bin"), memoryview(data)), data)
+        while h.reclaimed < 8:          # two puts at a time: reclaims must not overlap
+            async with trio.open_nursery() as n:
+                n.start_soon(put_c, oid)
+                n.start_soon(put_c, oid + 1)
+            oid += 2
             assert oid < 64, "C never needed A's space"
         assert not h.inherited() and len(h.own) >= 1
+        assert len([r async for r in h.scan_records()]) == len(h.entries)    # every header intact
         assert c.used == sum(len(d) for _l, d in mine.values()) // MiB * (MiB + h.unit)
         for o, (loc, data) in mine.items():        # C reads its own blocks in both regions
             assert bytes(await c.read(o, loc, 0, len(data))) == data

@@ -151,6 +151,10 @@ class HoldsRegions:
     async def _put_held(self, info: ObjectInfo, data: memoryview) -> bytes:
         """Our region is full: put into a held region, first freeing as many of the dead node's
         records there as the new one needs (each free published in our log)."""
+        async with self._held_lock:     # one reclaim at a time: a header is zeroed only before its space is free
+            return await self._put_held_locked(info, data)
+
+    async def _put_held_locked(self, info: ObjectInfo, data: memoryview) -> bytes:
         for region, h in sorted(self.held_tiers.items()):
             if self.clock() < h.writable_at or not h.available or h.footprint(info.size) > h.capacity:
                 continue

@@ -56,6 +56,7 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         self.liveness = Liveness(lease, self.grace)
         self.held: dict[int, dict] = {}    # regions taken over from dead nodes -> what and when
         self.held_tiers: dict[int, H.HeldRegion] = {}   # those of them open for writing (held.py)
+        self._held_lock = trio.Lock()
         self.takeovers = 0
         self.settle = settle
         self.log_units = log_units

@@ -77,7 +77,10 @@ async def _node(vol: Volume, sb2: F.Superblock2, i: int, s: F.NodeSlot | None, r
                 owners: dict | None, moved: set | None, now: float, dead_after: float) -> dict:
     if s is None:
         return {"slot": i, "state": "unreadable", "why": "slot does not verify (torn or damaged)"}
-    held = sorted(r for r, ss in (owners or {}).items() if i in ss)
+    if owners is None:          # a claim row does not verify (torn): show what this row claims
+        held = sorted(row or {})
+    else:
+        held = sorted(r for r, ss in owners.items() if i in ss)
     lost = sorted(r for r in (row or {}) if owners is not None and i not in owners.get(r, []))
     age = max(0.0, now - s.updated) if s.updated else None
     if lost and not held:

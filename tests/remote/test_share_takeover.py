@@ -222,6 +222,8 @@ async def _dead_and_taken(a, b, c, clock: Clock) -> None:
         for t in (b, c):
             await t.heartbeat()
             await t.tail_once()
+    own = c.capacity        # the held region adds room only once C may write there
+    assert own == c.held_tiers[a.region].capacity and not c.status()["share"]["held"][str(a.region)]["writable"]
     while clock.t < c.held[a.region]["writable_at"]:
         clock.t += LEASE / 4
         for t in (b, c):
@@ -244,7 +246,7 @@ async def test_the_taker_frees_the_dead_nodes_blocks_and_reuses_their_space(tmp_
         await _dead_and_taken(a, b, c, clock)
         await b.tail_once()
         h = c.held_tiers[a.region]
-        assert len(h.inherited()) == 8 and c.used == 0 and c.capacity == 2 * h.capacity
+        assert len(h.inherited()) == 8 and c.used == 0 and c.capacity == 2 * h.capacity   # writable now
         # C fills its own region, then the region it holds: it has to free A's blocks there
         oid, mine = 1, {}               # C's oids start at 1 too: they meet A's in A's region
 

@@ -128,6 +128,18 @@ class HoldsRegions:
     put into them when its own region is full, reclaim the dead node's records there, free
     its own records there, count and list them."""
 
+    @property
+    def capacity(self) -> int:
+        """Our region's data area plus that of every held region we may write in now (before
+        ``writable_at`` a held region adds nothing: the store must not count on its room)."""
+        now = self.clock()
+        return self._own_capacity + sum(h.capacity for h in getattr(self, "held_tiers", {}).values()
+                                        if now >= h.writable_at)
+
+    @capacity.setter
+    def capacity(self, v: int) -> None:
+        self._own_capacity = v
+
     async def _open_held(self, region: int) -> None:
         """Open a held region's format-1 volume (reads only) so this node may reclaim the dead
         node's records there and put its own, from ``writable_at`` on."""
@@ -143,7 +155,6 @@ class HoldsRegions:
             log.error("held region %d stays read-only: %s", region, e)
             return
         self.held_tiers[region] = h
-        self.capacity += h.capacity
         log.info("held region %d: %d inherited records (%d bytes), writable in %.1f s", region,
                  len(h.inherited()), sum(e[3] for _s, e in h.inherited()) * h.unit,
                  max(0.0, h.writable_at - self.clock()))

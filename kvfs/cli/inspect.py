@@ -72,6 +72,8 @@ def stat_cmd(mountpoint, as_json):
         state = "fenced: " + share["fenced"] if share.get("fenced") else (
             "partitioned (not writing)" if share.get("partitioned") else "writing")
         held = ", ".join(f"{r} from {h.get('from_node') or 'slot ' + str(h['from_slot'])}"
+                         + (f" ({h['inherited_objects']} of its blocks left, {h['reclaimed']} freed, "
+                            f"{h['own_objects']} ours)" if "inherited_objects" in h else "")
                          for r, h in sorted(share.get("held", {}).items()))
         stdout.print(f"remote share lease: {share.get('lease', 0):g} s + grace {share.get('grace', 0):g} s, "
                      f"{state}, partitions {share.get('partitions', 0)}, takeovers {share.get('takeovers', 0)}"

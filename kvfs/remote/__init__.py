@@ -9,8 +9,10 @@ from kvfs.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def make_volume(target: str, *, instance_id: str = "", create_size: int = 0):
-    """A Volume for ``nvme-tcp://…`` or a block-device/file path (ConfigError on a bad URL)."""
+def make_volume(target: str, *, instance_id: str = "", create_size: int = 0, read_only: bool = False):
+    """A Volume for ``nvme-tcp://…`` or a block-device/file path (ConfigError on a bad URL);
+    ``read_only``: a file or device is opened O_RDONLY (an NVMe/TCP volume is only read by
+    its caller)."""
     from kvfs.remote.errors import UrlError
     from kvfs.remote.url import is_nvme_tcp, parse_url
     if is_nvme_tcp(target):
@@ -22,7 +24,7 @@ def make_volume(target: str, *, instance_id: str = "", create_size: int = 0):
     if "://" in target:
         raise ConfigError(f"bad --remote {target!r}: use nvme-tcp://HOST:PORT/SUBNQN or a device/file path")
     from kvfs.remote.blockdev import FileVolume
-    return FileVolume(target, create_size=create_size)
+    return FileVolume(target, create_size=create_size, read_only=read_only)
 
 
 def make_remote_tier(cfg, instance_id: str):

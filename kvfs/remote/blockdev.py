@@ -33,10 +33,11 @@ def _round_up(n: int, a: int) -> int:
 class FileVolume(Volume):
     describe = "blockdev"
 
-    def __init__(self, path: str, *, create_size: int = 0, threads: int = 4):
+    def __init__(self, path: str, *, create_size: int = 0, threads: int = 4, read_only: bool = False):
         super().__init__()
         self.path = path
         self.create_size = create_size
+        self.read_only = read_only          # opened O_RDONLY: any write fails (kvfs remote status)
         self.fd = -1
         self.direct = False
         self.is_blockdev = False
@@ -59,7 +60,7 @@ class FileVolume(Volume):
         self.is_blockdev = stat.S_ISBLK(st.st_mode)
         if not (self.is_blockdev or stat.S_ISREG(st.st_mode)):
             raise ConfigError(f"remote volume {path} is neither a block device nor a regular file")
-        flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+        flags = (os.O_RDONLY if self.read_only else os.O_RDWR) | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(path, flags | os.O_DIRECT)
             self.direct = True

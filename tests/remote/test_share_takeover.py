@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+import trio
 
-from kvfs.errors import TierUnavailable
+from kvfs.errors import NoSuchObject, TierUnavailable
 from kvfs.remote import make_volume
 from kvfs.remote.share import format as F
 from kvfs.remote.share import member
@@ -74,8 +75,9 @@ async def test_dead_node_region_taken_over_and_the_returning_node_refused(tmp_pa
         assert c.takeovers == 1 and list(c.held) == [a.region] and b.takeovers == 0
         assert c.held[a.region]["writable_at"] >= clock.t + LEASE + c.grace
         st = c.status()["share"]
-        assert st["held"] == {str(a.region): {"from_slot": a.slot, "from_node": "node-a",
-                                               "from_epoch": a.node.epoch}}
+        held = st["held"][str(a.region)]
+        assert (held["from_slot"], held["from_node"], held["from_epoch"]) == (a.slot, "node-a", a.node.epoch)
+        assert (held["inherited_objects"], held["own_objects"], held["reclaimed"]) == (6, 0, 0)
         # B now sees A's blocks as published by C (A's log replayed, republished by C) and
         # reads them byte-equal; C's own block with the same oid is untouched
         await b.tail_once()
@@ -210,3 +212,98 @@ def test_an_observer_that_was_away_does_not_declare_others_dead():
     assert live.dead(75.5) == [0]
     live.observe([F.NodeSlot("node-a", "", 1, 8, 0, 99, 0.0)], 76.0)    # it heartbeats: alive
     assert live.dead(76.0) == []
+
+
+async def _dead_and_taken(a, b, c, clock: Clock) -> None:
+    """A stops heartbeating; B and C beat and tail until C holds A's region, then until
+    C may write there (lease + grace + the I/O timeout after its claim)."""
+    while not c.held:
+        clock.t += LEASE / 4
+        for t in (b, c):
+            await t.heartbeat()
+            await t.tail_once()
+    own = c.capacity        # the held region adds room only once C may write there
+    assert own == c.held_tiers[a.region].capacity and not c.status()["share"]["held"][str(a.region)]["writable"]
+    while clock.t < c.held[a.region]["writable_at"]:
+        clock.t += LEASE / 4
+        for t in (b, c):
+            await t.heartbeat()
+            await t.tail_once()
+
+
+async def test_the_taker_frees_the_dead_nodes_blocks_and_reuses_their_space(tmp_path):
+    vol, clock = tmp_path / "own.img", Clock()
+    a = await node(vol, "node-a", clock)
+    b = await node(vol, "node-b", clock, takeover=False)
+    c = await node(vol, "node-c", clock)
+    MiB = 1 << 20
+    blocks = {f"/kv/a{i:02x}.bin": bytes([i + 1]) * MiB for i in range(8)}
+    for oid, (key, data) in enumerate(blocks.items(), 1):
+        await a.put(info_of(oid, data, key), memoryview(data))
+    await b.tail_once()
+    held_locs = {k: F.pack_foreign_loc(b.view.get(k).slot, b.view.get(k).entry) for k in blocks}
+    try:
+        await _dead_and_taken(a, b, c, clock)
+        await b.tail_once()
+        h = c.held_tiers[a.region]
+        assert len(h.inherited()) == 8 and c.used == 0 and c.capacity == 2 * h.capacity   # writable now
+        # C fills its own region, then the region it holds: it has to free A's blocks there
+        oid, mine = 1, {}               # C's oids start at 1 too: they meet A's in A's region
+
+        async def put_c(o: int) -> None:
+            data = bytes([0x80 | o % 64]) * MiB
+            mine[o] = (await c.put(info_of(o, data, f"/kv/c{o:03x}.bin"), memoryview(data)), data)
+        while h.reclaimed < 8:          # two puts at a time: reclaims must not overlap
+            async with trio.open_nursery() as n:
+                n.start_soon(put_c, oid)
+                n.start_soon(put_c, oid + 1)
+            oid += 2
+            assert oid < 64, "C never needed A's space"
+        assert not h.inherited() and len(h.own) >= 1
+        assert len([r async for r in h.scan_records()]) == len(h.entries)    # every header intact
+        assert c.used == sum(len(d) for _l, d in mine.values()) // MiB * (MiB + h.unit)
+        for o, (loc, data) in mine.items():        # C reads its own blocks in both regions
+            assert bytes(await c.read(o, loc, 0, len(data))) == data
+        # B: every A block leaves its view (C published the frees) and a read by the old
+        # location is a miss, never A's old bytes nor C's new ones
+        await b.tail_once()
+        for key, loc in held_locs.items():
+            assert b.view.get(key) is None
+            with pytest.raises(NoSuchObject):
+                await b.read(999, loc, 0, MiB)
+        assert any(p.entry.region == a.region for p in b.view.by_path.values() if p.slot == c.slot)
+        for path, p in b.view.by_path.items():      # C's new blocks in A's old region read right
+            if p.slot == c.slot and p.entry.region == a.region:
+                o = p.entry.oid
+                assert await foreign_read(b, path) == mine[o][1]
+        # C frees one of its blocks in the held region: published, B drops it
+        o = next(o for o, (loc, _d) in mine.items() if loc[0] == 3)
+        path = f"/kv/c{o:03x}.bin"
+        await c.delete(o, mine.pop(o)[0])
+        await b.tail_once()
+        assert b.view.get(path) is None
+        # A returns with its stale epoch: fenced, writes nothing
+        before = region_digest(vol, a, a.region)
+        with pytest.raises(TierUnavailable, match="fenced"):
+            await a.put(info_of(99, b"z" * 4096, "/kv/late.bin"), memoryview(b"z" * 4096))
+        assert region_digest(vol, a, a.region) == before
+    finally:
+        await a.close()
+    a2 = await node(vol, "node-a", clock)
+    try:
+        assert a2.node.epoch == a.node.epoch + 1 and a2.region != a.region
+    finally:
+        await a2.close()
+    # C restarted: its own records in the held region are its own again (the index says
+    # which: here the locs C got back), nothing is inherited any more
+    await c.close()
+    c2 = await node(vol, "node-c", clock)
+    try:
+        h2 = c2.held_tiers[a.region]
+        c2.recount([loc for loc, _d in mine.values()])
+        assert not h2.inherited() and h2.own == h.own and c2.used == c.used
+        for o, (loc, data) in mine.items():
+            assert bytes(await c2.read(o, loc, 0, len(data))) == data
+    finally:
+        await c2.close()
+        await b.close()

@@ -147,28 +147,49 @@ def test_log_entry_roundtrip_and_torn_entry():
         F.LogEntry(1, 1, F.OP_PUT, 0, key="x" * 600).pack()
 
 
-async def test_a_tailer_a_ring_behind_rereads_the_log(tmp_path):
-    """A one-unit log (8 entries): B falls 12 entries behind, notices the sequence gap, re-reads
-    A's whole ring and ends with exactly what the ring still holds (older names dropped)."""
+async def test_a_ring_that_wraps_loses_no_record_for_a_reader(tmp_path):
+    """A one-unit log (8 entries). B falls more than a ring behind (A puts 12 blocks, frees
+    two of the oldest, renames one): B notices the sequence gap, re-reads A's ring and, since
+    it wrapped, A's region table: its view holds every live block of A (not only the last
+    ring's), without the freed ones, the renamed one under its new name. A node joining after
+    the wrap sees the same."""
     vol = tmp_path / "ring.img"
     a = await node(vol, "node-a", log_units=1)
     b = await node(vol, "node-b")
+    c = None
     try:
         assert a.sb2.log_entries == 8
-        data = b"x" * 4096
-        await a.put(info_of(1, data, "/r/first.bin"), memoryview(data))
+        blocks = {f"/r/{oid}.bin": bytes([oid]) * (4096 + oid) for oid in range(1, 14)}
+        locs = {}
+        await a.put(info_of(1, blocks["/r/1.bin"], "/r/1.bin"), memoryview(blocks["/r/1.bin"]))
         await b.tailer.poll()
-        assert b.view.get("/r/first.bin") is not None
+        assert b.view.get("/r/1.bin") is not None
         for oid in range(2, 14):
-            await a.put(info_of(oid, data, f"/r/{oid}.bin"), memoryview(data))
+            key = f"/r/{oid}.bin"
+            locs[oid] = await a.put(info_of(oid, blocks[key], key), memoryview(blocks[key]))
+        for oid in (2, 3):
+            await a.delete(oid, locs[oid])
+            del blocks[f"/r/{oid}.bin"]
+        info = info_of(4, blocks.pop("/r/4.bin"), "/r/four.bin")
+        blocks["/r/four.bin"] = b"\x04" * 4100
+        await a.republish(info, locs[4])
+        assert a.logw.next_seq == 17                  # 13 puts, 2 frees, 1 rename: two rings
         await b.tailer.poll()
-        assert b.tailer.rescans == 1
-        assert sorted(b.view.by_path) == sorted(f"/r/{oid}.bin" for oid in range(6, 14))
-        assert await foreign_read(b, "/r/13.bin") == data
-        assert b.tailer.next_seq[a.slot] == a.logw.next_seq == 14
+        assert b.tailer.rescans == 1 and b.tailer.wraps == 1 and b.tailer.region_scans == 1
+        assert sorted(b.view.by_path) == sorted(blocks)
+        for key, data in blocks.items():
+            assert await foreign_read(b, key) == data, key
+        assert b.tailer.next_seq[a.slot] == a.logw.next_seq
+        assert "/r/1.bin" not in {p for p, _pub in b.view.dropped}    # still published: never dropped
+        # a node that joins after the wrap: the same view
+        await a.heartbeat()
+        c = await node(vol, "node-c")
+        assert sorted(c.view.by_path) == sorted(blocks) and c.tailer.wraps == 1
+        assert await foreign_read(c, "/r/1.bin") == blocks["/r/1.bin"]
     finally:
-        await a.close()
-        await b.close()
+        for t in (a, b, c):
+            if t is not None:
+                await t.close()
 
 
 async def test_a_node_whose_slot_was_taken_over_is_fenced(tmp_path):

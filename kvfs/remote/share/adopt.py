@@ -112,15 +112,14 @@ class SharedNames:
         replaced while this node was down), and count only this node's records as the remote
         tier's use (the store's load counts every object placed there)."""
         tier, store = self.tier, self.cache.store
-        tier.used = sum(e[3] for e in tier.entries.values()) * tier.sb.unit
-        tier.objects = len(tier.entries)
+        tier.recount(bytes(o.place[tier.name]) for o in store.objs.values() if tier.name in o.place)
         stale = []
         for obj in list(store.objs.values()):
             f = F.unpack_foreign_loc(obj.place.get(tier.name, b""))
             if f is None:
                 continue
             p = tier.view.get(obj.key)
-            if p is None or p.slot != f[0] or p.entry.oid != f[5]:
+            if p is None or not _same_record(f, p.entry):
                 stale.append(obj)
         for obj in stale:
             await store.lose(obj)
@@ -185,7 +184,7 @@ class SharedNames:
             if obj is None:
                 continue
             f = F.unpack_foreign_loc(obj.place.get(self.tier.name, b""))
-            if f is None or f[0] != p.slot or f[5] != p.entry.oid:
+            if f is None or not _same_record(f, p.entry):
                 continue                    # a local file of that name, or another version
             self.dropped += 1
             await self.cache.store.lose(obj)
@@ -193,3 +192,11 @@ class SharedNames:
 
     def status(self) -> dict:
         return {"adopted": self.adopted, "dropped": self.dropped}
+
+
+def _same_record(f: tuple, e: F.LogEntry) -> bool:
+    """Does a foreign location name the record a log entry names? By place and identity
+    (region, start, oid, generation), not by publisher: after a takeover the same record
+    is published by the node that took its region over."""
+    _slot, region, start, _units, _hu, oid, gen, _vid, _cks = f
+    return (region, start, oid) == (e.region, e.start, e.oid) and (e.op == F.OP_FREE or gen == e.generation)

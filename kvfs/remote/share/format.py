@@ -263,15 +263,23 @@ def unpack_entry(b, off: int = 0) -> LogEntry | None:
     return LogEntry(seq, epoch, op, region, start, units, hu, oid, gen, size, cks, chunk, vid, mtime, key)
 
 
-FOREIGN_LOC = struct.Struct("<BHHQIHQQ16s")   # 2, owner slot, region, start, units, hdr units, oid, gen, uuid
+FOREIGN_LOC = struct.Struct("<BHHQIHQQ16sQ")  # 2, owner slot, region, start, units, hdr units, oid, gen, uuid,
+#                                              xxh3 of the whole block
+_FOREIGN_LOC_V1 = struct.Struct("<BHHQIHQQ16s")   # before takeover regions were writable: no xxh3
 
 
 def pack_foreign_loc(slot: int, e: LogEntry) -> bytes:
-    return FOREIGN_LOC.pack(2, slot, e.region, e.start, e.units, e.hdr_units, e.oid, e.generation, e.region_uuid)
+    return FOREIGN_LOC.pack(2, slot, e.region, e.start, e.units, e.hdr_units, e.oid, e.generation, e.region_uuid,
+                            e.checksum)
 
 
 def unpack_foreign_loc(loc) -> tuple | None:
+    """(slot, region, start, units, hdr units, oid, generation, region uuid, xxh3 or None)."""
     loc = bytes(loc)
-    if len(loc) != FOREIGN_LOC.size or loc[0] != 2:
+    if not loc or loc[0] != 2:
         return None
-    return FOREIGN_LOC.unpack(loc)[1:]
+    if len(loc) == FOREIGN_LOC.size:
+        return FOREIGN_LOC.unpack(loc)[1:]
+    if len(loc) == _FOREIGN_LOC_V1.size:
+        return _FOREIGN_LOC_V1.unpack(loc)[1:] + (None,)
+    return None

@@ -15,11 +15,12 @@ import time
 
 import trio
 
-from kvfs.errors import ConfigError, NoSuchObject, TierUnavailable
+from kvfs.errors import ConfigError, NoSuchObject, TierFull, TierUnavailable
 from kvfs.remote import volume_format as L
 from kvfs.remote.share import format as F
 from kvfs.remote.share.member import (LogWriter, Liveness, claim_region, join, read_claims, take_over,
                                       write_unit)
+from kvfs.remote.share import held as H
 from kvfs.remote.share.region import RegionVolume
 from kvfs.remote.share.view import Published, SharedView, Tailer
 from kvfs.remote.tier import _LOC, RemoteTier
@@ -29,7 +30,7 @@ from kvfs.store.tier import ObjectInfo
 log = logging.getLogger(__name__)
 
 
-class SharedRemoteTier(RemoteTier):
+class SharedRemoteTier(H.HoldsRegions, RemoteTier):
     sweep_by_location = True        # Cache.sweep_orphans: a stray record of a known object is freed
     def __init__(self, volume: Volume, *, instance_id: str, node_id: str = "", hostnqn: str = "",
                  format: bool = False, max_nodes: int = 8, poll: float = 0.5, lease: float = 10.0,
@@ -54,6 +55,8 @@ class SharedRemoteTier(RemoteTier):
         self.partitions = 0
         self.liveness = Liveness(lease, self.grace)
         self.held: dict[int, dict] = {}    # regions taken over from dead nodes -> what and when
+        self.held_tiers: dict[int, H.HeldRegion] = {}   # those of them open for writing (held.py)
+        self._held_lock = trio.Lock()
         self.takeovers = 0
         self.settle = settle
         self.log_units = log_units
@@ -119,6 +122,7 @@ class SharedRemoteTier(RemoteTier):
             v = F.superseded_by(nonce)
             if v is not None:               # a region we took over before a restart: still held
                 self.held[r] = {"from_slot": v[0], "from_epoch": v[1], "writable_at": self.clock()}
+                await self._open_held(r)
         self.tailer = Tailer(self.parent, sb2, self.slot, self.view)
         await self.tailer.poll()
         self.liveness.observe(self.tailer.slots, self.clock())
@@ -130,6 +134,8 @@ class SharedRemoteTier(RemoteTier):
         if self.region < 0:
             return                          # read-only: no region of ours to load (also after a reconnect)
         await super()._load(first=first)
+        for h in self.held_tiers.values():  # after a reconnect: same region volume, deletes applied
+            await h._reload()
 
     async def _format_shared(self) -> F.Superblock2:
         try:
@@ -204,6 +210,9 @@ class SharedRemoteTier(RemoteTier):
         elif o is not None and self.region >= 0 and self.slot not in o.get(self.region, []):
             who = o.get(self.region, [])
             self.fenced = f"region {self.region} was taken over by node slot(s) {who}"
+        elif o is not None and any(self.slot not in o.get(r, []) for r in self.held_tiers):
+            lost = [r for r in self.held_tiers if self.slot not in o.get(r, [])]
+            self.fenced = f"held region(s) {lost} were taken over by another node"
         if self.fenced:
             self.state = "fenced"
             log.error("shared volume: this node (epoch %d) is fenced (%s); it writes nothing more",
@@ -211,18 +220,23 @@ class SharedRemoteTier(RemoteTier):
             raise TierUnavailable(f"remote tier {self.describe} is fenced: {self.fenced}")
 
     # ---- publishing ---------------------------------------------------------------
-    async def _publish(self, op: int, oid: int, loc: bytes, info: ObjectInfo | None) -> None:
+    async def _publish(self, op: int, oid: int, loc: bytes, info: ObjectInfo | None, region: int = -1,
+                       region_uuid: bytes | None = None) -> None:
+        """Append a put or free of the record at ``loc`` (a region tier's loc) of our own
+        region, or of held region ``region`` (whose format-1 volume uuid is ``region_uuid``)."""
         _v, _slot, start, units, hu = _LOC.unpack(loc)
+        if region < 0:
+            region, region_uuid = self.region, self.sb.volume_uuid
         key = info.key if info else ""
         if info is not None and len(key.encode("utf-8", "surrogateescape")) > F.MAX_KEY:
             log.warning("not publishing %s: name longer than %d bytes", key, F.MAX_KEY)
             return
 
         def make(seq: int) -> F.LogEntry:
-            return F.LogEntry(seq, self.node.epoch, op, self.region, start, units, hu, oid,
+            return F.LogEntry(seq, self.node.epoch, op, region, start, units, hu, oid,
                               info.generation if info else 0, info.size if info else 0,
                               info.checksum if info else 0, info.chunk_size if info else 0,
-                              self.sb.volume_uuid, time.time_ns(), key)
+                              region_uuid, time.time_ns(), key)
         try:
             await self.logw.append(make)
             self.published += 1
@@ -233,22 +247,42 @@ class SharedRemoteTier(RemoteTier):
     async def put(self, info: ObjectInfo, data: memoryview) -> bytes:
         self._need()
         await self._check_fence()
-        loc = await super().put(info, data)
+        try:
+            loc = await super().put(info, data)
+        except TierFull:
+            if not self.held_tiers:
+                raise
+            return await self._put_held(info, data)
         await self._publish(F.OP_PUT, info.oid, loc, info)
         return loc
 
     async def republish(self, info: ObjectInfo, loc: bytes) -> None:
         """Publish one of our records again under its current name (after a rename)."""
-        if F.unpack_foreign_loc(loc) is None and self.available:
+        if F.unpack_foreign_loc(loc) is not None or not self.available:
+            return
+        if H.is_held_loc(loc):
+            region, rloc = H.unpack_held_loc(loc)
+            h = self.held_tiers.get(region)
             try:
-                self._entry(info.oid, loc)
+                if h is None:
+                    return
+                h._entry(info.oid, rloc)
             except NoSuchObject:
                 return
-            await self._publish(F.OP_PUT, info.oid, bytes(loc), info)
+            await self._publish(F.OP_PUT, info.oid, rloc, info, region, h.sb.volume_uuid)
+            return
+        try:
+            self._entry(info.oid, loc)
+        except NoSuchObject:
+            return
+        await self._publish(F.OP_PUT, info.oid, bytes(loc), info)
 
     async def delete(self, oid: int, loc: bytes) -> None:
         if F.unpack_foreign_loc(loc) is not None:
             return                          # another node's block: its owner decides
+        if H.is_held_loc(loc):
+            await self._delete_held(oid, loc)
+            return
         try:
             self._entry(oid, loc)
         except NoSuchObject:
@@ -266,8 +300,11 @@ class SharedRemoteTier(RemoteTier):
         await super().delete(oid, loc)
 
     # ---- reading other nodes' blocks ------------------------------------------------
-    async def foreign_header(self, p: Published, *, check_size: bool = True) -> ObjectInfo | None:
-        """The record header of a published block if it still names that block, else None."""
+    async def foreign_header(self, p: Published, *, check_size: bool = True,
+                             checksum: int | None = None) -> ObjectInfo | None:
+        """The record header of a published block if it still names that block (region uuid,
+        oid, generation, and the whole block's xxh3: after a takeover two nodes' oids meet in
+        one region, so oid and generation alone could name another node's new record), else None."""
         e = p.entry
         sb2 = self.sb2
         if self.sb2 is None or not 0 <= e.region < sb2.regions or (e.start + e.units) > sb2.region_units:
@@ -278,8 +315,10 @@ class SharedRemoteTier(RemoteTier):
             info = L.unpack_header(raw, e.region_uuid)
         except ValueError:
             info = None
+        if check_size:
+            checksum = e.checksum
         if info is None or info.oid != e.oid or info.generation != e.generation or (
-                check_size and info.size != e.size):
+                check_size and info.size != e.size) or (checksum is not None and info.checksum != checksum):
             self.foreign_misses += 1
             return None
         return info
@@ -289,12 +328,18 @@ class SharedRemoteTier(RemoteTier):
             raise TierUnavailable(f"remote tier {self.describe} is {self.current_state()}")
 
     async def read(self, oid: int, loc: bytes, offset: int, length: int) -> memoryview:
+        if H.is_held_loc(loc):
+            region, rloc = H.unpack_held_loc(loc)
+            h = self.held_tiers.get(region)
+            if h is None:
+                raise NoSuchObject(f"remote: region {region} is not held by this node")
+            return await h.read(oid, rloc, offset, length)
         f = F.unpack_foreign_loc(loc)
         if f is None:
             return await super().read(oid, loc, offset, length)
-        slot, region, start, units, hu, foid, gen, vid = f
+        slot, region, start, units, hu, foid, gen, vid, cks = f
         e = F.LogEntry(0, 0, F.OP_PUT, region, start, units, hu, foid, gen, 0, 0, 0, vid)
-        info = await self.foreign_header(Published(slot, "", e), check_size=False)
+        info = await self.foreign_header(Published(slot, "", e), check_size=False, checksum=cks)
         if info is None or offset < 0 or length < 0:
             raise NoSuchObject(f"remote: block {foid:x} of node slot {slot} is no longer there")
         length = max(0, min(length, info.size - offset))
@@ -380,6 +425,7 @@ class SharedRemoteTier(RemoteTier):
         self.published += n
         log.warning("took region %d over from node %r (slot %d, epoch %d): %d published blocks kept",
                     region, seen.node_id, victim, seen.epoch, n)
+        await self._open_held(region)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -424,7 +470,10 @@ class SharedRemoteTier(RemoteTier):
                            "fenced": self.fenced, "partitioned": self.partitioned,
                            "partitions": self.partitions, "lease": self.lease, "grace": self.grace,
                            "takeovers": self.takeovers,
-                           "held": {str(r): {k: v for k, v in h.items() if k != "writable_at"}
+                           "held": {str(r): {**{k: v for k, v in h.items() if k != "writable_at"},
+                                             "writable": r in self.held_tiers
+                                             and self.clock() >= h["writable_at"],
+                                             **(H.describe(self.held_tiers[r]) if r in self.held_tiers else {})}
                                     for r, h in self.held.items()},
                            "tail": self.tailer.status() if self.tailer else {},
                            **(self.names.status() if self.names is not None else {})}

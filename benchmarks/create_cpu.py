@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default="/tmp/kvfs-create-cpu")
     p.add_argument("--base", default=None, metavar="TREE",
                    help="also mount kvfs from this source tree (a baseline checkout) as 'base'")
+    p.add_argument("--no-flush-floor", action="store_true",
+                   help="also mount the floor with FLUSH answered ENOSYS as 'floor_nf' (what a close's round trip costs)")
     a = p.parse_args(argv)
     root = Path(a.dir).resolve()
     shutil.rmtree(root, ignore_errors=True)
@@ -82,10 +84,11 @@ def main(argv=None) -> int:
     floor = FloorMount(root / "floor", kvfs_settings())
     buf = aligned_buffer(a.size)
     mv = memoryview(buf)
-    targets = ("kvfs", "floor") + (("base",) if a.base else ())
+    targets = ("kvfs", "floor") + (("base",) if a.base else ()) + (("floor_nf",) if a.no_flush_floor else ())
     res: dict[str, dict[str, list[float]]] = {t: {"rate": [], "cpu_us": [], "syscr": [], "syscw": []}
                                                for t in targets}
     b = BenchMount(root / "base", ram=4 << 30, nvme_size=16 << 30) if a.base else None
+    nf = FloorMount(root / "floor_nf", dict(kvfs_settings(), no_flush=True)) if a.no_flush_floor else None
     try:
         m.mount()
         floor.mount()
@@ -102,6 +105,9 @@ def main(argv=None) -> int:
                 else:
                     os.environ["PYTHONPATH"] = env
             pids["base"], dirs["base"] = b.pid, b.path
+        if nf is not None:
+            nf.mount()
+            pids["floor_nf"], dirs["floor_nf"] = nf.proc.pid, nf.path
         for rnd in range(a.rounds + 1):                 # round 0 warms up
             for t in targets[rnd % len(targets):] + targets[:rnd % len(targets)]:
                 d = os.path.join(dirs[t], f"r{rnd}")
@@ -118,6 +124,8 @@ def main(argv=None) -> int:
                 shutil.rmtree(d)
     finally:
         floor.cleanup()
+        if nf is not None:
+            nf.cleanup()
         for x in (m, b):
             if x is None:
                 continue
@@ -134,7 +142,7 @@ def main(argv=None) -> int:
         for t in targets:
             v = res[t][k]
             row.append(f"{t} {statistics.median(v):7.1f} ({min(v):.1f}-{max(v):.1f})")
-        for t in targets[::2]:
+        for t in [t for t in targets if t != "floor"]:
             ratios = [x / y for x, y in zip(res[t][k], res["floor"][k]) if y]
             rs = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-"
             row.append(f"{t}/floor {rs}")

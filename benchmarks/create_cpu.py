@@ -1,7 +1,7 @@
 """Daemon CPU and requests per runtime file: kvfs against the floor fs, in one run.
 
     python benchmarks/create_cpu.py [--files 400] [--rounds 5] [--size 32768] [--threads 1]
-                                    [--vllm] [--dir DIR]
+                                    [--vllm] [--base TREE] [--no-flush-floor] [--dir DIR]
 
 Mounts kvfs (through the CLI, as benchmarks/runtime_patterns.py does) and
 benchmarks/floorfs.py with kvfs's kernel-facing settings, then runs, interleaved and
@@ -11,7 +11,8 @@ For each target and round: files per second, the daemon's CPU per file (utime + 
 from /proc/PID/stat) and its read and write system calls per file (/proc/PID/io syscr and
 syscw: one read of /dev/fuse per request, one write per reply, plus what the handlers do).
 Prints medians (min-max) and kvfs's ratios to the floor; ``--base TREE`` mounts a second kvfs
-from another checkout (the code before a change) beside them, in the same rotation.
+from another checkout (the code before a change) beside them, in the same rotation, and
+``--no-flush-floor`` a floor that answers FLUSH with ENOSYS (the kernel then sends none).
 """
 from __future__ import annotations
 
@@ -64,27 +65,27 @@ def _cycle(d: str, n: int, threads: int, mv, vllm: bool) -> float:
     return time.perf_counter() - t0
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--files", type=int, default=400)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--size", type=int, default=32 << 10)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--vllm", action="store_true")
-    p.add_argument("--dir", default="/tmp/kvfs-create-cpu")
-    p.add_argument("--base", default=None, metavar="TREE",
-                   help="also mount kvfs from this source tree (a baseline checkout) as 'base'")
-    p.add_argument("--no-flush-floor", action="store_true",
-                   help="also mount the floor with FLUSH answered ENOSYS as 'floor_nf' (what a close's round trip costs)")
-    a = p.parse_args(argv)
+def _mount_base(b: BenchMount, tree: str) -> None:
+    """Mount ``b`` running kvfs from the source tree ``tree``."""
+    env = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(Path(tree).resolve())
+    try:
+        b.mount()
+    finally:
+        if env is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = env
+
+
+def measure(a, targets: tuple[str, ...]) -> dict[str, dict[str, list[float]]]:
+    """Per target: rate, daemon CPU per file and read/write system calls per file, per round."""
     root = Path(a.dir).resolve()
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     m = BenchMount(root / "kvfs", ram=4 << 30, nvme_size=16 << 30)
     floor = FloorMount(root / "floor", kvfs_settings())
-    buf = aligned_buffer(a.size)
-    mv = memoryview(buf)
-    targets = ("kvfs", "floor") + (("base",) if a.base else ()) + (("floor_nf",) if a.no_flush_floor else ())
+    mv = memoryview(aligned_buffer(a.size))
     res: dict[str, dict[str, list[float]]] = {t: {"rate": [], "cpu_us": [], "syscr": [], "syscw": []}
                                                for t in targets}
     b = BenchMount(root / "base", ram=4 << 30, nvme_size=16 << 30) if a.base else None
@@ -95,15 +96,7 @@ def main(argv=None) -> int:
         pids = {"kvfs": m.pid, "floor": floor.proc.pid}
         dirs = {"kvfs": m.path, "floor": floor.path}
         if b is not None:
-            env = os.environ.get("PYTHONPATH")
-            os.environ["PYTHONPATH"] = str(Path(a.base).resolve())
-            try:
-                b.mount()
-            finally:
-                if env is None:
-                    del os.environ["PYTHONPATH"]
-                else:
-                    os.environ["PYTHONPATH"] = env
+            _mount_base(b, a.base)
             pids["base"], dirs["base"] = b.pid, b.path
         if nf is not None:
             nf.mount()
@@ -135,6 +128,24 @@ def main(argv=None) -> int:
             finally:
                 x.cleanup()
         shutil.rmtree(root, ignore_errors=True)
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--files", type=int, default=400)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--size", type=int, default=32 << 10)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--vllm", action="store_true")
+    p.add_argument("--dir", default="/tmp/kvfs-create-cpu")
+    p.add_argument("--base", default=None, metavar="TREE",
+                   help="also mount kvfs from this source tree (a baseline checkout) as 'base'")
+    p.add_argument("--no-flush-floor", action="store_true",
+                   help="also mount the floor with FLUSH answered ENOSYS as 'floor_nf' (what a close's round trip costs)")
+    a = p.parse_args(argv)
+    targets = ("kvfs", "floor") + (("base",) if a.base else ()) + (("floor_nf",) if a.no_flush_floor else ())
+    res = measure(a, targets)
     print(f"load {os.getloadavg()[0]:.1f}; {a.files} files x {a.rounds} rounds, {a.size} B, "
           f"{a.threads} threads{', vLLM pattern' if a.vllm else ''}")
     for k in ("rate", "cpu_us", "syscr", "syscw"):

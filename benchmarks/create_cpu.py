@@ -65,17 +65,26 @@ def _cycle(d: str, n: int, threads: int, mv, vllm: bool) -> float:
     return time.perf_counter() - t0
 
 
-def _mount_base(b: BenchMount, tree: str) -> None:
-    """Mount ``b`` running kvfs from the source tree ``tree``."""
-    env = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(Path(tree).resolve())
+def _mount_from(b: BenchMount, tree: str | Path) -> None:
+    """Mount ``b`` running kvfs from the source tree ``tree`` (``python -m kvfs.cli`` puts its
+    working directory first on the path, and the CLI hands its own package root to the
+    daemon: both must be the tree's)."""
+    env, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    tree = str(Path(tree).resolve())
+    os.environ["PYTHONPATH"] = tree
+    os.chdir(tree)
     try:
         b.mount()
     finally:
+        os.chdir(cwd)
         if env is None:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = env
+    with open(f"/proc/{b.pid}/environ", "rb") as f:
+        seen = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    if not seen.get(b"PYTHONPATH", b"").decode().startswith(tree):
+        raise SystemExit(f"the daemon of {b.path} does not run {tree}: {seen.get(b'PYTHONPATH')!r}")
 
 
 def measure(a, targets: tuple[str, ...]) -> dict[str, dict[str, list[float]]]:
@@ -91,12 +100,12 @@ def measure(a, targets: tuple[str, ...]) -> dict[str, dict[str, list[float]]]:
     b = BenchMount(root / "base", ram=4 << 30, nvme_size=16 << 30) if a.base else None
     nf = FloorMount(root / "floor_nf", dict(kvfs_settings(), no_flush=True)) if a.no_flush_floor else None
     try:
-        m.mount()
+        _mount_from(m, a.tree)
         floor.mount()
         pids = {"kvfs": m.pid, "floor": floor.proc.pid}
         dirs = {"kvfs": m.path, "floor": floor.path}
         if b is not None:
-            _mount_base(b, a.base)
+            _mount_from(b, a.base)
             pids["base"], dirs["base"] = b.pid, b.path
         if nf is not None:
             nf.mount()
@@ -139,6 +148,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--vllm", action="store_true")
     p.add_argument("--dir", default="/tmp/kvfs-create-cpu")
+    p.add_argument("--tree", default=str(REPO), help="the source tree the 'kvfs' mount runs (default: this one)")
     p.add_argument("--base", default=None, metavar="TREE",
                    help="also mount kvfs from this source tree (a baseline checkout) as 'base'")
     p.add_argument("--no-flush-floor", action="store_true",

@@ -145,8 +145,11 @@ class FloorFS(pyfuse3.Operations):
         n.mtime = time.time_ns()
         return len(buf)
 
+    no_flush = False        # --no-flush: ENOSYS, and the kernel sends no FLUSH again (close(2) is free)
+
     async def flush(self, fh):
-        pass
+        if self.no_flush:
+            raise pyfuse3.FUSEError(errno.ENOSYS)
 
     async def fsync(self, fh, datasync):
         pass
@@ -266,13 +269,16 @@ def main(argv=None) -> int:
     p.add_argument("--negative-timeout", type=float, default=0, help="0: misses are not cached")
     p.add_argument("--default-permissions", action="store_true")
     p.add_argument("--read-ahead-kb", type=int, default=1024)
+    p.add_argument("--no-flush", action="store_true", help="answer FLUSH with ENOSYS (what a close costs without it)")
     a = p.parse_args(argv)
     mnt = os.path.abspath(a.mountpoint)
     options = set(pyfuse3.default_options) - {"default_permissions"}
     options.update(("fsname=floorfs", "subtype=floorfs"))
     if a.default_permissions:
         options.add("default_permissions")
-    pyfuse3.init(FloorFS(a.entry_timeout, a.attr_timeout, a.negative_timeout), mnt, options)
+    fs = FloorFS(a.entry_timeout, a.attr_timeout, a.negative_timeout)
+    fs.no_flush = a.no_flush
+    pyfuse3.init(fs, mnt, options)
     unmounted = False
     try:
         unmounted = trio.run(_serve, mnt, a.read_ahead_kb)

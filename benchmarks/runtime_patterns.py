@@ -129,6 +129,8 @@ class FloorMount:
                "--negative-timeout", str(s["negative_timeout"]), "--read-ahead-kb", str(s["read_ahead_kb"])]
         if s["default_permissions"]:
             cmd.append("--default-permissions")
+        if s.get("no_flush"):
+            cmd.append("--no-flush")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
         if not wait_for(lambda: os.path.ismount(self.path) or self.proc.poll() is not None, 30, 0.02) \

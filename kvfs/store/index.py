@@ -44,6 +44,7 @@ import xxhash
 
 from kvfs.errors import IndexDamaged
 from kvfs.store import marker, records
+from kvfs.store.lmdbfile import check_lmdb_file
 from kvfs.store.records import FORMAT_VERSION, FSCK_HINT
 from kvfs.store.safedir import DirLock, holder_text, open_private_dir, read_file, write_file_atomic
 
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 ROOT_INO = 1
 META, INODES, DIRENTS, DIRORDER, OBJECTS = range(5)     # database numbers in pending keys
 GROUP_OPS = 1024            # operations pending before a commit runs inline
-GROUP_DELAY = 0.02          # seconds the committer waits after the first pending change
+GROUP_DELAY = 0.1           # seconds the committer waits after the first pending change
 ICACHE_MAX = 1 << 16        # decoded inode records kept (the rest decode from LMDB on use)
 _DEL = object()             # a pending deletion
 _MISS = object()
@@ -97,36 +98,6 @@ def read_header(state_fd: int, state_dir) -> dict | None:
         return records.decode_meta(raw)
     except IndexDamaged:
         raise IndexDamaged(f"{state_dir}/{HEADER_NAME} does not parse; {FSCK_HINT}") from None
-
-
-def check_lmdb_file(path: Path) -> None:
-    """Refuse a ``data.mdb`` shorter than its newest meta page says (LMDB maps the file:
-    touching a page past its end is a SIGBUS, not an error)."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return
-    with open(path, "rb") as f:
-        head = f.read(16 + 200)
-        if len(head) < 152:
-            raise IndexDamaged(f"{path} is truncated ({size} bytes); {FSCK_HINT}")
-        psize = struct.unpack_from("<I", head, 40)[0]       # mm_dbs[FREE].md_pad = page size
-        if psize < 512 or psize > 1 << 16 or psize & (psize - 1):
-            raise IndexDamaged(f"{path} has no valid LMDB meta page; {FSCK_HINT}")
-        f.seek(psize)
-        second = f.read(152)
-    best = None
-    for page in (head, second):
-        if len(page) < 152 or struct.unpack_from("<I", page, 16)[0] != 0xBEEFC0DE:
-            continue
-        last_pg, txnid = struct.unpack_from("<QQ", page, 136)
-        if best is None or txnid > best[1]:
-            best = (last_pg, txnid)
-    if best is None:
-        raise IndexDamaged(f"{path} has no valid LMDB meta page; {FSCK_HINT}")
-    need = (best[0] + 1) * psize
-    if size < need:
-        raise IndexDamaged(f"{path} is truncated ({size} of at least {need} bytes); {FSCK_HINT}")
 
 
 class Index:
@@ -190,6 +161,9 @@ class Index:
         self._dbs = (self.meta, self.inodes, self.dirents, self.dirorder, self.objects)
         # (database, key) -> value (a record dict for inodes and objects, else bytes) or _DEL
         self._pending: dict[tuple[int, bytes], object] = {}
+        # pending keys LMDB does not hold (a name made in this group): a deletion in the same
+        # group drops them from the group instead of deleting in LMDB (a temp name renamed away)
+        self._fresh: set[tuple[int, bytes]] = set()
         self._ops = 0               # operations in _pending
         self._icache: dict[int, dict] = {}
         self._wake = None           # the committer's trio.Event while it runs
@@ -281,8 +255,8 @@ class Index:
         """Write every pending change to LMDB in one write transaction."""
         if not self._pending:
             return
-        pending, ops = self._pending, self._ops
-        self._pending, self._ops = {}, 0
+        pending, ops, fresh = self._pending, self._ops, self._fresh
+        self._pending, self._ops, self._fresh = {}, 0, set()
         dbs, encode = self._dbs, records.encode
         try:
             with self.env.begin(write=True) as txn:
@@ -296,7 +270,8 @@ class Index:
                         put(key, v, db=dbs[db])
         except BaseException:
             pending.update(self._pending)       # kept for the next try; newer changes win
-            self._pending, self._ops = pending, ops + self._ops
+            fresh |= self._fresh
+            self._pending, self._ops, self._fresh = pending, ops + self._ops, fresh
             raise
         self.commits += 1
         self.committed_ops += ops
@@ -321,9 +296,15 @@ class Index:
 
     def _apply(self, changes: dict) -> None:
         """A finished Txn's changes join the pending table."""
-        self._pending.update(changes)
+        pending, fresh = self._pending, self._fresh
+        pending.update(changes)
         icache = self._icache
-        for (db, key), v in changes.items():
+        for k, v in changes.items():
+            if v is _DEL and k in fresh:        # made and removed within this group
+                del pending[k]
+                fresh.discard(k)
+                continue
+            db, key = k
             if db == INODES:
                 ino = _U64.unpack(key)[0]
                 if v is _DEL:
@@ -556,8 +537,16 @@ class Txn:
         if old is not None:
             self.w[(DIRORDER, p + k64(_U64x2.unpack(old)[1]))] = _DEL
         eid = self.ix.new_id(b"eid")
-        self.w[(DIRENTS, p + name)] = _U64x2.pack(child, eid)
-        self.w[(DIRORDER, p + k64(eid))] = name
+        dk, ok = (DIRENTS, p + name), (DIRORDER, p + k64(eid))
+        if new and dk not in self.ix._pending and dk not in self.w:
+            self.fresh(dk)                      # free and not pending: LMDB has no such key
+        self.fresh(ok)                          # a new entry id is in no key yet
+        self.w[dk] = _U64x2.pack(child, eid)
+        self.w[ok] = name
+
+    def fresh(self, key: tuple[int, bytes]) -> None:
+        """``key`` is not in LMDB (noted when this operation joins the pending table)."""
+        self.ix._fresh.add(key)
 
     def unlink(self, parent: int, name: bytes) -> None:
         p = k64(parent)

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from kvfs.errors import NamespaceError
-from kvfs.store.index import ROOT_INO, k64
+from kvfs.store.index import DIRENTS, ROOT_INO, k64
 from storekit import open_cache
 
 DIR = stat.S_IFDIR | 0o755
@@ -148,4 +148,34 @@ def test_reopen_after_close_keeps_every_operation(tmp_path):
                 fh = await cache.open(cache.ns.lookup(ROOT_INO, f"f{i}".encode()), os.O_RDONLY)
                 assert bytes(await cache.read(fh, 0, 4000)) == bytes([i]) * 3000
                 await cache.release(fh)
+    trio.run(main)
+
+
+def test_a_name_made_and_removed_within_one_group_never_reaches_lmdb(tmp_path):
+    """A temp name renamed away in the group that made it is dropped from the group (no LMDB
+    delete); a name LMDB already holds is still deleted there, also when it is made again
+    and removed again within the next group."""
+    async def main():
+        async with open_cache(tmp_path) as cache:
+            ix, ns = cache.index, cache.ns
+            d, _ = ns.make(ROOT_INO, b"d", DIR, 0, 0)
+            ix.commit()
+            ino = ns.make(d, b".t.tmp", FILE, 0, 0, oid=None)[0]
+            ns.rename(d, b".t.tmp", d, b"t", 0, cache.is_open)
+            assert (DIRENTS, k64(d) + b".t.tmp") not in ix._pending     # nothing to delete in LMDB
+            assert ns.find(d, b".t.tmp") is None and ns.lookup(d, b"t") == ino
+            kept = ns.make(d, b"kept", FILE, 0, 0, oid=None)[0]
+            ix.commit()
+            assert in_lmdb(ix, ix.dirents, k64(d) + b"t") and in_lmdb(ix, ix.dirents, k64(d) + b"kept")
+            assert not in_lmdb(ix, ix.dirents, k64(d) + b".t.tmp")
+            assert [n for _e, n, _i in ix.readdir(d, 0)] == [b"t", b"kept"]
+            # in LMDB now: unlinked, made again and renamed away in one group -> deleted in LMDB
+            ns.unlink(d, b"kept", cache.is_open)
+            again = ns.make(d, b"kept", FILE, 0, 0, oid=None)[0]
+            ns.rename(d, b"kept", d, b"moved", 0, cache.is_open)
+            ix.commit()
+            assert not in_lmdb(ix, ix.dirents, k64(d) + b"kept")
+            assert ns.lookup(d, b"moved") == again and ns.find(d, b"kept") is None
+            assert sorted(n for _e, n, _i in ix.readdir(d, 0)) == [b"moved", b"t"]
+            assert kept != again
     trio.run(main)

@@ -86,17 +86,20 @@ class NameView:
             self._close_map()
             return False
 
-    def absent_in(self, directory: str, name: str) -> bool:
-        """``absent`` for the file ``name`` under ``directory`` (a path inside the mount).
-        ``name`` may hold subdirectories: each is looked up in the table too, so a missing
-        subdirectory is answered without a round trip; inodes of those present come from
-        ``stat`` (the kernel's attribute cache)."""
+    def absent_in(self, directory: str, name: str, parent: int | None = None) -> bool:
+        """``absent`` for the file ``name`` under ``directory`` (a path inside the mount; its
+        inode ``parent`` if the caller has it). ``name`` may hold subdirectories: each is looked
+        up in the table too, so a missing subdirectory is answered without a round trip; inodes
+        of those present come from ``stat`` (the kernel's attribute cache)."""
         if self._off:
             return False
+        if parent is not None and "/" not in name:     # the common case: one probe, no stat
+            return self.absent(parent, name.encode("utf-8", "surrogateescape"))
         parts = name.split("/")
         path = directory
         try:
-            parent = os.stat(path).st_ino
+            if parent is None:
+                parent = os.stat(path).st_ino
             for part in parts[:-1]:
                 if not part or part == "." or part == "..":
                     return False        # not a plain relative path: ask the filesystem

@@ -22,10 +22,10 @@ from kvfs.build import build_store, build_tiers
 from kvfs.config import Config
 from kvfs.errors import ConfigError
 from kvfs.fs.ops import KvfsOperations
-from kvfs.protocol import NAMES_STATS_KEY
+from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY
 from kvfs.store.cache import Cache
 from kvfs.store.index import Index
-from kvfs.store.names import NameTable
+from kvfs.store.names import NameTable, build_in_background, dirent_count
 from kvfs.store import safedir
 
 log = logging.getLogger(__name__)
@@ -133,8 +133,9 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         recovered = await cache.start()
         names = NameTable(str(tiers[0].dir))
         try:        # not on a shared volume: a local miss may be another node's name (adopted)
-            if not cfg.share:
-                names.open((p, n) for p, n, _c in index.iter_dirents())
+            if not cfg.share:       # built after the mount is ready; later changes go in as they come
+                index.commit()
+                names.begin(dirent_count(index))
         except OSError as e:
             log.warning("no name table (%s): clients use lookups", e)
         index.names = names
@@ -143,7 +144,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                             "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir),
                             "instance": index.instance_id,
                             "recovered": recovered, "started": started, **served,
-                            NAMES_STATS_KEY: names.statistics()}
+                            NAMES_STATS_KEY: names.statistics(), NAMES_BUILDING_KEY: names.building}
         ops = KvfsOperations(cache, describe)
         if cfg.share:
             from kvfs.remote.share import attach
@@ -164,6 +165,8 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                     nursery.start_soon(t.serve)
                 nursery.start_soon(cache.sweep_orphans)
                 nursery.start_soon(cache.serve_leases)
+                if names.building:
+                    nursery.start_soon(build_in_background, index, names, cfg.names_build_step)
                 nursery.start_soon(_on_signals, cache.telemetry.events)
                 log.info("mounted %s in %.2fs (%s)", mountpoint, time.monotonic() - started,
                          ", ".join(f"{t.name} {t.capacity}" for t in tiers))

@@ -113,6 +113,20 @@ def mount_options(allow_other: bool) -> set[str]:
     return options
 
 
+def _begin_names(cfg: Config, index: Index, where) -> NameTable:
+    """The name table, started empty and unadvertised: build_in_background fills it from the
+    index after the mount is ready; from now on every change goes in as it comes. Never started
+    on a shared volume (a local miss may be another node's name)."""
+    names = NameTable(str(where))
+    try:
+        if not cfg.share:
+            index.commit()          # the build reads LMDB: nothing may stay in the pending table
+            names.begin(dirent_count(index))
+    except OSError as e:
+        log.warning("no name table (%s): clients use lookups", e)
+    return names
+
+
 async def serve(cfg: Config, ready: _Ready) -> None:
     started = time.monotonic()
     mountpoint = os.path.abspath(cfg.mountpoint)
@@ -131,14 +145,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         store.events.queue_limit = cfg.events_queue
         cache = Cache(index, store, tiers[1].staging_dir)
         recovered = await cache.start()
-        names = NameTable(str(tiers[0].dir))
-        try:        # not on a shared volume: a local miss may be another node's name (adopted)
-            if not cfg.share:       # built after the mount is ready; later changes go in as they come
-                index.commit()
-                names.begin(dirent_count(index))
-        except OSError as e:
-            log.warning("no name table (%s): clients use lookups", e)
-        index.names = names
+        index.names = names = _begin_names(cfg, index, tiers[0].dir)
         served = {"metrics": None}
         describe = lambda: {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
                             "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir),

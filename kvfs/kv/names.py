@@ -73,9 +73,9 @@ class NameView:
         return True
 
     def _close_map(self) -> None:
-        if self._w is not None:
-            self._w.release()
-            self._map.close()
+        """Forget the mapping. Not released or closed here: another thread of the same view
+        may be probing it (PageStore is shared by the runtime's threads); the last reference
+        dropped unmaps it."""
         self._w = self._map = None
 
     def absent(self, parent_ino: int, name: bytes) -> bool:

@@ -3,6 +3,7 @@ file, without a mount: the transaction hook's ordering, growth, tombstones, stal
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -111,3 +112,26 @@ def test_built_in_chunks_is_exact_for_changes_made_meanwhile(tmp_path):
         assert not r.absent(8, b"new2") and r.absent(7, b"new1") and st["rebuilds"] == 0
     finally:
         t.close()
+
+
+def test_one_view_shared_by_threads_survives_growth(table):
+    """PageStore shares one view between the runtime's threads: a thread that remaps (the
+    table grew) must not unmap what another is probing (that turned the view off for good)."""
+    r = Reader(table)
+    wrong, stop = [], threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            if r.absent(1, b"a") or r.absent(2, b"b"):
+                wrong.append(1)
+    threads = [threading.Thread(target=probe) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(20000):
+            table.apply(txn(adds=[(9, b"g%d" % i)]), lambda: None, DIRENTS)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert table.rebuilds >= 3 and not wrong and not r._off and r.remaps >= 2

@@ -9,7 +9,8 @@ mount makes, without N FUSE round trips) and closed as a clean unmount closes it
 ``kvfs mount`` (the CLI, until ready) serves it. ``--keep DIR`` populates each count once into
 DIR and mounts copies (to compare two builds on the same state). Measured: mount-until-ready
 seconds, seconds until the daemon's background scan of its object table is done
-(``table_loaded`` in ``.kvfs/stats``), the daemon's RSS after mounting and after the stats
+(``table_loaded`` in ``.kvfs/stats``) and until its name table is built (``names``), the
+daemon's RSS after mounting and after the stats
 (anonymous and file-backed: LMDB's mapped pages), and per-file latency of ``os.stat`` over
 random samples of the files: **cold** (the kernel has no entry: a LOOKUP answered by the
 daemon), **warm** (the same names again: the kernel's cache) and **miss** (a name that does not
@@ -124,9 +125,19 @@ def _mount(base: Path, count: int, dirs: int, keep: Path | None, progress) -> tu
     out["mount_s"] = round(m.mount(), 3)
     mem = m.memory()
     out["rss_mounted"], out["anon_mounted"] = mem.get("VmRSS"), mem.get("RssAnon")
-    # the object table's background scan (a daemon without one reports nothing: loaded)
-    wait_for(lambda: m.stats().get("table_loaded", True), 3600, 0.05)
-    out["loaded_s"] = round(time.perf_counter() - t0, 2)
+    # the object table's background scan (a daemon without one reports nothing: loaded) and
+    # the name table's background build (advertised in ``names`` when complete)
+    seen: dict = {}
+
+    def done() -> bool:
+        st, now = m.stats(), round(time.perf_counter() - t0, 2)
+        if st.get("table_loaded", True):
+            seen.setdefault("loaded_s", now)
+        if st.get("names") is not None or not st.get("names_building", False):
+            seen.setdefault("names_s", now)
+        return len(seen) == 2
+    wait_for(done, 3600, 0.02)
+    out.update(seen)
     return m, out
 
 
@@ -170,13 +181,14 @@ def measure_all(base: Path, counts: list[int], dirs: int, sample: int, rounds: i
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| files | mount s | table scanned s | RSS mounted | RSS after stats (anon + file) "
+    out = ["| files | mount s | name table s | table scanned s | RSS mounted | RSS after stats (anon + file) "
            "| lookup (cold stat) µs | / smallest count | warm stat µs | miss µs |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     mib = lambda n: f"{n / 2**20:.0f}" if n is not None else "–"
     for r in rows:
         ratio = "{}× ({}–{})".format(*r["cold_ratio"])
-        out.append(f"| {r['files']:,} | {r['mount_s']} | {r['loaded_s']} | {mib(r['rss_mounted'])} MiB | "
+        out.append(f"| {r['files']:,} | {r['mount_s']} | {r.get('names_s', '–')} | {r['loaded_s']} | "
+                   f"{mib(r['rss_mounted'])} MiB | "
                    f"{mib(r['rss_after'])} MiB ({mib(r['anon_after'])} + {mib(r['file_after'])}) | "
                    f"{r['cold_us']} | {ratio} | {r['warm_us']} | {r['miss_us']} |")
     if len(rows) > 1 and rows[0]["cold_us"]:

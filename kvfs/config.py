@@ -83,6 +83,7 @@ class Config:
     admit_after: int | dict = 1        # uses before a tier takes an object: N, or {tier = N}
     read_deadline: float = 2.0         # seconds a read may wait on a lower tier (0 = no limit)
     events_queue: int = 4096           # events a .kvfs/events reader may lag before it loses some
+    names_build_step: int = 8192       # directory entries the name table's background build adds per step
     ram_mapped_min: int = 1 << 20      # RAM-tier objects this big stay tmpfs files (leasable)
     debug: bool = False
     foreground: bool = False
@@ -162,6 +163,8 @@ class Config:
         self.admission()
         if not isinstance(self.events_queue, int) or not 1 <= self.events_queue <= 1 << 20:
             raise ConfigError("events_queue must be an integer in [1, 1048576]")
+        if not isinstance(self.names_build_step, int) or not 1 <= self.names_build_step <= 1 << 24:
+            raise ConfigError("names_build_step must be an integer in [1, 16777216]")
         if not isinstance(self.read_deadline, (int, float)) or not 0 <= self.read_deadline <= 3600:
             raise ConfigError("read_deadline must be a number of seconds in [0, 3600] (0: no deadline)")
         if not isinstance(self.ram_mapped_min, int) or not ALIGN <= self.ram_mapped_min <= 1 << 30:

@@ -22,10 +22,10 @@ from kvfs.build import build_store, build_tiers
 from kvfs.config import Config
 from kvfs.errors import ConfigError
 from kvfs.fs.ops import KvfsOperations
-from kvfs.protocol import NAMES_STATS_KEY
+from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY
 from kvfs.store.cache import Cache
 from kvfs.store.index import Index
-from kvfs.store.names import NameTable
+from kvfs.store.names import NameTable, build_in_background, dirent_count
 from kvfs.store import safedir
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,20 @@ def mount_options(allow_other: bool) -> set[str]:
     return options
 
 
+def _begin_names(cfg: Config, index: Index, where) -> NameTable:
+    """The name table, started empty and unadvertised: build_in_background fills it from the
+    index after the mount is ready; from now on every change goes in as it comes. Never started
+    on a shared volume (a local miss may be another node's name)."""
+    names = NameTable(str(where))
+    try:
+        if not cfg.share:
+            index.commit()          # the build reads LMDB: nothing may stay in the pending table
+            names.begin(dirent_count(index))
+    except OSError as e:
+        log.warning("no name table (%s): clients use lookups", e)
+    return names
+
+
 async def serve(cfg: Config, ready: _Ready) -> None:
     started = time.monotonic()
     mountpoint = os.path.abspath(cfg.mountpoint)
@@ -131,19 +145,13 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         store.events.queue_limit = cfg.events_queue
         cache = Cache(index, store, tiers[1].staging_dir)
         recovered = await cache.start()
-        names = NameTable(str(tiers[0].dir))
-        try:        # not on a shared volume: a local miss may be another node's name (adopted)
-            if not cfg.share:
-                names.open((p, n) for p, n, _c in index.iter_dirents())
-        except OSError as e:
-            log.warning("no name table (%s): clients use lookups", e)
-        index.names = names
+        index.names = names = _begin_names(cfg, index, tiers[0].dir)
         served = {"metrics": None}
         describe = lambda: {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
                             "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir),
                             "instance": index.instance_id,
                             "recovered": recovered, "started": started, **served,
-                            NAMES_STATS_KEY: names.statistics()}
+                            NAMES_STATS_KEY: names.statistics(), NAMES_BUILDING_KEY: names.building}
         ops = KvfsOperations(cache, describe)
         if cfg.share:
             from kvfs.remote.share import attach
@@ -164,6 +172,8 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                     nursery.start_soon(t.serve)
                 nursery.start_soon(cache.sweep_orphans)
                 nursery.start_soon(cache.serve_leases)
+                if names.building:
+                    nursery.start_soon(build_in_background, index, names, cfg.names_build_step)
                 nursery.start_soon(_on_signals, cache.telemetry.events)
                 log.info("mounted %s in %.2fs (%s)", mountpoint, time.monotonic() - started,
                          ", ".join(f"{t.name} {t.capacity}" for t in tiers))

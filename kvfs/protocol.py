@@ -161,6 +161,7 @@ H_MAGIC, H_VERSION, H_CAPACITY, H_GENERATION, H_RUN, H_LIVE = range(6)
 NAMES_EMPTY, NAMES_TOMB = 0, 1
 NAMES_STALE = 0                        # generation of a table that was replaced (readers remap)
 NAMES_STATS_KEY = "names"              # .kvfs/stats: {"path": ..., "run": ...} or null
+NAMES_BUILDING_KEY = "names_building"  # .kvfs/stats: true while the daemon builds it (names: null)
 
 
 def names_hash(parent_ino: int, name: bytes) -> int:

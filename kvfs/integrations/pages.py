@@ -26,7 +26,6 @@ Pure Python (no torch); thread-safe: each thread gets its own lease descriptor.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -41,7 +40,8 @@ from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObject
                              read_backing_into, write_all)
 from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_under
 from kvfs.kv.names import NameView
-from kvfs.integrations.pagetypes import LeaseHold, NotOnKvfs, PageSizeError, PageStoreStats, Stalled  # noqa: F401
+from kvfs.integrations.pagetypes import (Counters, LeaseHold, NotOnKvfs, PageSizeError, PageStoreStats,  # noqa: F401
+                                         Stalled)
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +88,7 @@ class PageStore:
         self._mount_root: str | None = None
         self._dev = -1
         self._epoch = 0                   # bumped on every reset: threads reopen their leases
-        self._counts = dict.fromkeys(f.name for f in dataclasses.fields(PageStoreStats))
-        for k in self._counts:
-            self._counts[k] = 0
+        self._counts = Counters()
         self._last_log: dict[str, float] = {}
 
     # -- connection -----------------------------------------------------------------------
@@ -162,24 +160,20 @@ class PageStore:
             leases, self._leases = self._leases + self._spares, []
             self._spares = []
             self._epoch += 1
-            self._counts["reconnects"] += 1
+        self._count(reconnects=1)
         for c in [c for c in (lk, names) if c is not None] + leases:
-            try:
+            with contextlib.suppress(OSError):
                 c.close()
-            except OSError:
-                pass
         if self.verified is not None:
             self.verified.clear()
 
     @contextlib.contextmanager
     def _call(self):
-        """One call that may wait on the daemon. A daemon that neither answers nor dies (stopped,
-        wedged) blocks the thread in its request like any FUSE filesystem; while a request of
-        this store has waited longer than ``stall_timeout``, further calls fail at once
-        (``Stalled``: a miss) instead of piling the runtime's other threads up behind it.
-        A call of many pages (a batch of writes that takes longer than ``stall_timeout`` while
-        every request is answered) calls the yielded ``progress()`` after each page: what
-        counts is the wait since the last answer, not the call's length."""
+        """One call that may wait on the daemon. A daemon that neither answers nor dies blocks the
+        thread in its request like any FUSE filesystem; while a request of this store has waited
+        longer than ``stall_timeout``, further calls fail at once (``Stalled``: a miss) instead
+        of piling the runtime's threads up behind it. A call of many pages calls the yielded
+        ``progress()`` after each page: what counts is the wait since the last answer."""
         if self.stall_timeout is not None and self._inflight:
             now = time.monotonic()
             oldest = min(list(self._inflight.values()), default=now)
@@ -196,10 +190,7 @@ class PageStore:
             self._inflight.pop(token, None)
 
     def _failed(self, what: str, e: BaseException, pages: int) -> None:
-        if isinstance(e, Stalled):
-            self._count(stalled=1)
-        else:
-            self._count(errors=1)
+        self._count(**{"stalled" if isinstance(e, Stalled) else "errors": 1})
         now = time.monotonic()
         if now - self._last_log.get(what, -1e9) >= _LOG_EVERY:
             self._last_log[what] = now
@@ -211,43 +202,53 @@ class PageStore:
             self.reset()        # the daemon may be gone: reconnect on the next call
 
     def _count(self, **kw) -> None:
-        with self._lock:
-            for k, v in kw.items():
-                self._counts[k] += v
+        self._counts.add(**kw)
 
     def statistics(self) -> PageStoreStats:
-        with self._lock:
-            return PageStoreStats(**self._counts)
+        return self._counts.snapshot()
 
     # -- existence ------------------------------------------------------------------------
     def prefix(self, names: list[str]) -> int:
         """How many leading ``names`` exist as page files (0 on any failure)."""
         if not names:
             return 0
+        probed = self._names
+        if self._table_absent(names[0]):       # no round trip, no lock
+            self._counts.add(lookups=1, lookup_misses=len(names), table_misses=1)
+            return 0
         try:
             with self._call():
-                k = self._prefix(names)
+                k = self._prefix(names, probed)
         except Exception as e:         # noqa: BLE001 -- any failure is a miss
             self._failed("lookup", e, len(names))
             k = 0
         self._count(lookups=1, lookup_hits=k, lookup_misses=len(names) - k)
         return k
 
-    def _prefix(self, names: list[str]) -> int:
+    def _prefix(self, names: list[str], probed) -> int:
         lk = self._connect()
         if lk.one_call:
             # the first page decides a miss (a new prompt): the lookup file costs two round trips
-            if not self._first_exists(names[0]):
+            if not self._first_exists(names[0], probed):
                 return 0
             if len(names) == 1:
                 return 1
         return lk.prefix_rel(names)
 
-    def _first_exists(self, name: str) -> bool:
-        """Is the first page there? No round trip if the name table says it is absent, else
-        one LOOKUP, or none if the kernel has the (negative) entry."""
+    def _table_absent(self, name: str) -> bool:
+        """The name table says page ``name`` is absent. One stat of the directory (kernel attribute
+        cache): its inode, and the check that it is still on the mount we connected to."""
         names = self._names
-        if names is not None and names.absent_in(self.dir, name):
+        try:
+            st = names is not None and os.stat(self.dir)
+        except OSError:
+            return False
+        return bool(st) and st.st_dev == self._dev and names.absent_in(self.dir, name, st.st_ino)
+
+    def _first_exists(self, name: str, probed=None) -> bool:
+        """Is the first page there? No round trip if the name table says it is absent (unless the
+        caller ``probed`` this table), else one LOOKUP, or none if the kernel has the entry."""
+        if (probed is None or probed is not self._names) and self._table_absent(name):
             self._count(table_misses=1)
             return False
         try:
@@ -592,7 +593,5 @@ class PageStore:
             self._spares = []
             self._epoch += 1
         for c in ([lk] if lk is not None else []) + leases:
-            try:
+            with contextlib.suppress(OSError):
                 c.close()
-            except OSError:
-                pass

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 from kvfs.kv.blockio import Backing, LeaseClient
 
@@ -53,3 +54,35 @@ class LeaseHold:
     client: LeaseClient | None     # None: a plain directory (nothing to pin)
     backings: dict[str, Backing | None]   # leased pages -> fast path (None: read via the mount)
     epoch: int
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(PageStoreStats))
+
+
+class Counters:
+    """PageStoreStats counters without a lock per count: each thread adds to a dict of its own
+    (only its thread writes it; a reader sums every thread's dict, a single load each)."""
+
+    def __init__(self):
+        self._local = threading.local()
+        self._all: list[dict[str, int]] = []
+        self._lock = threading.Lock()       # registers a thread's dict; taken once per thread
+
+    def mine(self) -> dict[str, int]:
+        try:
+            return self._local.d
+        except AttributeError:
+            d = self._local.d = dict.fromkeys(_FIELDS, 0)
+            with self._lock:
+                self._all.append(d)
+            return d
+
+    def add(self, **kw: int) -> None:
+        d = self.mine()
+        for k, v in kw.items():
+            d[k] += v
+
+    def snapshot(self) -> PageStoreStats:
+        with self._lock:
+            ds = list(self._all)
+        return PageStoreStats(**{k: sum(d[k] for d in ds) for k in _FIELDS})

@@ -6,7 +6,8 @@ live generation) across the probe: then the entry did not exist at that instant,
 daemon adds an entry before it becomes visible and removes it after it is gone. False means
 "ask the filesystem" (present, or the table is not usable: missing, another version, another
 mount, replaced). A view remaps itself when the daemon replaced the table (it grew); one that
-cannot be used stays off until :meth:`reset`.
+cannot be used stays off until :meth:`reset`. A table not advertised yet (the daemon builds it
+after the mount is ready) is asked for again at most every RETRY seconds; until then: lookups.
 """
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ import json
 import logging
 import mmap
 import os
+import time
 
-from kvfs.protocol import (CONTROL_NAME, H_CAPACITY, H_GENERATION, H_MAGIC, H_RUN, H_VERSION, NAMES_EMPTY,
-                           NAMES_HEADER, NAMES_MAGIC, NAMES_STALE, NAMES_STATS_KEY, NAMES_VERSION, STATS_FILE,
-                           names_hash)
+from kvfs.protocol import (CONTROL_NAME, H_CAPACITY, H_GENERATION, H_MAGIC, H_RUN, H_VERSION, NAMES_BUILDING_KEY,
+                           NAMES_EMPTY, NAMES_HEADER, NAMES_MAGIC, NAMES_STALE, NAMES_STATS_KEY, NAMES_VERSION,
+                           STATS_FILE, names_hash)
 
 log = logging.getLogger(__name__)
 
 _REMAPS = 4         # tries to map a current table in one call (each replacement is a rebuild)
+RETRY = 1.0         # seconds before asking .kvfs/stats again for a table not advertised (being built)
 
 
 class NameView:
@@ -34,6 +37,7 @@ class NameView:
         self._map: mmap.mmap | None = None
         self._w: memoryview | None = None
         self._off = False
+        self._retry_at = 0.0
         self.remaps = 0
 
     def _discover(self) -> bool:
@@ -41,6 +45,7 @@ class NameView:
             doc = json.loads(f.read())
         info = doc.get(NAMES_STATS_KEY)
         if not info:
+            self._off = not doc.get(NAMES_BUILDING_KEY)    # none at all (e.g. a shared volume)
             return False
         self.path, self.run = str(info["path"]), int(info["run"])
         return True
@@ -68,9 +73,9 @@ class NameView:
         return True
 
     def _close_map(self) -> None:
-        if self._w is not None:
-            self._w.release()
-            self._map.close()
+        """Forget the mapping. Not released or closed here: another thread of the same view
+        may be probing it (PageStore is shared by the runtime's threads); the last reference
+        dropped unmaps it."""
         self._w = self._map = None
 
     def absent(self, parent_ino: int, name: bytes) -> bool:
@@ -86,17 +91,20 @@ class NameView:
             self._close_map()
             return False
 
-    def absent_in(self, directory: str, name: str) -> bool:
-        """``absent`` for the file ``name`` under ``directory`` (a path inside the mount).
-        ``name`` may hold subdirectories: each is looked up in the table too, so a missing
-        subdirectory is answered without a round trip; inodes of those present come from
-        ``stat`` (the kernel's attribute cache)."""
+    def absent_in(self, directory: str, name: str, parent: int | None = None) -> bool:
+        """``absent`` for the file ``name`` under ``directory`` (a path inside the mount; its
+        inode ``parent`` if the caller has it). ``name`` may hold subdirectories: each is looked
+        up in the table too, so a missing subdirectory is answered without a round trip; inodes
+        of those present come from ``stat`` (the kernel's attribute cache)."""
         if self._off:
             return False
+        if parent is not None and "/" not in name:     # the common case: one probe, no stat
+            return self.absent(parent, name.encode("utf-8", "surrogateescape"))
         parts = name.split("/")
         path = directory
         try:
-            parent = os.stat(path).st_ino
+            if parent is None:
+                parent = os.stat(path).st_ino
             for part in parts[:-1]:
                 if not part or part == "." or part == "..":
                     return False        # not a plain relative path: ask the filesystem
@@ -112,9 +120,12 @@ class NameView:
         for _ in range(_REMAPS):
             w = self._w
             if w is None:
-                if self.path is None and not self._discover():
-                    self._off = True
-                    return False
+                if self.path is None:
+                    if time.monotonic() < self._retry_at:
+                        return False
+                    if not self._discover():    # none yet (built after the mount): ask later
+                        self._retry_at = time.monotonic() + RETRY
+                        return False
                 if not self._open():
                     self._off = True
                     return False
@@ -136,6 +147,6 @@ class NameView:
     def reset(self) -> None:
         """Forget the table (the mount may have changed): the next call discovers it again."""
         self._close_map()
-        self.path, self._off = None, False
+        self.path, self._off, self._retry_at = None, False, 0.0
 
     close = reset

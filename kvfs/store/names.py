@@ -28,10 +28,14 @@ other users; their clients fall back to the ordinary lookup.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
 import secrets
+import time
+
+import trio
 
 from kvfs.protocol import (H_CAPACITY, H_GENERATION, H_LIVE, H_MAGIC, H_RUN, H_VERSION, NAMES_EMPTY,
                            NAMES_HEADER, NAMES_MAGIC, NAMES_STALE, NAMES_TOMB, NAMES_VERSION, names_hash)
@@ -126,12 +130,43 @@ class NameTable:
         self.generation = 0
         self.rebuilds = 0
         self.t: _Mapped | None = None
+        self._gone: set[int] | None = None     # while building: names removed since it began
 
     def open(self, entries) -> None:
         """Build the table from ``entries``: (parent inode, name) of every directory entry."""
-        hashes = [names_hash(p, n) for p, n in entries]
-        self._replace(_capacity_for(len(hashes)), hashes)
-        log.info("name table %s: %d names, %d slots", self.path, len(hashes), self.t.capacity)
+        self.begin(0)
+        self.add_existing(entries)
+        self.finish()
+
+    def begin(self, expected: int) -> None:
+        """Start a table that is not advertised (``statistics()`` is None) until :meth:`finish`.
+        From now on :meth:`apply` keeps it exact for every change; the entries that existed
+        before come in chunks through :meth:`add_existing`, read at any time later: a name
+        removed since is skipped (``_gone``), one added since is already in."""
+        self._gone = set()
+        self._replace(_capacity_for(expected), ())
+
+    def add_existing(self, entries) -> int:
+        """Add pre-existing directory entries ((parent inode, name) pairs) during a build."""
+        gone, n = self._gone, 0
+        if self.t is None or gone is None:
+            return 0
+        for p, name in entries:
+            h = names_hash(p, name)
+            if h not in gone:
+                self._add(h)
+                n += 1
+        return n
+
+    def finish(self) -> None:
+        """The build is complete: advertise the table."""
+        if self.t is not None and self._gone is not None:
+            self._gone = None
+            log.info("name table %s: %d names, %d slots", self.path, self.t.live, self.t.capacity)
+
+    @property
+    def building(self) -> bool:
+        return self._gone is not None
 
     def _replace(self, capacity: int, hashes) -> None:
         """A new file with ``hashes`` renamed over the table, then the old one marked stale."""
@@ -159,15 +194,18 @@ class NameTable:
         if t is None:
             commit()
             return
-        gone = []
+        gone, building = [], self._gone
         try:
             for (db, key), v in changes.items():
                 if db != dirents_db:
                     continue
+                h = names_hash(int.from_bytes(key[:8], "big"), key[8:])
                 if isinstance(v, bytes):
-                    self._add(names_hash(int.from_bytes(key[:8], "big"), key[8:]))
+                    self._add(h)
+                    if building is not None:
+                        building.discard(h)
                 else:
-                    gone.append(names_hash(int.from_bytes(key[:8], "big"), key[8:]))
+                    gone.append(h)
         except OSError as e:            # cannot grow (shared memory full): readers fall back
             log.error("name table %s cannot grow (%s): disabled, clients use lookups", self.path, e)
             self.close()
@@ -175,6 +213,8 @@ class NameTable:
         if self.t is not None:
             for h in gone:
                 self.t.remove(h)
+            if building is not None:
+                building.update(gone)
 
     def _add(self, h: int) -> None:
         t = self.t
@@ -185,14 +225,15 @@ class NameTable:
         t.add(h)
 
     def statistics(self) -> dict | None:
-        if self.t is None:
+        """What ``.kvfs/stats`` advertises as ``names``: None while there is none or it is being built."""
+        if self.t is None or self._gone is not None:
             return None
         return {"path": self.path, "run": self.run, "names": self.t.live,
                 "capacity": self.t.capacity, "rebuilds": self.rebuilds}
 
     def close(self) -> None:
         """Mark the table stale and remove it (at unmount, or when it cannot be kept)."""
-        t, self.t = self.t, None
+        t, self.t, self._gone = self.t, None, None
         if t is None:
             return
         t.close(stale=True)
@@ -200,3 +241,39 @@ class NameTable:
             os.unlink(self.path)
         except OSError as e:
             log.warning("could not remove the name table %s: %s", self.path, e)
+
+
+def dirent_count(index) -> int:
+    with index.env.begin() as txn:
+        return txn.stat(index.dirents)["entries"]
+
+
+def dirent_keys_after(index, after: bytes, limit: int) -> list[bytes]:
+    """Up to ``limit`` directory-entry keys (parent inode, name) after ``after`` in the index's
+    LMDB (not its pending table: changes since the build began reach the table through apply)."""
+    with index.env.begin() as txn:
+        cur = txn.cursor(db=index.dirents)
+        if not cur.set_range(after):
+            return []
+        keys = [bytes(k) for k in itertools.islice(cur.iternext(values=False), limit + 1)]
+    return [k for k in keys if k != after][:limit]
+
+
+async def build_in_background(index, table: NameTable, step: int = 8192) -> None:
+    """Fill ``table`` (after :meth:`NameTable.begin`) with the index's directory entries, ``step``
+    at a time on the trio thread (so it never races apply), then advertise it."""
+    t0, after, n = time.monotonic(), b"", 0
+    while table.building:
+        keys = dirent_keys_after(index, after, step)
+        if not keys:
+            table.finish()
+            break
+        try:
+            n += table.add_existing((int.from_bytes(k[:8], "big"), k[8:]) for k in keys)
+        except OSError as e:            # cannot grow (shared memory full): readers keep using lookups
+            log.error("name table %s cannot grow (%s): disabled, clients use lookups", table.path, e)
+            table.close()
+            return
+        after = keys[-1]
+        await trio.sleep(0)
+    log.info("name table built in the background: %d existing names in %.2fs", n, time.monotonic() - t0)

@@ -21,6 +21,11 @@ def settled(m) -> dict:
     return wait_for(lambda: (lambda s: s if s["settled"] else None)(m.stats()), 120, "the store to settle")
 
 
+def table_ready(m) -> dict:
+    """Wait for the daemon to advertise its name table (built in the background after mount)."""
+    return wait_for(lambda: m.stats()["names"], 120, "the name table")
+
+
 def opens(path) -> bool:
     """The file is there for a reader (ENOENT: not there)."""
     try:
@@ -32,6 +37,7 @@ def opens(path) -> bool:
 
 def test_table_follows_create_rename_unlink_and_directory_rename(kvfs_mount):
     m = kvfs_mount()
+    table_ready(m)
     view = NameView(str(m.path))
     d = m.path / "ns" / "sub"
     d.mkdir(parents=True)
@@ -56,6 +62,7 @@ def test_table_follows_create_rename_unlink_and_directory_rename(kvfs_mount):
 
 def test_evicted_names_leave_the_table_and_visible_ones_stay(kvfs_mount):
     m = kvfs_mount(ram="4MiB", nvme_size="12MiB")
+    table_ready(m)
     view = NameView(str(m.path))
     names = [f"b{i:02d}" for i in range(30)]
     for i, name in enumerate(names):
@@ -73,6 +80,7 @@ def test_never_absent_while_visible_as_the_table_grows(kvfs_mount):
     """A writer makes 3,000 names (temp file, rename: the runtimes' pattern), which grows
     the table several times; readers check every name whose rename has returned."""
     m = kvfs_mount()
+    table_ready(m)
     d = m.path / "pages"
     d.mkdir()
     done: list[str] = []
@@ -108,6 +116,7 @@ def test_never_absent_while_visible_as_the_table_grows(kvfs_mount):
 
 def test_page_store_misses_from_the_table_across_restarts(kvfs_mount):
     m = kvfs_mount()
+    table_ready(m)
     store = PageStore(m.path, "pages")
     page = content("page", 4096)
     assert store.write_many(["have"], lambda i: [page]) == [True]
@@ -120,6 +129,7 @@ def test_page_store_misses_from_the_table_across_restarts(kvfs_mount):
     assert old.absent_in(str(m.path / "pages"), "new1")
     m.remount()                           # clean: the old table is marked stale and removed
     assert not old.absent_in(str(m.path / "pages"), "new1")     # falls back (ask the mount)
+    table_ready(m)
     old.reset()                           # rediscovers the new daemon's table
     assert old.absent_in(str(m.path / "pages"), "new1") and not old.absent_in(str(m.path / "pages"), "have")
     store = PageStore(m.path, "pages")
@@ -127,6 +137,7 @@ def test_page_store_misses_from_the_table_across_restarts(kvfs_mount):
     assert store.statistics().table_misses == 1
     m.kill9()                             # killed: its table is never marked stale
     m.mount()
+    table_ready(m)
     assert store.prefix(["new4"]) == 0 and store.prefix(["have"]) == 1    # st_dev changed: remapped
     assert store.statistics().table_misses == 2 and store.statistics().reconnects >= 1
     assert read(m.path / "pages" / "have") == page
@@ -137,6 +148,7 @@ def test_missing_subdirectories_are_absent_without_a_lookup(kvfs_mount):
     """vLLM's names (``abc/de_g0/<hash>.bin``): a new hash's subdirectory is usually missing
     too; the table answers for it (the kernel never sees a LOOKUP of it)."""
     m = kvfs_mount()
+    table_ready(m)
     store = PageStore(m.path, "vllm")
     page = content("p", 4096)
     assert store.write_many(["abc/de_g0/abcde1.bin"], lambda i: [page]) == [True]
@@ -148,4 +160,43 @@ def test_missing_subdirectories_are_absent_without_a_lookup(kvfs_mount):
     assert store.prefix(["zzz/zz_g0/zzzzz.bin"]) == 0 and store.prefix(["abc/de_g0/abcde1.bin"]) == 1
     assert store.statistics().table_misses >= 1
     assert not view.absent_in(d, "../vllm/abc/de_g0/abcde1.bin")     # not plain: ask the mount
+    store.close()
+
+
+N_OLD = 2000       # entries there before the mount (one build step each)
+
+
+def test_table_built_after_mount_is_exact_for_names_made_and_removed_meanwhile(kvfs_mount, tmp_path):
+    """The table is built in the background after the mount is ready (one entry per step
+    here): names created, renamed over and removed right after the mount (while it builds, if
+    it still does: tests/store/test_names.py interleaves them deterministically) are right once
+    it is advertised (its count is exact: no name it should not have), and a client that asks
+    before falls back to lookups and still gets right answers."""
+    cfg = tmp_path / "names.toml"
+    cfg.write_text("[kvfs]\nnames_build_step = 1\n")
+    m = kvfs_mount(config=str(cfg))
+    d = m.path / "d"
+    d.mkdir()
+    for i in range(N_OLD):                       # one FUSE request each
+        os.mkdir(d / f"o{i}")
+    put(m.path / "pages" / "have", content("have", 4096))
+    m.remount()
+    store = PageStore(m.path, "pages")          # connects at once (before the table is built)
+    assert store.prefix(["missing"]) == 0 and store.prefix(["have"]) == 1     # right either way
+    if m.stats()["names"] is None:               # not advertised all along: it fell back
+        assert store.statistics().table_misses == 0
+    removed = [f"o{i}" for i in range(0, N_OLD, 97)]
+    for n in removed:
+        os.rmdir(d / n)
+    made = [f"n{i}" for i in range(100)]
+    for n in made:
+        put(d / n, b"x")
+    os.replace(d / "n0", d / "n1")               # renamed over: n0 goes, n1 stays
+    st = table_ready(m)
+    assert st["names"] == 1 + N_OLD - len(removed) + len(made) - 1 + 2      # d/*, "d", "pages", "have"
+    view = NameView(str(m.path))
+    assert all(view.absent_in(str(d), n) for n in removed) and view.absent_in(str(d), "n0")
+    assert not any(view.absent_in(str(d), n) for n in made[1:])
+    assert not any(view.absent_in(str(d), f"o{i}") for i in range(1, N_OLD, 97))
+    assert not m.stats()["names_building"]
     store.close()

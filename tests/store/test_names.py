@@ -3,6 +3,7 @@ file, without a mount: the transaction hook's ordering, growth, tombstones, stal
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -82,3 +83,55 @@ def test_reader_refuses_other_runs_and_falls_back_when_closed(table, tmp_path):
     assert not r2.absent(9, b"x")
     assert t2.t.words[H_RUN] == t2.run
     t2.close()
+
+
+def test_built_in_chunks_is_exact_for_changes_made_meanwhile(tmp_path):
+    """The background build (begin, chunks of pre-existing entries read at any later time,
+    finish) against changes applied between its chunks: a name removed meanwhile is skipped
+    even when a chunk read before the removal reached LMDB still lists it; one added or
+    re-added meanwhile is in; nothing is advertised until the build is done."""
+    t = NameTable(str(tmp_path))
+    old = [(7, f"o{i}".encode()) for i in range(3000)]
+    t.begin(len(old))
+    try:
+        assert t.building and t.statistics() is None
+        r = Reader(t)
+        t.add_existing(old[:1000])
+        t.apply(txn(adds=[(7, b"new1")], removes=[(7, b"o5"), (7, b"o1500"), (7, b"o2500")]), lambda: None, DIRENTS)
+        t.apply(txn(adds=[(7, b"o2500")]), lambda: None, DIRENTS)          # re-added before its chunk
+        t.add_existing(old[1000:2000])                                     # a stale read: still lists o1500
+        t.apply(txn(adds=[(8, b"new2")], removes=[(7, b"new1"), (7, b"o10")]), lambda: None, DIRENTS)
+        assert t.statistics() is None
+        t.add_existing(old[2000:] + [(7, b"o10")])                         # o10 from a stale read too
+        t.finish()
+        st = t.statistics()
+        assert not t.building and st is not None
+        assert st["names"] == 3000 - 3 + 1                                 # o5, o1500, o10 gone; new2 in
+        for p, n in old:
+            assert r.absent(p, n) == (n in (b"o5", b"o1500", b"o10")), n
+        assert not r.absent(8, b"new2") and r.absent(7, b"new1") and st["rebuilds"] == 0
+    finally:
+        t.close()
+
+
+def test_one_view_shared_by_threads_survives_growth(table):
+    """PageStore shares one view between the runtime's threads: a thread that remaps (the
+    table grew) must not unmap what another is probing (that turned the view off for good)."""
+    r = Reader(table)
+    wrong, stop = [], threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            if r.absent(1, b"a") or r.absent(2, b"b"):
+                wrong.append(1)
+    threads = [threading.Thread(target=probe) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(20000):
+            table.apply(txn(adds=[(9, b"g%d" % i)]), lambda: None, DIRENTS)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert table.rebuilds >= 3 and not wrong and not r._off and r.remaps >= 2

@@ -33,12 +33,20 @@ def _views(bufs) -> list[memoryview]:
 
 
 class CommitClient:
+    """Holds a descriptor of the mount's root: the control file is opened through it, and
+    so are the directories it makes (:meth:`makedirs`), so a mount that dies meanwhile fails
+    them (ENOTCONN) instead of letting them land under the bare mount point."""
+
     def __init__(self, mount_root: str):
-        path = os.path.join(mount_root, protocol.CONTROL_NAME, protocol.COMMIT_FILE)
+        rel = os.path.join(protocol.CONTROL_NAME, protocol.COMMIT_FILE)
+        self.root = os.open(mount_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            self.ctl = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise CommitUnavailable(errno.ENOTSUP, f"{path} does not exist (older kvfs)") from None
+            self.ctl = os.open(rel, os.O_RDWR | os.O_CLOEXEC, dir_fd=self.root)
+        except BaseException as e:
+            os.close(self.root)
+            if isinstance(e, FileNotFoundError):
+                raise CommitUnavailable(errno.ENOTSUP, f"{mount_root}/{rel} does not exist (older kvfs)") from None
+            raise
         self.memfd = os.memfd_create("kvfs-commit", os.MFD_CLOEXEC)
         self._size = 0
 
@@ -51,10 +59,23 @@ class CommitClient:
             return None
 
     def close(self) -> None:
-        for fd in (self.ctl, self.memfd):
+        for fd in (self.ctl, self.memfd, self.root):
             if fd >= 0:
-                os.close(fd)
-        self.ctl = self.memfd = -1
+                try:
+                    os.close(fd)        # the descriptor is closed even when this fails
+                except OSError as e:    # ENOTCONN: the mount is gone
+                    log.debug("closing a commit descriptor: %s", e)
+        self.ctl = self.memfd = self.root = -1
+
+    def makedirs(self, rel: str) -> None:
+        """``mkdir -p`` of ``rel`` (relative to the mount root) through the root's descriptor:
+        ENOTCONN (an OSError) once the mount is gone, never a directory under the bare mount point."""
+        parts = [p for p in rel.split(os.sep) if p not in ("", os.curdir)]
+        for k in range(1, len(parts) + 1):
+            try:
+                os.mkdir(os.path.join(*parts[:k]), dir_fd=self.root)
+            except FileExistsError:
+                pass
 
     def commit(self, base: str, items: list[tuple[str, list]], mode: int | None = None,
                noreplace: bool = False) -> list[int]:
@@ -74,16 +95,14 @@ class CommitClient:
             out += self._commit(base, items[start:], mode, noreplace)
         return out
 
-    def commit_into(self, local_dir: str, base: str, items: list[tuple[str, list]],
-                    noreplace: bool = False) -> list[int]:
-        """:meth:`commit` under ``base``, whose path on this machine is ``local_dir``; items
-        refused with ENOENT (a subdirectory not made yet) are sent again once their
-        subdirectories are made through the mount."""
+    def commit_into(self, base: str, items: list[tuple[str, list]], noreplace: bool = False) -> list[int]:
+        """:meth:`commit` under ``base``; items refused with ENOENT (a subdirectory not made
+        yet) are sent again once their subdirectories are made (:meth:`makedirs`)."""
         results = self.commit(base, items, noreplace=noreplace)
         nodir = [k for k, r in enumerate(results) if r == errno.ENOENT and os.path.dirname(items[k][0])]
         if nodir:
             for sub in {os.path.dirname(items[k][0]) for k in nodir}:
-                os.makedirs(os.path.join(local_dir, sub), exist_ok=True)
+                self.makedirs(os.path.join(base, sub))
             for k, r in zip(nodir, self.commit(base, [items[k] for k in nodir], noreplace=noreplace)):
                 results[k] = r
         return results

@@ -211,7 +211,7 @@ def test_commit_into_makes_missing_subdirectories_and_retries(kvfs_mount):
     try:
         items = [("abc/de_g0/h1.bin", [b"1" * 4096]), ("abc/de_g0/h2.bin", [b"2"]), ("top.bin", [b"t"])]
         assert c.commit("v", items) == [errno.ENOENT, errno.ENOENT, 0]
-        assert c.commit_into(str(m.path / "v"), "v", items, noreplace=True) == [0, 0, errno.EEXIST]
+        assert c.commit_into("v", items, noreplace=True) == [0, 0, errno.EEXIST]
     finally:
         c.close()
     assert read(m.path / "v/abc/de_g0/h1.bin") == b"1" * 4096 and read(m.path / "v/abc/de_g0/h2.bin") == b"2"
@@ -241,3 +241,26 @@ def test_page_store_connecting_as_the_mount_dies_writes_nothing_under_it(kvfs_mo
     assert s.write_many(["c"], lambda i: [b"y" * 4096]) == [False]
     assert not s.on_kvfs and os.listdir(m.path) == []
     assert s.statistics().written == 0 and s.statistics().set_failures == 3
+
+
+def test_commit_into_as_the_mount_dies_makes_no_directory_under_it(kvfs_mount):
+    """The daemon killed and its mount detached between the commit that found the
+    subdirectories missing and their making: the directories are made through the mount
+    root's descriptor, so they fail (ENOTCONN) instead of landing under the bare mount point."""
+    m = kvfs_mount()
+    (m.path / "v").mkdir()
+    c = CommitClient(str(m.path))
+    real = c.commit
+
+    def then_killed(*args, **kw):
+        out = real(*args, **kw)
+        m.kill9()
+        return out
+    c.commit = then_killed
+    try:
+        with pytest.raises(OSError) as e:
+            c.commit_into("v", [("abc/de/h1.bin", [b"1" * 4096])], noreplace=True)
+        assert e.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    finally:
+        c.close()
+    assert not os.path.ismount(m.path) and os.listdir(m.path) == []

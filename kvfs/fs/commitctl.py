@@ -9,7 +9,8 @@ Open ``.kvfs/commit`` read-write, write a request at offset 0, read the answer::
     directive := "\\0fd N" | "\\0base DIR" | "\\0mode OCTAL" | "\\0noreplace"
 
 ``\\0fd N`` names a descriptor of the process that opened the control file (required before
-the first entry; a regular file open for reading, e.g. a memfd, not a file of this mount);
+the first entry; a memfd or a tmpfs file open for reading: any other filesystem answers
+EINVAL, a file of this mount EXDEV, a descriptor not open for reading EBADF);
 ``\\0base DIR`` as for ``lookup``; ``\\0mode`` the permission bits of later entries (default
 0644); ``\\0noreplace`` keeps an existing target (its entry answers EEXIST, as
 ``rename(RENAME_NOREPLACE)``; default: replace it, as ``rename``). The answer is ``{"results": [errno, ...]}``, one per entry in order: 0 = the file was

@@ -19,11 +19,15 @@ Each entry succeeds or fails on its own; a failed entry leaves nothing behind.
 
 The caller's descriptor is reached through ``/proc/<pid>/fd/<n>`` of the process that opened
 the control file (:class:`CallerProcess`), never through a path the caller names: it is
-opened ``O_PATH`` first (no side effects), must be a regular file outside this mount, is
-reopened read-only from that ``O_PATH`` descriptor, and the caller's own descriptor must be
-readable (``fdinfo`` flags) and still name the same inode afterwards. So the daemon never reads
-anything the caller could not read itself. A pidfd taken at open time proves the process is
-still the one that opened the control file (its pid was not reused).
+opened ``O_PATH`` first (no side effects), must be a memfd (not ``MFD_HUGETLB``) or a file
+on a tmpfs -- told from its mount id in ``fdinfo`` and the caller's ``mountinfo``, before
+anything asks the file's own filesystem (EINVAL otherwise, EXDEV for a file of this mount:
+a descriptor of a slow or stalled filesystem, e.g. a FUSE file the caller serves itself,
+would hold a daemon worker thread) -- must be a regular file, is reopened read-only from
+that ``O_PATH`` descriptor, and the caller's own descriptor must be readable (``fdinfo``
+flags) and still name the same inode afterwards. So the daemon never reads anything the
+caller could not read itself. A pidfd taken at open time proves the process is still the
+one that opened the control file (its pid was not reused).
 """
 from __future__ import annotations
 
@@ -51,8 +55,30 @@ GROUP_ENTRIES = 32         # ... at most (the RAM tier keeps 64 spare staging fi
                            # buffers at once would create and unlink files)
 
 
+SOURCE_FS = ("tmpfs",)      # filesystems a commit reads from (besides memfds)
+
+
 def _err(code: int, msg: str = "") -> NamespaceError:
     return NamespaceError(code, msg or os.strerror(code))
+
+
+def _fdinfo(path: str) -> dict[str, str]:
+    with open(path) as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+_memfd_mnt: list[str] = []
+
+
+def memfd_mount_id() -> str:
+    """The mount id of memfds (the kernel's internal shmem mount), learnt from one of ours."""
+    if not _memfd_mnt:
+        fd = os.memfd_create("kvfs-probe", os.MFD_CLOEXEC)
+        try:
+            _memfd_mnt.append(_fdinfo(f"/proc/self/fdinfo/{fd}")["mnt_id"].strip())
+        finally:
+            os.close(fd)
+    return _memfd_mnt[0]
 
 
 class CallerProcess:
@@ -96,29 +122,59 @@ class CallerProcess:
         except FileNotFoundError:
             raise _err(errno.EBADF, f"the caller has no descriptor {n}") from None
         try:
-            st = os.fstat(opath)
+            mnt = self._check_source_fs(n, opath, mount_dev)
+            st = os.fstat(opath)            # a memfd or tmpfs file: answered at once
             if not stat.S_ISREG(st.st_mode):
                 raise _err(errno.EBADF, f"descriptor {n} is not a regular file")
-            if st.st_dev == mount_dev:
-                raise _err(errno.EXDEV, f"descriptor {n} is a file of this mount")
             fd = os.open(f"/proc/self/fd/{opath}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
         finally:
             os.close(opath)
         try:
-            self._check_readable(n, st)
+            self._check_readable(n, st, mnt)
         except BaseException:
             os.close(fd)
             raise
         return fd
 
-    def _check_readable(self, n: int, st: os.stat_result) -> None:
-        """The caller's fd ``n`` may read (not O_WRONLY, not O_PATH) and still names ``st``'s
-        inode, and the caller is still the process that opened the control file."""
+    def _check_source_fs(self, n: int, opath: int, mount_dev: int) -> str:
+        """The mount id of ``opath`` (our O_PATH descriptor of the caller's fd ``n``) if it is
+        a memfd's or a tmpfs mount's; EXDEV for this mount, EINVAL for any other. Reads only
+        /proc: nothing here reaches the file's own filesystem."""
         try:
-            with open(f"/proc/{self.tgid}/fdinfo/{n}") as f:
-                flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+            mnt = _fdinfo(f"/proc/self/fdinfo/{opath}")["mnt_id"].strip()
+        except (OSError, KeyError, ValueError):
+            raise _err(errno.EBADF, f"descriptor {n} went away") from None
+        if mnt == memfd_mount_id():
+            return mnt
+        fstype, dev = "", -1
+        try:
+            with open(f"/proc/{self.tgid}/mountinfo") as f:     # the caller's mount namespace
+                for line in f:
+                    fields = line.split()
+                    if fields and fields[0] == mnt and " - " in line:
+                        fstype = line.split(" - ", 1)[1].split()[0]
+                        major, minor = fields[2].split(":")
+                        dev = os.makedev(int(major), int(minor))
+                        break
+        except (OSError, ValueError, IndexError):
+            raise _err(errno.ESRCH) from None
+        if fstype in SOURCE_FS:
+            return mnt
+        if dev == mount_dev:
+            raise _err(errno.EXDEV, f"descriptor {n} is a file of this mount")
+        raise _err(errno.EINVAL, f"descriptor {n} is not a memfd or a tmpfs file ({fstype or 'unknown'})")
+
+    def _check_readable(self, n: int, st: os.stat_result, mnt: str) -> None:
+        """The caller's fd ``n`` may read (not O_WRONLY, not O_PATH) and still names ``st``'s
+        inode on mount ``mnt`` (checked in fdinfo before the stat, so the stat reaches only a
+        memfd or tmpfs), and the caller is still the process that opened the control file."""
+        try:
+            info = _fdinfo(f"/proc/{self.tgid}/fdinfo/{n}")
+            flags = int(info["flags"].strip(), 8)
+            if info["mnt_id"].strip() != mnt:
+                raise _err(errno.EBADF, f"descriptor {n} changed")
             now = os.stat(f"/proc/{self.tgid}/fd/{n}")
-        except (OSError, StopIteration, ValueError):
+        except (OSError, KeyError, ValueError):
             raise _err(errno.EBADF, f"descriptor {n} went away") from None
         if flags & os.O_PATH or flags & os.O_ACCMODE == os.O_WRONLY:
             raise _err(errno.EBADF, f"descriptor {n} is not open for reading")

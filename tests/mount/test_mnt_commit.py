@@ -6,7 +6,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import xxhash
@@ -84,13 +87,23 @@ def test_bytes_changed_after_commit_do_not_change_the_stored_file(kvfs_mount):
         os.close(fd)
 
 
-def test_commit_refuses_descriptors_the_caller_may_not_read(kvfs_mount, tmp_path):
+@pytest.fixture
+def shm_dir(tmp_path):
+    """A directory on a tmpfs (/dev/shm), removed after the test."""
+    d = Path(tempfile.mkdtemp(prefix="kvfs-test-commit-", dir="/dev/shm"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_commit_refuses_descriptors_the_caller_may_not_read(kvfs_mount, shm_dir):
     m = kvfs_mount()
-    secret = tmp_path / "secret"
+    secret = shm_dir / "secret"
     secret.write_bytes(b"s" * 4096)
     wronly = os.open(secret, os.O_WRONLY)
     opath = os.open(secret, os.O_PATH)
-    dirfd = os.open(tmp_path, os.O_RDONLY)
+    dirfd = os.open(shm_dir, os.O_RDONLY)
     put(m.path / "onmount", b"m" * 4096)
     onmount = os.open(m.path / "onmount", os.O_RDONLY)
     short = memfd_with(b"x" * 100)
@@ -125,6 +138,27 @@ print(json.dumps(json.loads(os.pread(ctl, 1 << 20, 0))["results"]))
 """
 
 
+def test_commit_reads_only_memfds_and_tmpfs_files(kvfs_mount, shm_dir):
+    """A readable file on any other filesystem -- the disk, another FUSE mount (which could
+    stall the daemon's worker on its own requests) -- is refused with EINVAL before anything
+    asks that filesystem; a memfd and a tmpfs file are read."""
+    m, other = kvfs_mount(), kvfs_mount()
+    data = content("src", 8192)
+    (shm_dir / "src").write_bytes(data)
+    put(other.path / "src", data)
+    fds = {"memfd": memfd_with(data), "tmpfs": os.open(shm_dir / "src", os.O_RDONLY),
+           "disk": os.open(__file__, os.O_RDONLY), "fuse": os.open(other.path / "src", os.O_RDONLY)}
+    try:
+        got = {name: raw_commit(m.path, commit_request("", fd, [(0, 4096, name)]))[0]
+               for name, fd in fds.items()}
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert got == {"memfd": 0, "tmpfs": 0, "disk": errno.EINVAL, "fuse": errno.EINVAL}
+    assert read(m.path / "memfd") == data[:4096] and read(m.path / "tmpfs") == data[:4096]
+    assert sorted(os.listdir(m.path)) == ["memfd", "tmpfs"]
+
+
 def test_another_user_commits_only_where_it_may_create(kvfs_mount, intruder):
     m = kvfs_mount(allow_other=True)
     (m.path / "roots").mkdir(mode=0o755)
@@ -148,18 +182,18 @@ def test_another_user_commits_only_where_it_may_create(kvfs_mount, intruder):
     assert (st.st_uid, st.st_gid) == (intruder.uid, intruder.gid) and read(mine / "f") == b"i" * 8192
 
 
-def test_another_user_cannot_commit_a_file_it_may_not_read(kvfs_mount, intruder, tmp_path):
+def test_another_user_cannot_commit_a_file_it_may_not_read(kvfs_mount, intruder, shm_dir):
     """The daemon (root) could read anything: the caller's own descriptor must be readable."""
     m = kvfs_mount(allow_other=True)
     mine = m.path / "mine"
     mine.mkdir()
     os.chown(mine, intruder.uid, intruder.gid)
-    secret = tmp_path / "secret"
+    secret = shm_dir / "secret"
     secret.write_bytes(b"s" * 8192)
     os.chmod(secret, 0o600)
     code = INTRUDER_COMMIT.replace("os.open(sys.argv[3], os.O_RDONLY)", "os.open(sys.argv[3], os.O_WRONLY)")
     os.chmod(secret, 0o622)            # the intruder may write it, not read it
-    with reachable(m.path), reachable(tmp_path):
+    with reachable(m.path), reachable(shm_dir):
         res = intruder.run(code, m.path, "mine/f", secret)
     assert json.loads(res.stdout) == [0, errno.EBADF]
     assert not (mine / "f.2").exists()

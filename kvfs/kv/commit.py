@@ -32,6 +32,18 @@ def _views(bufs) -> list[memoryview]:
     return [memoryview(b).cast("B") for b in bufs]
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would race other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
 class CommitClient:
     """Holds a descriptor of the mount's root: the control file is opened through it, and
     so are the directories it makes (:meth:`makedirs`), so a mount that dies meanwhile fails
@@ -49,6 +61,7 @@ class CommitClient:
             raise
         self.memfd = os.memfd_create("kvfs-commit", os.MFD_CLOEXEC)
         self._size = 0
+        self._mkdir = True              # the daemon makes missing directories (\0mkdir)
 
     @classmethod
     def open(cls, mount_root: str) -> "CommitClient | None":
@@ -69,35 +82,55 @@ class CommitClient:
 
     def makedirs(self, rel: str) -> None:
         """``mkdir -p`` of ``rel`` (relative to the mount root) through the root's descriptor:
-        ENOTCONN (an OSError) once the mount is gone, never a directory under the bare mount point."""
+        ENOTCONN (an OSError) once the mount is gone, never a directory under the bare mount point.
+        The deepest directory is tried first (usually the only one missing: one round trip)."""
         parts = [p for p in rel.split(os.sep) if p not in ("", os.curdir)]
-        for k in range(1, len(parts) + 1):
+        k = len(parts)
+        while k:
             try:
                 os.mkdir(os.path.join(*parts[:k]), dir_fd=self.root)
+                break
+            except FileExistsError:
+                break
+            except FileNotFoundError:
+                k -= 1                      # its parent is missing too
+        for j in range(k + 1, len(parts) + 1):
+            try:
+                os.mkdir(os.path.join(*parts[:j]), dir_fd=self.root)
             except FileExistsError:
                 pass
 
     def commit(self, base: str, items: list[tuple[str, list]], mode: int | None = None,
-               noreplace: bool = False) -> list[int]:
+               noreplace: bool = False, dirmode: int | None = None) -> list[int]:
         """Publish ``items`` (``(path relative to base, [buffers in file order])``) under
         ``base`` (relative to the mount root). Returns one errno per item (0: published;
-        EEXIST: ``noreplace`` and the file exists, kept as it was).
+        EEXIST: ``noreplace`` and the file exists, kept as it was). ``dirmode``: missing
+        directories are made by the daemon with these bits (else: ENOENT for the item).
         Raises OSError when the request as a whole failed (daemon gone, refused)."""
         out: list[int] = []
         start, size = 0, 0
         for i, (_, bufs) in enumerate(items):
-            n = sum(len(v) for v in _views(bufs))
+            n = sum(memoryview(b).nbytes for b in bufs)
             if size and size + n > BATCH_BYTES:
-                out += self._commit(base, items[start:i], mode, noreplace)
+                out += self._commit(base, items[start:i], mode, noreplace, dirmode)
                 start, size = i, 0
             size += n
         if start < len(items):
-            out += self._commit(base, items[start:], mode, noreplace)
+            out += self._commit(base, items[start:], mode, noreplace, dirmode)
         return out
 
     def commit_into(self, base: str, items: list[tuple[str, list]], noreplace: bool = False) -> list[int]:
-        """:meth:`commit` under ``base``; items refused with ENOENT (a subdirectory not made
-        yet) are sent again once their subdirectories are made (:meth:`makedirs`)."""
+        """:meth:`commit` under ``base``, missing subdirectories made as ``os.makedirs`` would
+        (by the daemon in the same request; with a daemon that does not know ``\\0mkdir``,
+        items refused with ENOENT are sent again once :meth:`makedirs` made them)."""
+        if self._mkdir:
+            try:
+                return self.commit(base, items, noreplace=noreplace, dirmode=0o777 & ~_umask())
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                log.debug("the daemon does not make directories on commit: making them here")
+                self._mkdir = False
         results = self.commit(base, items, noreplace=noreplace)
         nodir = [k for k, r in enumerate(results) if r == errno.ENOENT and os.path.dirname(items[k][0])]
         if nodir:
@@ -107,7 +140,8 @@ class CommitClient:
                 results[k] = r
         return results
 
-    def _commit(self, base: str, items: list[tuple[str, list]], mode: int | None, noreplace: bool) -> list[int]:
+    def _commit(self, base: str, items: list[tuple[str, list]], mode: int | None, noreplace: bool,
+                dirmode: int | None = None) -> list[int]:
         entries, off = [], 0
         chunks = []
         for name, bufs in items:
@@ -121,7 +155,7 @@ class CommitClient:
             self._size = off
         for at, views in chunks:
             write_all(self.memfd, views, at)
-        req = protocol.commit_request(base, self.memfd, entries, mode, noreplace)
+        req = protocol.commit_request(base, self.memfd, entries, mode, noreplace, dirmode)
         self._send(req)
         answer = self._receive()
         try:

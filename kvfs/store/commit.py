@@ -37,6 +37,7 @@ import logging
 import os
 import select
 import stat
+import time
 
 import trio
 
@@ -44,6 +45,7 @@ from kvfs.errors import NamespaceError
 from kvfs.protocol import CONTROL_NAME_B
 from kvfs.store.cred import Cred
 from kvfs.store.index import ROOT_INO
+from kvfs.store.sniff import peek_block_header
 
 log = logging.getLogger(__name__)
 
@@ -208,9 +210,12 @@ def _copy(src: int, dst: int, offset: int, length: int) -> int:
 class Commits:
     """``Cache``'s batched commit (see the module docstring)."""
 
-    def commit_parent(self, path: bytes, cred: Cred, noreplace: bool = False) -> tuple[int, bytes]:
+    def commit_parent(self, path: bytes, cred: Cred, noreplace: bool = False, dirmode: int | None = None,
+                      made: list | None = None) -> tuple[int, bytes]:
         """``(parent inode, name)`` of ``path`` if ``cred`` may create or replace it there
-        (EEXIST if it exists and ``noreplace``)."""
+        (EEXIST if it exists and ``noreplace``). With ``dirmode``, missing directories on the
+        way are made as ``mkdir`` would (write and search on their parent; owned by the caller;
+        ``(parent, name)`` of each appended to ``made``); without, a missing one is ENOENT."""
         comps = path.split(b"/")
         if any(c in (b"", b".", b"..") or len(c) > NAME_MAX for c in comps):
             raise _err(errno.EINVAL, "a commit path has empty, '.', '..' or too long components")
@@ -224,7 +229,16 @@ class Commits:
                 raise _err(errno.EACCES)
             if ino == ROOT_INO and c == CONTROL_NAME_B:
                 raise _err(errno.EPERM, ".kvfs is reserved")
-            ino = self.ns.lookup(ino, c)
+            child = self.ns.find(ino, c)
+            if child is None and dirmode is not None:
+                if not cred.may(rec, 3):
+                    raise _err(errno.EACCES)
+                child, _ = self.ns.make(ino, c, stat.S_IFDIR | (dirmode & 0o7777), cred.uid, cred.gid)
+                if made is not None:
+                    made.append((ino, c))
+            if child is None:
+                raise _err(errno.ENOENT)
+            ino = child
         prec = self.ns.inode(ino)
         if not stat.S_ISDIR(prec["mode"]):
             raise _err(errno.ENOTDIR)
@@ -245,7 +259,8 @@ class Commits:
         return ino, name
 
     async def commit_entries(self, entries: list[CommitEntry], cred: Cred, quotas=None,
-                             noreplace: bool = False) -> list[tuple[int, bytes] | BaseException]:
+                             noreplace: bool = False, dirmode: int | None = None,
+                             made: list | None = None) -> list[tuple[int, bytes] | BaseException]:
         """Publish each entry (see the module docstring): per entry ``(parent, name)`` of the
         published file, or the exception that failed it. Entries go in groups of about
         GROUP_BYTES: temp files made, then every copy of the group in one worker-thread call
@@ -255,18 +270,19 @@ class Commits:
         start = size = 0
         for i, e in enumerate(entries):
             if size and size + e.length > GROUP_BYTES or i - start >= GROUP_ENTRIES:
-                out += await self._commit_group(entries[start:i], cred, quotas, noreplace)
+                out += await self._commit_group(entries[start:i], cred, quotas, noreplace, dirmode, made)
                 start, size = i, 0
             size += max(0, e.length)
         if start < len(entries):
-            out += await self._commit_group(entries[start:], cred, quotas, noreplace)
+            out += await self._commit_group(entries[start:], cred, quotas, noreplace, dirmode, made)
         return out
 
-    async def _commit_group(self, entries: list[CommitEntry], cred: Cred, quotas, noreplace: bool) -> list:
+    async def _commit_group(self, entries: list[CommitEntry], cred: Cred, quotas, noreplace: bool,
+                            dirmode: int | None, dirs: list | None) -> list:
         made: list = []
         for e in entries:
             try:
-                made.append(await self._begin(e, cred, quotas, noreplace))
+                made.append(await self._begin(e, cred, quotas, noreplace, dirmode, dirs))
             except trio.Cancelled:
                 raise
             except Exception as exc:        # noqa: BLE001 -- each entry fails on its own
@@ -292,18 +308,25 @@ class Commits:
                     if quotas is not None:
                         quotas.forget_handle(m.fh)
                     await self.release(m.fh)
-                if not m.published:
+                if m.tmp is None:
+                    if m.staging is not None:   # not taken by a published object
+                        m.staging.discard()
+                        m.staging = None
+                elif not m.published:
                     try:
                         await self.unlink(m.parent, m.tmp)
                     except NamespaceError:
                         pass
         return out
 
-    async def _begin(self, e: CommitEntry, cred: Cred, quotas, noreplace: bool) -> "_Pending":
-        """Checks, the hidden temp file and its (empty) buffer, and the quota's room."""
+    async def _begin(self, e: CommitEntry, cred: Cred, quotas, noreplace: bool, dirmode: int | None = None,
+                     dirs: list | None = None) -> "_Pending":
+        """Checks, the (empty) buffer, and with a quota the hidden temp file and its room."""
         if e.offset < 0 or e.length < 0:
             raise _err(errno.EINVAL, "negative offset or length")
-        parent, name = self.commit_parent(e.path, cred, noreplace)
+        parent, name = self.commit_parent(e.path, cred, noreplace, dirmode, dirs)
+        if self._direct(quotas):
+            return _Pending(e, parent, name, None, None, None, self.store.ram.new_staging(), cred=cred)
         tmp = TMP_PREFIX + os.urandom(8).hex().encode()
         fh, ino, _ = await self.create(parent, tmp, e.mode & 0o777, cred.uid, cred.gid, os.O_WRONLY)
         m = _Pending(e, parent, name, tmp, fh, ino, None)
@@ -322,6 +345,48 @@ class Commits:
             raise
         return m
 
+    def _direct(self, quotas) -> bool:
+        """Entries are published directly (:meth:`_publish`) unless a quota must admit
+        their bytes through a write handle (then: temp file, seal, rename)."""
+        return quotas is None or not quotas.limits
+
+    async def _publish(self, m: "_Pending", noreplace: bool) -> tuple[int, bytes]:
+        """Seal the entry's buffer into an object and install it under its final name in one
+        index transaction (Namespace.publish): no temp inode, no rename, one group commit."""
+        staging, m.staging = m.staging, None
+        ram = self.store.ram
+        if ram.used > ram.capacity and not staging.spilled:     # as a write would (_written)
+            self.store.kick()
+            await staging.spill(self.spill_dir)
+        elif ram.used > ram.capacity * self.store.high:
+            self.store.kick()
+        t0 = time.perf_counter()
+        try:
+            kv = await peek_block_header(staging)
+            key = self.ns.path_of(m.parent).rstrip("/") + "/" + m.name.decode("utf-8", "surrogateescape")
+            obj = await self.store.create(self.index.new_id(b"ino"), staging, key, 1)
+        finally:
+            staging.discard()               # what the object did not adopt
+        kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")} if kv else None
+        gone = self._describe_name(m.parent, m.name)
+        try:
+            _, dropped = self.ns.publish(m.parent, m.name, m.entry.mode, m.cred.uid, m.cred.gid, obj,
+                                         kvrec, noreplace, self.is_open)
+        except NamespaceError:
+            with self.index.write() as txn:
+                self.store.drop(txn, obj)
+            await self.store.release_space(obj)
+            raise
+        m.published = True
+        if dropped is not None:
+            self._removed(dropped, gone)
+            await self.store.release_space(dropped)
+        self.telemetry.latency["seal"].observe(time.perf_counter() - t0)
+        self.telemetry.events.emit("stored", obj, self.store.top_tier(obj), path=key, kv=kvrec or {})
+        if self.on_renamed is not None:     # a shared volume publishes the name
+            await self.on_renamed(m.parent, m.name)
+        return m.parent, m.name
+
     def _copy_target(self, m: "_Pending") -> int | None:
         """The staging file the bytes are copied to; None: a buffer below the RAM tier's
         ``mapped_min`` stays in memory (the bytes are read, then written to it)."""
@@ -334,7 +399,6 @@ class Commits:
         """Account the copied bytes, seal as the last close would, rename over the name."""
         if isinstance(got, BaseException):
             raise got
-        ws = self.handles[m.fh].ws
         staging = m.staging
         if isinstance(got, bytes):          # a small buffer kept in memory
             await staging.write(0, got)
@@ -343,7 +407,9 @@ class Commits:
             staging._account(got)
         if got != m.entry.length:
             raise _err(errno.EINVAL, f"the source holds {got} of the {m.entry.length} bytes named")
-        await self._written(ws, staging)
+        if m.fh is None:
+            return await self._publish(m, noreplace)
+        await self._written(self.handles[m.fh].ws, staging)
         await self.flush(m.fh)              # the seal: as the last close would
         await self.release(m.fh)
         rec = self.index.get_inode(m.ino)
@@ -359,11 +425,12 @@ class _Pending:
     entry: CommitEntry
     parent: int
     name: bytes
-    tmp: bytes
-    fh: int
-    ino: int
+    tmp: bytes | None           # None: published directly (Commits._publish), no temp file
+    fh: int | None
+    ino: int | None
     staging: object
     published: bool = False
+    cred: Cred | None = None
 
 
 def _read(src: int, offset: int, length: int) -> bytes:

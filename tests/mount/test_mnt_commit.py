@@ -176,6 +176,14 @@ def test_another_user_commits_only_where_it_may_create(kvfs_mount, intruder):
         assert json.loads(res.stdout) == [errno.EPERM, 0]
         res = intruder.run(INTRUDER_COMMIT, m.path, "mine/f")
         assert json.loads(res.stdout) == [0, 0]
+        mkdirs = INTRUDER_COMMIT.replace('req = ("\\0fd', 'req = ("\\0mkdir 750\\n\\0fd')
+        assert mkdirs != INTRUDER_COMMIT
+        res = intruder.run(mkdirs, m.path, "roots/sub/f")      # mkdir needs write on roots
+        assert json.loads(res.stdout) == [errno.EACCES, errno.EACCES]
+        res = intruder.run(mkdirs, m.path, "mine/sub/f")
+        assert json.loads(res.stdout) == [0, 0]
+    st = os.stat(mine / "sub")
+    assert (st.st_uid, st.st_mode & 0o7777) == (intruder.uid, 0o750)
     assert os.listdir(m.path / "roots") == []
     assert read(sticky / "roots-file") == b"root"
     st = os.stat(mine / "f")
@@ -245,10 +253,20 @@ def test_commit_into_makes_missing_subdirectories_and_retries(kvfs_mount):
     try:
         items = [("abc/de_g0/h1.bin", [b"1" * 4096]), ("abc/de_g0/h2.bin", [b"2"]), ("top.bin", [b"t"])]
         assert c.commit("v", items) == [errno.ENOENT, errno.ENOENT, 0]
+        with pytest.raises(FileNotFoundError):      # a negative entry the daemon must drop
+            os.stat(m.path / "v/abc")
         assert c.commit_into("v", items, noreplace=True) == [0, 0, errno.EEXIST]
+        c._mkdir = False                # a daemon without \0mkdir: ENOENT, makedirs, again
+        assert c.commit_into("v", [("x/y/h3.bin", [b"3"])]) == [0]
     finally:
         c.close()
     assert read(m.path / "v/abc/de_g0/h1.bin") == b"1" * 4096 and read(m.path / "v/abc/de_g0/h2.bin") == b"2"
+    assert read(m.path / "v/x/y/h3.bin") == b"3"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for d in ("v/abc", "v/abc/de_g0", "v/x/y"):
+        st = os.stat(m.path / d)
+        assert (st.st_mode & 0o7777, st.st_uid) == (0o777 & ~umask, os.getuid()), d
 
 
 def test_page_store_connecting_as_the_mount_dies_writes_nothing_under_it(kvfs_mount, monkeypatch):
@@ -284,6 +302,7 @@ def test_commit_into_as_the_mount_dies_makes_no_directory_under_it(kvfs_mount):
     m = kvfs_mount()
     (m.path / "v").mkdir()
     c = CommitClient(str(m.path))
+    c._mkdir = False                 # as with a daemon that does not make directories itself
     real = c.commit
 
     def then_killed(*args, **kw):

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
 from integration.released import load_lmcache, load_sglang, load_vllm, storage_config  # noqa: E402
-from kv_bench import Mounted  # noqa: E402
+from kvfs.bench import BenchMount  # noqa: E402
 from runtime_rows import make_rows  # noqa: E402
 
 log = logging.getLogger("runtime_adapters")
@@ -190,7 +190,7 @@ def bench(args) -> dict:
                 plain = root / f"plain-{rt}-{ps}-{layers}"
                 plain.mkdir()
                 names = RUNTIMES[rt][1]
-                with Mounted(root, f"m{rt}{layers}", ram=ram, nvme_size="8GiB") as m:
+                with BenchMount(root / f"m{rt}{layers}", ram=ram, nvme_size="8GiB", promote_hits=None) as m:
                     dirs = {names[0]: plain, names[1]: m.path / f"{rt}-own", names[2]: m.path / f"{rt}-kvfs"}
                     for d in dirs.values():
                         d.mkdir(exist_ok=True)

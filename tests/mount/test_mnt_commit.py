@@ -317,3 +317,28 @@ def test_commit_into_as_the_mount_dies_makes_no_directory_under_it(kvfs_mount):
     finally:
         c.close()
     assert not os.path.ismount(m.path) and os.listdir(m.path) == []
+
+
+def test_kill9_after_commit_leaves_each_name_its_last_sealed_version_or_absent(kvfs_mount):
+    """A committed entry is installed under its final name in one index transaction: after
+    kill -9 a replaced name holds its old or its new bytes, a new name its bytes or nothing,
+    and no temp file is left. (RAM smaller than the files: sealed versions live on NVMe.)"""
+    m = kvfs_mount(ram="4MiB", nvme_size="64MiB")
+    v1, v2, g = content("v1", 6 * MiB), content("v2", 6 * MiB), content("g", 5 * MiB)
+    c = CommitClient(str(m.path))
+    try:
+        assert c.commit("", [("f", [v1])]) == [0]
+        wait_for(lambda: os.getxattr(m.path / "f", "user.kvfs.tier") == b"nvme", 60, "f on NVMe")
+        m.stats()                        # commits the pending index changes: v1 is durable
+        assert c.commit("", [("f", [v2]), ("d/g", [g])], noreplace=False, dirmode=0o755) == [0, 0]
+        m.kill9()
+    finally:
+        c.close()
+    m.mount()
+    assert read(m.path / "f") in (v1, v2)
+    assert sorted(os.listdir(m.path)) in (["f"], ["d", "f"])
+    try:
+        assert read(m.path / "d" / "g") == g
+    except FileNotFoundError:
+        pass                             # the commit's transaction was lost with the daemon
+    assert leftovers(m.path) == []

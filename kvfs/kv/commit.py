@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 BATCH_BYTES = 256 << 20      # a larger batch goes as several requests
 _ANSWER_CHUNK = 1 << 20
+_IOV = 1024                  # buffers per pwritev (IOV_MAX)
 
 
 class CommitUnavailable(OSError):
@@ -142,19 +143,19 @@ class CommitClient:
 
     def _commit(self, base: str, items: list[tuple[str, list]], mode: int | None, noreplace: bool,
                 dirmode: int | None = None) -> list[int]:
-        entries, off = [], 0
-        chunks = []
+        entries, views, off = [], [], 0
         for name, bufs in items:
-            views = _views(bufs)
-            n = sum(len(v) for v in views)
+            vs = _views(bufs)
+            n = sum(len(v) for v in vs)
             entries.append((off, n, name))
-            chunks.append((off, views))
+            views += vs
             off += n
         if off > self._size:
             os.ftruncate(self.memfd, off)
             self._size = off
-        for at, views in chunks:
-            write_all(self.memfd, views, at)
+        at = 0
+        for k in range(0, len(views), _IOV):        # the entries lie back to back: few pwritev
+            at += write_all(self.memfd, views[k:k + _IOV], at)
         req = protocol.commit_request(base, self.memfd, entries, mode, noreplace, dirmode)
         self._send(req)
         answer = self._receive()

@@ -27,7 +27,7 @@ import weakref
 from kvfs.kv.block import encode_header
 from kvfs.kv.blockio import write_all
 from kvfs.kv.commit import CommitClient
-from kvfs.kv.layout import KVLayout, block_path
+from kvfs.kv.layout import KVLayout, block_path, block_relpath
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +214,7 @@ class BlockWriter:
         items = []
         for j in todo:
             payload = job.payload(j)
-            items.append((os.path.relpath(block_path(self.ns_dir, job.hashes[j]), self.ns_dir),
-                          [self._header(job, j, payload), payload]))
+            items.append((block_relpath(job.hashes[j]), [self._header(job, j, payload), payload]))
         try:
             results = self._commit.commit_into(self._commit_base, items, noreplace=True)
         except OSError as e:

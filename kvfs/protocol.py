@@ -44,6 +44,7 @@ RELEASE = b"release"
 FD = b"fd"               # commit: the caller's descriptor holding the bytes of later entries
 MODE = b"mode"           # commit: permission bits of later entries (octal, default 0644)
 NOREPLACE = b"noreplace"  # commit: an existing target is kept (EEXIST for its entry)
+MKDIR = b"mkdir"         # commit: missing directories are made with these bits (octal)
 LEASE_OPTIONS = (TTL, RELEASE)
 RELEASE_REQUEST = DIRECTIVE + RELEASE + b"\n"
 
@@ -61,11 +62,13 @@ def request(base: str, rels: list[str], ttl: float | None = None) -> bytes:
 
 
 def commit_request(base: str, fd: int, entries: list[tuple[int, int, str]], mode: int | None = None,
-                   noreplace: bool = False) -> bytes:
+                   noreplace: bool = False, dirmode: int | None = None) -> bytes:
     """A ``.kvfs/commit`` request: ``entries`` of ``(offset, length, path)`` -- ``length``
     bytes at ``offset`` of the caller's descriptor ``fd`` become the file ``path`` (relative
-    to ``base``, itself relative to the mount root)."""
+    to ``base``, itself relative to the mount root); ``dirmode``: missing directories are made."""
     head = f"\0fd {fd}\n" + ("\0noreplace\n" if noreplace else "")
+    if dirmode is not None:
+        head += f"\0mkdir {dirmode:o}\n"
     if mode is not None:
         head += f"\0mode {mode:o}\n"
     if base and base != ".":

@@ -6,13 +6,16 @@ Open ``.kvfs/commit`` read-write, write a request at offset 0, read the answer::
     line      := entry | directive
     entry     := OFFSET " " LENGTH " " PATH     decimal byte range of the current fd; PATH
                                                  relative to the current base
-    directive := "\\0fd N" | "\\0base DIR" | "\\0mode OCTAL" | "\\0noreplace"
+    directive := "\\0fd N" | "\\0base DIR" | "\\0mode OCTAL" | "\\0noreplace" | "\\0mkdir OCTAL"
 
 ``\\0fd N`` names a descriptor of the process that opened the control file (required before
-the first entry; a regular file open for reading, e.g. a memfd, not a file of this mount);
+the first entry; a memfd or a tmpfs file open for reading: any other filesystem answers
+EINVAL, a file of this mount EXDEV, a descriptor not open for reading EBADF);
 ``\\0base DIR`` as for ``lookup``; ``\\0mode`` the permission bits of later entries (default
 0644); ``\\0noreplace`` keeps an existing target (its entry answers EEXIST, as
-``rename(RENAME_NOREPLACE)``; default: replace it, as ``rename``). The answer is ``{"results": [errno, ...]}``, one per entry in order: 0 = the file was
+``rename(RENAME_NOREPLACE)``; default: replace it, as ``rename``); ``\\0mkdir OCTAL`` makes
+missing directories on an entry's path (as ``mkdir`` with those permission bits would, as
+the caller: write and search on their parent; default: a missing directory is ENOENT). The answer is ``{"results": [errno, ...]}``, one per entry in order: 0 = the file was
 published as if the caller had written a temp file beside it, closed it and renamed it over
 PATH; otherwise the errno that failed it (nothing was published for it). A request that
 does not parse fails as a whole with EINVAL.
@@ -57,11 +60,11 @@ def _mount_dev(mountpoint: str) -> int:
     return dev
 
 
-def parse(raw: bytes) -> tuple[list[tuple[int, int, int, bytes, int]], bool]:
-    """``([(fd, offset, length, path from the root, mode), ...], noreplace)`` of a request;
-    EINVAL if it does not parse."""
+def parse(raw: bytes) -> tuple[list[tuple[int, int, int, bytes, int]], bool, int | None]:
+    """``([(fd, offset, length, path from the root, mode), ...], noreplace, dirmode)`` of a
+    request; EINVAL if it does not parse."""
     out = []
-    fd, base, mode, noreplace = None, b"", 0o644, False
+    fd, base, mode, noreplace, dirmode = None, b"", 0o644, False, None
     try:
         for line in raw.split(b"\n"):
             if not line:
@@ -78,6 +81,10 @@ def parse(raw: bytes) -> tuple[list[tuple[int, int, int, bytes, int]], bool]:
                     mode = int(arg, 8)
                     if not 0 <= mode <= 0o777:
                         raise ValueError(mode)
+                elif word == protocol.MKDIR:
+                    dirmode = int(arg, 8)
+                    if not 0 <= dirmode <= 0o777:
+                        raise ValueError(dirmode)
                 else:
                     raise ValueError(word)
                 continue
@@ -90,7 +97,7 @@ def parse(raw: bytes) -> tuple[list[tuple[int, int, int, bytes, int]], bool]:
         raise pyfuse3.FUSEError(errno.EINVAL) from None
     if len(out) > MAX_ENTRIES:
         raise pyfuse3.FUSEError(errno.E2BIG)
-    return out, noreplace
+    return out, noreplace, dirmode
 
 
 class CommitControl:
@@ -112,7 +119,7 @@ class CommitControl:
         return self._dev
 
     async def serve(self, h, raw: bytes) -> dict:
-        reqs, noreplace = parse(raw)
+        reqs, noreplace, dirmode = parse(raw)
         fds: dict[int, int | Exception] = {}
         results: list[int] = [0] * len(reqs)
         entries, where = [], []
@@ -129,13 +136,14 @@ class CommitControl:
                     continue
                 entries.append(CommitEntry(path, src, off, length, mode))
                 where.append(i)
+            made: list = []
             done = await self.cache.commit_entries(entries, h.cred, getattr(self.cache, "quotas", None),
-                                                   noreplace)
+                                                   noreplace, dirmode, made)
         finally:
             for src in fds.values():
                 if isinstance(src, int):
                     os.close(src)
-        names = []
+        names = list(made)                  # the kernel may hold negative entries for them
         for i, r in zip(where, done):
             if isinstance(r, BaseException):
                 results[i] = to_errno(r)

@@ -526,7 +526,7 @@ class PageStore:
         if st.committer is None:
             return todo
         try:
-            results = st.committer.commit_into(self.dir, os.path.relpath(self.dir, self._mount_root),
+            results = st.committer.commit_into(os.path.relpath(self.dir, self._mount_root),
                                                  [(names[i], bufs_of(i)) for i in todo], noreplace=True)
         except OSError as e:
             if e.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV):

@@ -44,11 +44,11 @@ def encode_header(layout: KVLayout, *, namespace: str, hash_hex: str, parent_hex
         "kvfs.tokens": str(tokens),
         "kvfs.block_tokens": str(layout.block_tokens),
         "kvfs.hash_algo": hash_algo,
-        "kvfs.layout": layout.to_json(),
+        "kvfs.layout": _expected(layout)[0],      # cached: asdict + dumps per block cost ~100 us
         "kvfs.checksums": ",".join(layer_checksums(mv, layout.layer_bytes)),
         "kvfs.created": f"{time.time() if created is None else created:.6f}",
     }
-    tensors = {TENSOR: (layout.st_dtype, list(layout.block_shape()), len(mv))}
+    tensors = {TENSOR: (layout.st_dtype, _expected(layout)[2]["shape"], len(mv))}
     if token_ids is not None:
         with_ids = dict(meta, **{"kvfs.token_ids": ",".join(map(str, token_ids))})
         try:

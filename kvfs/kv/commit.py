@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 BATCH_BYTES = 256 << 20      # a larger batch goes as several requests
 _ANSWER_CHUNK = 1 << 20
+_IOV = 1024                  # buffers per pwritev (IOV_MAX)
 
 
 class CommitUnavailable(OSError):
@@ -32,15 +33,36 @@ def _views(bufs) -> list[memoryview]:
     return [memoryview(b).cast("B") for b in bufs]
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask would race other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
 class CommitClient:
+    """Holds a descriptor of the mount's root: the control file is opened through it, and
+    so are the directories it makes (:meth:`makedirs`), so a mount that dies meanwhile fails
+    them (ENOTCONN) instead of letting them land under the bare mount point."""
+
     def __init__(self, mount_root: str):
-        path = os.path.join(mount_root, protocol.CONTROL_NAME, protocol.COMMIT_FILE)
+        rel = os.path.join(protocol.CONTROL_NAME, protocol.COMMIT_FILE)
+        self.root = os.open(mount_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            self.ctl = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise CommitUnavailable(errno.ENOTSUP, f"{path} does not exist (older kvfs)") from None
+            self.ctl = os.open(rel, os.O_RDWR | os.O_CLOEXEC, dir_fd=self.root)
+        except BaseException as e:
+            os.close(self.root)
+            if isinstance(e, FileNotFoundError):
+                raise CommitUnavailable(errno.ENOTSUP, f"{mount_root}/{rel} does not exist (older kvfs)") from None
+            raise
         self.memfd = os.memfd_create("kvfs-commit", os.MFD_CLOEXEC)
         self._size = 0
+        self._mkdir = True              # the daemon makes missing directories (\0mkdir)
 
     @classmethod
     def open(cls, mount_root: str) -> "CommitClient | None":
@@ -51,58 +73,90 @@ class CommitClient:
             return None
 
     def close(self) -> None:
-        for fd in (self.ctl, self.memfd):
+        for fd in (self.ctl, self.memfd, self.root):
             if fd >= 0:
-                os.close(fd)
-        self.ctl = self.memfd = -1
+                try:
+                    os.close(fd)        # the descriptor is closed even when this fails
+                except OSError as e:    # ENOTCONN: the mount is gone
+                    log.debug("closing a commit descriptor: %s", e)
+        self.ctl = self.memfd = self.root = -1
+
+    def makedirs(self, rel: str) -> None:
+        """``mkdir -p`` of ``rel`` (relative to the mount root) through the root's descriptor:
+        ENOTCONN (an OSError) once the mount is gone, never a directory under the bare mount point.
+        The deepest directory is tried first (usually the only one missing: one round trip)."""
+        parts = [p for p in rel.split(os.sep) if p not in ("", os.curdir)]
+        k = len(parts)
+        while k:
+            try:
+                os.mkdir(os.path.join(*parts[:k]), dir_fd=self.root)
+                break
+            except FileExistsError:
+                break
+            except FileNotFoundError:
+                k -= 1                      # its parent is missing too
+        for j in range(k + 1, len(parts) + 1):
+            try:
+                os.mkdir(os.path.join(*parts[:j]), dir_fd=self.root)
+            except FileExistsError:
+                pass
 
     def commit(self, base: str, items: list[tuple[str, list]], mode: int | None = None,
-               noreplace: bool = False) -> list[int]:
+               noreplace: bool = False, dirmode: int | None = None) -> list[int]:
         """Publish ``items`` (``(path relative to base, [buffers in file order])``) under
         ``base`` (relative to the mount root). Returns one errno per item (0: published;
-        EEXIST: ``noreplace`` and the file exists, kept as it was).
+        EEXIST: ``noreplace`` and the file exists, kept as it was). ``dirmode``: missing
+        directories are made by the daemon with these bits (else: ENOENT for the item).
         Raises OSError when the request as a whole failed (daemon gone, refused)."""
         out: list[int] = []
         start, size = 0, 0
         for i, (_, bufs) in enumerate(items):
-            n = sum(len(v) for v in _views(bufs))
+            n = sum(memoryview(b).nbytes for b in bufs)
             if size and size + n > BATCH_BYTES:
-                out += self._commit(base, items[start:i], mode, noreplace)
+                out += self._commit(base, items[start:i], mode, noreplace, dirmode)
                 start, size = i, 0
             size += n
         if start < len(items):
-            out += self._commit(base, items[start:], mode, noreplace)
+            out += self._commit(base, items[start:], mode, noreplace, dirmode)
         return out
 
-    def commit_into(self, local_dir: str, base: str, items: list[tuple[str, list]],
-                    noreplace: bool = False) -> list[int]:
-        """:meth:`commit` under ``base``, whose path on this machine is ``local_dir``; items
-        refused with ENOENT (a subdirectory not made yet) are sent again once their
-        subdirectories are made through the mount."""
+    def commit_into(self, base: str, items: list[tuple[str, list]], noreplace: bool = False) -> list[int]:
+        """:meth:`commit` under ``base``, missing subdirectories made as ``os.makedirs`` would
+        (by the daemon in the same request; with a daemon that does not know ``\\0mkdir``,
+        items refused with ENOENT are sent again once :meth:`makedirs` made them)."""
+        if self._mkdir:
+            try:
+                return self.commit(base, items, noreplace=noreplace, dirmode=0o777 & ~_umask())
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                log.debug("the daemon does not make directories on commit: making them here")
+                self._mkdir = False
         results = self.commit(base, items, noreplace=noreplace)
         nodir = [k for k, r in enumerate(results) if r == errno.ENOENT and os.path.dirname(items[k][0])]
         if nodir:
             for sub in {os.path.dirname(items[k][0]) for k in nodir}:
-                os.makedirs(os.path.join(local_dir, sub), exist_ok=True)
+                self.makedirs(os.path.join(base, sub))
             for k, r in zip(nodir, self.commit(base, [items[k] for k in nodir], noreplace=noreplace)):
                 results[k] = r
         return results
 
-    def _commit(self, base: str, items: list[tuple[str, list]], mode: int | None, noreplace: bool) -> list[int]:
-        entries, off = [], 0
-        chunks = []
+    def _commit(self, base: str, items: list[tuple[str, list]], mode: int | None, noreplace: bool,
+                dirmode: int | None = None) -> list[int]:
+        entries, views, off = [], [], 0
         for name, bufs in items:
-            views = _views(bufs)
-            n = sum(len(v) for v in views)
+            vs = _views(bufs)
+            n = sum(len(v) for v in vs)
             entries.append((off, n, name))
-            chunks.append((off, views))
+            views += vs
             off += n
         if off > self._size:
             os.ftruncate(self.memfd, off)
             self._size = off
-        for at, views in chunks:
-            write_all(self.memfd, views, at)
-        req = protocol.commit_request(base, self.memfd, entries, mode, noreplace)
+        at = 0
+        for k in range(0, len(views), _IOV):        # the entries lie back to back: few pwritev
+            at += write_all(self.memfd, views[k:k + _IOV], at)
+        req = protocol.commit_request(base, self.memfd, entries, mode, noreplace, dirmode)
         self._send(req)
         answer = self._receive()
         try:

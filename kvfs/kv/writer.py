@@ -27,7 +27,7 @@ import weakref
 from kvfs.kv.block import encode_header
 from kvfs.kv.blockio import write_all
 from kvfs.kv.commit import CommitClient
-from kvfs.kv.layout import KVLayout, block_path
+from kvfs.kv.layout import KVLayout, block_path, block_relpath
 
 log = logging.getLogger(__name__)
 
@@ -63,24 +63,39 @@ class WriterStats:
     bytes_written: int
 
 
-def write_block_file(final: str, header: bytes, payload) -> bool:
+def write_block_file(final: str, header: bytes, payload, dir_fd: int | None = None) -> bool:
     """Write ``header + payload`` to a temp file beside ``final`` and rename it into place.
 
-    Returns False (and writes nothing) if ``final`` already exists.
+    Returns False (and writes nothing) if ``final`` already exists. With ``dir_fd`` (a
+    descriptor of the mount root), ``final`` is relative to it and every directory, the temp
+    file and the rename go through it: a mount that dies meanwhile fails them (ENOTCONN)
+    instead of creating directories and files under the bare mount point.
     """
-    if os.path.exists(final):
+    try:
+        os.stat(final, dir_fd=dir_fd)
         return False
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.{os.urandom(6).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileNotFoundError:
+        pass
+    parent = os.path.dirname(final)
+    if dir_fd is None:
+        os.makedirs(parent, exist_ok=True)
+    else:
+        parts = [p for p in parent.split(os.sep) if p not in ("", os.curdir)]
+        for k in range(1, len(parts) + 1):
+            try:
+                os.mkdir(os.path.join(*parts[:k]), dir_fd=dir_fd)
+            except FileExistsError:
+                pass
+    tmp = os.path.join(parent, f".{os.path.basename(final)}.{os.urandom(6).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
     try:
         write_all(fd, [header, payload])
     except BaseException:
         os.close(fd)
-        os.unlink(tmp)
+        os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.close(fd)
-    os.rename(tmp, final)
+    os.rename(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return True
 
 
@@ -106,6 +121,10 @@ class BlockWriter:
         # on kvfs: blocks go in batches through .kvfs/commit (used by the writer thread only)
         self._commit = CommitClient.open(mount_root) if mount_root else None
         self._commit_base = os.path.relpath(os.path.realpath(ns_dir), mount_root) if mount_root else ""
+        # on a mount, blocks the commit refused go through a descriptor of its root
+        self._root_fd = -1
+        if mount_root:
+            self._root_fd = os.open(mount_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.store_token_ids = store_token_ids
         self._q: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()
@@ -195,10 +214,9 @@ class BlockWriter:
         items = []
         for j in todo:
             payload = job.payload(j)
-            items.append((os.path.relpath(block_path(self.ns_dir, job.hashes[j]), self.ns_dir),
-                          [self._header(job, j, payload), payload]))
+            items.append((block_relpath(job.hashes[j]), [self._header(job, j, payload), payload]))
         try:
-            results = self._commit.commit_into(self.ns_dir, self._commit_base, items, noreplace=True)
+            results = self._commit.commit_into(self._commit_base, items, noreplace=True)
         except OSError as e:
             log.warning("batched commit failed (%s): writing the blocks through the mount", e)
             return todo
@@ -220,13 +238,19 @@ class BlockWriter:
         for j, h in enumerate(job.hashes):
             if j not in left:
                 continue
-            final = block_path(self.ns_dir, h)
-            if os.path.exists(final):
-                self._done(job, 0)
+            final, dir_fd = block_path(self.ns_dir, h), None
+            if self._root_fd >= 0:
+                final, dir_fd = os.path.join(self._commit_base, os.path.relpath(final, self.ns_dir)), self._root_fd
+            try:
+                os.stat(final, dir_fd=dir_fd)
+                self._done(job, 0)          # present already
                 continue
+            except FileNotFoundError:
+                pass
             payload = job.payload(j)
             header = self._header(job, j, payload)
-            self._done(job, len(header) + lay.block_bytes if write_block_file(final, header, payload) else 0)
+            written = write_block_file(final, header, payload, dir_fd)
+            self._done(job, len(header) + lay.block_bytes if written else 0)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued job is written; raise SaveError for failures since last flush."""
@@ -275,5 +299,9 @@ class BlockWriter:
             self._closed = True
             self._q.put(None)
             self._thread.join(timeout)
-            if self._commit is not None and not self._thread.is_alive():
-                self._commit.close()
+            if not self._thread.is_alive():
+                if self._commit is not None:
+                    self._commit.close()
+                if self._root_fd >= 0:
+                    os.close(self._root_fd)
+                    self._root_fd = -1

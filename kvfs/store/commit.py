@@ -19,11 +19,15 @@ Each entry succeeds or fails on its own; a failed entry leaves nothing behind.
 
 The caller's descriptor is reached through ``/proc/<pid>/fd/<n>`` of the process that opened
 the control file (:class:`CallerProcess`), never through a path the caller names: it is
-opened ``O_PATH`` first (no side effects), must be a regular file outside this mount, is
-reopened read-only from that ``O_PATH`` descriptor, and the caller's own descriptor must be
-readable (``fdinfo`` flags) and still name the same inode afterwards. So the daemon never reads
-anything the caller could not read itself. A pidfd taken at open time proves the process is
-still the one that opened the control file (its pid was not reused).
+opened ``O_PATH`` first (no side effects), must be a memfd (not ``MFD_HUGETLB``) or a file
+on a tmpfs -- told from its mount id in ``fdinfo`` and the caller's ``mountinfo``, before
+anything asks the file's own filesystem (EINVAL otherwise, EXDEV for a file of this mount:
+a descriptor of a slow or stalled filesystem, e.g. a FUSE file the caller serves itself,
+would hold a daemon worker thread) -- must be a regular file, is reopened read-only from
+that ``O_PATH`` descriptor, and the caller's own descriptor must be readable (``fdinfo``
+flags) and still name the same inode afterwards. So the daemon never reads anything the
+caller could not read itself. A pidfd taken at open time proves the process is still the
+one that opened the control file (its pid was not reused).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import logging
 import os
 import select
 import stat
+import time
 
 import trio
 
@@ -40,6 +45,7 @@ from kvfs.errors import NamespaceError
 from kvfs.protocol import CONTROL_NAME_B
 from kvfs.store.cred import Cred
 from kvfs.store.index import ROOT_INO
+from kvfs.store.sniff import peek_block_header
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +57,30 @@ GROUP_ENTRIES = 32         # ... at most (the RAM tier keeps 64 spare staging fi
                            # buffers at once would create and unlink files)
 
 
+SOURCE_FS = ("tmpfs",)      # filesystems a commit reads from (besides memfds)
+
+
 def _err(code: int, msg: str = "") -> NamespaceError:
     return NamespaceError(code, msg or os.strerror(code))
+
+
+def _fdinfo(path: str) -> dict[str, str]:
+    with open(path) as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+
+
+_memfd_mnt: list[str] = []
+
+
+def memfd_mount_id() -> str:
+    """The mount id of memfds (the kernel's internal shmem mount), learnt from one of ours."""
+    if not _memfd_mnt:
+        fd = os.memfd_create("kvfs-probe", os.MFD_CLOEXEC)
+        try:
+            _memfd_mnt.append(_fdinfo(f"/proc/self/fdinfo/{fd}")["mnt_id"].strip())
+        finally:
+            os.close(fd)
+    return _memfd_mnt[0]
 
 
 class CallerProcess:
@@ -96,29 +124,59 @@ class CallerProcess:
         except FileNotFoundError:
             raise _err(errno.EBADF, f"the caller has no descriptor {n}") from None
         try:
-            st = os.fstat(opath)
+            mnt = self._check_source_fs(n, opath, mount_dev)
+            st = os.fstat(opath)            # a memfd or tmpfs file: answered at once
             if not stat.S_ISREG(st.st_mode):
                 raise _err(errno.EBADF, f"descriptor {n} is not a regular file")
-            if st.st_dev == mount_dev:
-                raise _err(errno.EXDEV, f"descriptor {n} is a file of this mount")
             fd = os.open(f"/proc/self/fd/{opath}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
         finally:
             os.close(opath)
         try:
-            self._check_readable(n, st)
+            self._check_readable(n, st, mnt)
         except BaseException:
             os.close(fd)
             raise
         return fd
 
-    def _check_readable(self, n: int, st: os.stat_result) -> None:
-        """The caller's fd ``n`` may read (not O_WRONLY, not O_PATH) and still names ``st``'s
-        inode, and the caller is still the process that opened the control file."""
+    def _check_source_fs(self, n: int, opath: int, mount_dev: int) -> str:
+        """The mount id of ``opath`` (our O_PATH descriptor of the caller's fd ``n``) if it is
+        a memfd's or a tmpfs mount's; EXDEV for this mount, EINVAL for any other. Reads only
+        /proc: nothing here reaches the file's own filesystem."""
         try:
-            with open(f"/proc/{self.tgid}/fdinfo/{n}") as f:
-                flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+            mnt = _fdinfo(f"/proc/self/fdinfo/{opath}")["mnt_id"].strip()
+        except (OSError, KeyError, ValueError):
+            raise _err(errno.EBADF, f"descriptor {n} went away") from None
+        if mnt == memfd_mount_id():
+            return mnt
+        fstype, dev = "", -1
+        try:
+            with open(f"/proc/{self.tgid}/mountinfo") as f:     # the caller's mount namespace
+                for line in f:
+                    fields = line.split()
+                    if fields and fields[0] == mnt and " - " in line:
+                        fstype = line.split(" - ", 1)[1].split()[0]
+                        major, minor = fields[2].split(":")
+                        dev = os.makedev(int(major), int(minor))
+                        break
+        except (OSError, ValueError, IndexError):
+            raise _err(errno.ESRCH) from None
+        if fstype in SOURCE_FS:
+            return mnt
+        if dev == mount_dev:
+            raise _err(errno.EXDEV, f"descriptor {n} is a file of this mount")
+        raise _err(errno.EINVAL, f"descriptor {n} is not a memfd or a tmpfs file ({fstype or 'unknown'})")
+
+    def _check_readable(self, n: int, st: os.stat_result, mnt: str) -> None:
+        """The caller's fd ``n`` may read (not O_WRONLY, not O_PATH) and still names ``st``'s
+        inode on mount ``mnt`` (checked in fdinfo before the stat, so the stat reaches only a
+        memfd or tmpfs), and the caller is still the process that opened the control file."""
+        try:
+            info = _fdinfo(f"/proc/{self.tgid}/fdinfo/{n}")
+            flags = int(info["flags"].strip(), 8)
+            if info["mnt_id"].strip() != mnt:
+                raise _err(errno.EBADF, f"descriptor {n} changed")
             now = os.stat(f"/proc/{self.tgid}/fd/{n}")
-        except (OSError, StopIteration, ValueError):
+        except (OSError, KeyError, ValueError):
             raise _err(errno.EBADF, f"descriptor {n} went away") from None
         if flags & os.O_PATH or flags & os.O_ACCMODE == os.O_WRONLY:
             raise _err(errno.EBADF, f"descriptor {n} is not open for reading")
@@ -152,9 +210,12 @@ def _copy(src: int, dst: int, offset: int, length: int) -> int:
 class Commits:
     """``Cache``'s batched commit (see the module docstring)."""
 
-    def commit_parent(self, path: bytes, cred: Cred, noreplace: bool = False) -> tuple[int, bytes]:
+    def commit_parent(self, path: bytes, cred: Cred, noreplace: bool = False, dirmode: int | None = None,
+                      made: list | None = None) -> tuple[int, bytes]:
         """``(parent inode, name)`` of ``path`` if ``cred`` may create or replace it there
-        (EEXIST if it exists and ``noreplace``)."""
+        (EEXIST if it exists and ``noreplace``). With ``dirmode``, missing directories on the
+        way are made as ``mkdir`` would (write and search on their parent; owned by the caller;
+        ``(parent, name)`` of each appended to ``made``); without, a missing one is ENOENT."""
         comps = path.split(b"/")
         if any(c in (b"", b".", b"..") or len(c) > NAME_MAX for c in comps):
             raise _err(errno.EINVAL, "a commit path has empty, '.', '..' or too long components")
@@ -168,7 +229,16 @@ class Commits:
                 raise _err(errno.EACCES)
             if ino == ROOT_INO and c == CONTROL_NAME_B:
                 raise _err(errno.EPERM, ".kvfs is reserved")
-            ino = self.ns.lookup(ino, c)
+            child = self.ns.find(ino, c)
+            if child is None and dirmode is not None:
+                if not cred.may(rec, 3):
+                    raise _err(errno.EACCES)
+                child, _ = self.ns.make(ino, c, stat.S_IFDIR | (dirmode & 0o7777), cred.uid, cred.gid)
+                if made is not None:
+                    made.append((ino, c))
+            if child is None:
+                raise _err(errno.ENOENT)
+            ino = child
         prec = self.ns.inode(ino)
         if not stat.S_ISDIR(prec["mode"]):
             raise _err(errno.ENOTDIR)
@@ -189,7 +259,8 @@ class Commits:
         return ino, name
 
     async def commit_entries(self, entries: list[CommitEntry], cred: Cred, quotas=None,
-                             noreplace: bool = False) -> list[tuple[int, bytes] | BaseException]:
+                             noreplace: bool = False, dirmode: int | None = None,
+                             made: list | None = None) -> list[tuple[int, bytes] | BaseException]:
         """Publish each entry (see the module docstring): per entry ``(parent, name)`` of the
         published file, or the exception that failed it. Entries go in groups of about
         GROUP_BYTES: temp files made, then every copy of the group in one worker-thread call
@@ -199,18 +270,19 @@ class Commits:
         start = size = 0
         for i, e in enumerate(entries):
             if size and size + e.length > GROUP_BYTES or i - start >= GROUP_ENTRIES:
-                out += await self._commit_group(entries[start:i], cred, quotas, noreplace)
+                out += await self._commit_group(entries[start:i], cred, quotas, noreplace, dirmode, made)
                 start, size = i, 0
             size += max(0, e.length)
         if start < len(entries):
-            out += await self._commit_group(entries[start:], cred, quotas, noreplace)
+            out += await self._commit_group(entries[start:], cred, quotas, noreplace, dirmode, made)
         return out
 
-    async def _commit_group(self, entries: list[CommitEntry], cred: Cred, quotas, noreplace: bool) -> list:
+    async def _commit_group(self, entries: list[CommitEntry], cred: Cred, quotas, noreplace: bool,
+                            dirmode: int | None, dirs: list | None) -> list:
         made: list = []
         for e in entries:
             try:
-                made.append(await self._begin(e, cred, quotas, noreplace))
+                made.append(await self._begin(e, cred, quotas, noreplace, dirmode, dirs))
             except trio.Cancelled:
                 raise
             except Exception as exc:        # noqa: BLE001 -- each entry fails on its own
@@ -236,18 +308,25 @@ class Commits:
                     if quotas is not None:
                         quotas.forget_handle(m.fh)
                     await self.release(m.fh)
-                if not m.published:
+                if m.tmp is None:
+                    if m.staging is not None:   # not taken by a published object
+                        m.staging.discard()
+                        m.staging = None
+                elif not m.published:
                     try:
                         await self.unlink(m.parent, m.tmp)
                     except NamespaceError:
                         pass
         return out
 
-    async def _begin(self, e: CommitEntry, cred: Cred, quotas, noreplace: bool) -> "_Pending":
-        """Checks, the hidden temp file and its (empty) buffer, and the quota's room."""
+    async def _begin(self, e: CommitEntry, cred: Cred, quotas, noreplace: bool, dirmode: int | None = None,
+                     dirs: list | None = None) -> "_Pending":
+        """Checks, the (empty) buffer, and with a quota the hidden temp file and its room."""
         if e.offset < 0 or e.length < 0:
             raise _err(errno.EINVAL, "negative offset or length")
-        parent, name = self.commit_parent(e.path, cred, noreplace)
+        parent, name = self.commit_parent(e.path, cred, noreplace, dirmode, dirs)
+        if self._direct(quotas):
+            return _Pending(e, parent, name, None, None, None, self.store.ram.new_staging(), cred=cred)
         tmp = TMP_PREFIX + os.urandom(8).hex().encode()
         fh, ino, _ = await self.create(parent, tmp, e.mode & 0o777, cred.uid, cred.gid, os.O_WRONLY)
         m = _Pending(e, parent, name, tmp, fh, ino, None)
@@ -266,6 +345,48 @@ class Commits:
             raise
         return m
 
+    def _direct(self, quotas) -> bool:
+        """Entries are published directly (:meth:`_publish`) unless a quota must admit
+        their bytes through a write handle (then: temp file, seal, rename)."""
+        return quotas is None or not quotas.limits
+
+    async def _publish(self, m: "_Pending", noreplace: bool) -> tuple[int, bytes]:
+        """Seal the entry's buffer into an object and install it under its final name in one
+        index transaction (Namespace.publish): no temp inode, no rename, one group commit."""
+        staging, m.staging = m.staging, None
+        ram = self.store.ram
+        if ram.used > ram.capacity and not staging.spilled:     # as a write would (_written)
+            self.store.kick()
+            await staging.spill(self.spill_dir)
+        elif ram.used > ram.capacity * self.store.high:
+            self.store.kick()
+        t0 = time.perf_counter()
+        try:
+            kv = await peek_block_header(staging)
+            key = self.ns.path_of(m.parent).rstrip("/") + "/" + m.name.decode("utf-8", "surrogateescape")
+            obj = await self.store.create(self.index.new_id(b"ino"), staging, key, 1)
+        finally:
+            staging.discard()               # what the object did not adopt
+        kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")} if kv else None
+        gone = self._describe_name(m.parent, m.name)
+        try:
+            _, dropped = self.ns.publish(m.parent, m.name, m.entry.mode, m.cred.uid, m.cred.gid, obj,
+                                         kvrec, noreplace, self.is_open)
+        except NamespaceError:
+            with self.index.write() as txn:
+                self.store.drop(txn, obj)
+            await self.store.release_space(obj)
+            raise
+        m.published = True
+        if dropped is not None:
+            self._removed(dropped, gone)
+            await self.store.release_space(dropped)
+        self.telemetry.latency["seal"].observe(time.perf_counter() - t0)
+        self.telemetry.events.emit("stored", obj, self.store.top_tier(obj), path=key, kv=kvrec or {})
+        if self.on_renamed is not None:     # a shared volume publishes the name
+            await self.on_renamed(m.parent, m.name)
+        return m.parent, m.name
+
     def _copy_target(self, m: "_Pending") -> int | None:
         """The staging file the bytes are copied to; None: a buffer below the RAM tier's
         ``mapped_min`` stays in memory (the bytes are read, then written to it)."""
@@ -278,7 +399,6 @@ class Commits:
         """Account the copied bytes, seal as the last close would, rename over the name."""
         if isinstance(got, BaseException):
             raise got
-        ws = self.handles[m.fh].ws
         staging = m.staging
         if isinstance(got, bytes):          # a small buffer kept in memory
             await staging.write(0, got)
@@ -287,7 +407,9 @@ class Commits:
             staging._account(got)
         if got != m.entry.length:
             raise _err(errno.EINVAL, f"the source holds {got} of the {m.entry.length} bytes named")
-        await self._written(ws, staging)
+        if m.fh is None:
+            return await self._publish(m, noreplace)
+        await self._written(self.handles[m.fh].ws, staging)
         await self.flush(m.fh)              # the seal: as the last close would
         await self.release(m.fh)
         rec = self.index.get_inode(m.ino)
@@ -303,11 +425,12 @@ class _Pending:
     entry: CommitEntry
     parent: int
     name: bytes
-    tmp: bytes
-    fh: int
-    ino: int
+    tmp: bytes | None           # None: published directly (Commits._publish), no temp file
+    fh: int | None
+    ino: int | None
     staging: object
     published: bool = False
+    cred: Cred | None = None
 
 
 def _read(src: int, offset: int, length: int) -> bytes:

@@ -346,6 +346,43 @@ class Namespace:
                 self._touch_dir(txn, old_parent)
         return dropped
 
+    def publish(self, parent: int, name: bytes, mode: int, uid: int, gid: int, obj: Obj,
+                kv: dict | None, noreplace: bool, is_open) -> tuple[dict, Obj | None]:
+        """A new regular file ``parent/name`` pointing at the sealed ``obj`` (whose ``ino`` it
+        gets), replacing a file there as ``rename`` would (EEXIST with ``noreplace``), in ONE
+        transaction: after a crash the name is its old version or this one, never a temp
+        file or an empty file. Returns (its record, the replaced file's object)."""
+        with self.index.write() as txn:
+            prec = txn.get_inode(parent)
+            if prec is None:
+                raise _err(errno.ENOENT)
+            if not stat.S_ISDIR(prec["mode"]):
+                raise _err(errno.ENOTDIR)
+            dropped = None
+            target = txn.lookup(parent, name)
+            if target is not None:
+                if noreplace:
+                    raise _err(errno.EEXIST)
+                trec = txn.get_inode(target)
+                if stat.S_ISDIR(trec["mode"]):
+                    raise _err(errno.EISDIR)
+                dropped = self._remove(txn, parent, name, target, trec, is_open(target))
+            now = time.time_ns()
+            rec = dict(mode=stat.S_IFREG | (mode & 0o7777), uid=uid, gid=gid, size=obj.size, nlink=1,
+                       atime=now, mtime=now, ctime=now, parent=parent, name=name, xattrs={},
+                       oid=obj.oid, gen=1)
+            if kv:
+                rec["kv"] = kv
+            self._kv_add(rec)
+            obj.pinned = False
+            txn.put_object(obj.oid, obj.record())
+            txn.put_inode(obj.ino, rec)
+            txn.link(parent, name, obj.ino, new=True)
+            prec["mtime"] = prec["ctime"] = now
+            txn.put_inode(parent, prec)
+        self.sealed[obj.ino] = obj
+        return rec, dropped
+
     def update(self, ino: int, **fields) -> dict:
         with self.index.write() as txn:
             rec = txn.get_inode(ino)

@@ -437,4 +437,31 @@ def test_cache_opening_as_the_mount_dies_writes_nothing_under_it(kvfs_mount, mon
     with pytest.raises(OSError):
         kvfs.KVCache(m.path, model="test/model", layout=LAYOUT)
     assert killed == [True] and not os.path.ismount(m.path)
+
+
+def test_save_as_the_mount_dies_writes_nothing_under_it(kvfs_mount, monkeypatch):
+    """The daemon killed (mount detached) as the writer sends its commit: the blocks the
+    commit could not publish go through the mount root's descriptor and fail, instead of
+    making the namespace's directories and block files under the bare mount point."""
+    from kvfs.kv.commit import CommitClient
+    from kvfs.kv.writer import SaveError
+    m = kvfs_mount()
+    real, killed = CommitClient.commit, []
+
+    def killed_first(self, *args, **kw):
+        if not killed:
+            killed.append(1)
+            m.kill9()
+        return real(self, *args, **kw)
+    monkeypatch.setattr(CommitClient, "commit", killed_first)
+    c = kvfs.KVCache(m.path, model="test/model", layout=SMALL, save_timeout=None)
+    toks = list(range(64))
+    c.save(toks, _kv(SMALL, 64, 1))
+    with pytest.raises(SaveError):
+        c.flush()
+    assert killed and not os.path.ismount(m.path) and os.listdir(m.path) == []
+    try:
+        c.close()
+    except (SaveError, OSError):
+        pass
     assert os.listdir(m.path) == []

@@ -6,7 +6,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import xxhash
@@ -84,13 +87,23 @@ def test_bytes_changed_after_commit_do_not_change_the_stored_file(kvfs_mount):
         os.close(fd)
 
 
-def test_commit_refuses_descriptors_the_caller_may_not_read(kvfs_mount, tmp_path):
+@pytest.fixture
+def shm_dir(tmp_path):
+    """A directory on a tmpfs (/dev/shm), removed after the test."""
+    d = Path(tempfile.mkdtemp(prefix="kvfs-test-commit-", dir="/dev/shm"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_commit_refuses_descriptors_the_caller_may_not_read(kvfs_mount, shm_dir):
     m = kvfs_mount()
-    secret = tmp_path / "secret"
+    secret = shm_dir / "secret"
     secret.write_bytes(b"s" * 4096)
     wronly = os.open(secret, os.O_WRONLY)
     opath = os.open(secret, os.O_PATH)
-    dirfd = os.open(tmp_path, os.O_RDONLY)
+    dirfd = os.open(shm_dir, os.O_RDONLY)
     put(m.path / "onmount", b"m" * 4096)
     onmount = os.open(m.path / "onmount", os.O_RDONLY)
     short = memfd_with(b"x" * 100)
@@ -125,6 +138,27 @@ print(json.dumps(json.loads(os.pread(ctl, 1 << 20, 0))["results"]))
 """
 
 
+def test_commit_reads_only_memfds_and_tmpfs_files(kvfs_mount, shm_dir):
+    """A readable file on any other filesystem -- the disk, another FUSE mount (which could
+    stall the daemon's worker on its own requests) -- is refused with EINVAL before anything
+    asks that filesystem; a memfd and a tmpfs file are read."""
+    m, other = kvfs_mount(), kvfs_mount()
+    data = content("src", 8192)
+    (shm_dir / "src").write_bytes(data)
+    put(other.path / "src", data)
+    fds = {"memfd": memfd_with(data), "tmpfs": os.open(shm_dir / "src", os.O_RDONLY),
+           "disk": os.open(__file__, os.O_RDONLY), "fuse": os.open(other.path / "src", os.O_RDONLY)}
+    try:
+        got = {name: raw_commit(m.path, commit_request("", fd, [(0, 4096, name)]))[0]
+               for name, fd in fds.items()}
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert got == {"memfd": 0, "tmpfs": 0, "disk": errno.EINVAL, "fuse": errno.EINVAL}
+    assert read(m.path / "memfd") == data[:4096] and read(m.path / "tmpfs") == data[:4096]
+    assert sorted(os.listdir(m.path)) == ["memfd", "tmpfs"]
+
+
 def test_another_user_commits_only_where_it_may_create(kvfs_mount, intruder):
     m = kvfs_mount(allow_other=True)
     (m.path / "roots").mkdir(mode=0o755)
@@ -142,24 +176,32 @@ def test_another_user_commits_only_where_it_may_create(kvfs_mount, intruder):
         assert json.loads(res.stdout) == [errno.EPERM, 0]
         res = intruder.run(INTRUDER_COMMIT, m.path, "mine/f")
         assert json.loads(res.stdout) == [0, 0]
+        mkdirs = INTRUDER_COMMIT.replace('req = ("\\0fd', 'req = ("\\0mkdir 750\\n\\0fd')
+        assert mkdirs != INTRUDER_COMMIT
+        res = intruder.run(mkdirs, m.path, "roots/sub/f")      # mkdir needs write on roots
+        assert json.loads(res.stdout) == [errno.EACCES, errno.EACCES]
+        res = intruder.run(mkdirs, m.path, "mine/sub/f")
+        assert json.loads(res.stdout) == [0, 0]
+    st = os.stat(mine / "sub")
+    assert (st.st_uid, st.st_mode & 0o7777) == (intruder.uid, 0o750)
     assert os.listdir(m.path / "roots") == []
     assert read(sticky / "roots-file") == b"root"
     st = os.stat(mine / "f")
     assert (st.st_uid, st.st_gid) == (intruder.uid, intruder.gid) and read(mine / "f") == b"i" * 8192
 
 
-def test_another_user_cannot_commit_a_file_it_may_not_read(kvfs_mount, intruder, tmp_path):
+def test_another_user_cannot_commit_a_file_it_may_not_read(kvfs_mount, intruder, shm_dir):
     """The daemon (root) could read anything: the caller's own descriptor must be readable."""
     m = kvfs_mount(allow_other=True)
     mine = m.path / "mine"
     mine.mkdir()
     os.chown(mine, intruder.uid, intruder.gid)
-    secret = tmp_path / "secret"
+    secret = shm_dir / "secret"
     secret.write_bytes(b"s" * 8192)
     os.chmod(secret, 0o600)
     code = INTRUDER_COMMIT.replace("os.open(sys.argv[3], os.O_RDONLY)", "os.open(sys.argv[3], os.O_WRONLY)")
     os.chmod(secret, 0o622)            # the intruder may write it, not read it
-    with reachable(m.path), reachable(tmp_path):
+    with reachable(m.path), reachable(shm_dir):
         res = intruder.run(code, m.path, "mine/f", secret)
     assert json.loads(res.stdout) == [0, errno.EBADF]
     assert not (mine / "f.2").exists()
@@ -211,10 +253,20 @@ def test_commit_into_makes_missing_subdirectories_and_retries(kvfs_mount):
     try:
         items = [("abc/de_g0/h1.bin", [b"1" * 4096]), ("abc/de_g0/h2.bin", [b"2"]), ("top.bin", [b"t"])]
         assert c.commit("v", items) == [errno.ENOENT, errno.ENOENT, 0]
-        assert c.commit_into(str(m.path / "v"), "v", items, noreplace=True) == [0, 0, errno.EEXIST]
+        with pytest.raises(FileNotFoundError):      # a negative entry the daemon must drop
+            os.stat(m.path / "v/abc")
+        assert c.commit_into("v", items, noreplace=True) == [0, 0, errno.EEXIST]
+        c._mkdir = False                # a daemon without \0mkdir: ENOENT, makedirs, again
+        assert c.commit_into("v", [("x/y/h3.bin", [b"3"])]) == [0]
     finally:
         c.close()
     assert read(m.path / "v/abc/de_g0/h1.bin") == b"1" * 4096 and read(m.path / "v/abc/de_g0/h2.bin") == b"2"
+    assert read(m.path / "v/x/y/h3.bin") == b"3"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for d in ("v/abc", "v/abc/de_g0", "v/x/y"):
+        st = os.stat(m.path / d)
+        assert (st.st_mode & 0o7777, st.st_uid) == (0o777 & ~umask, os.getuid()), d
 
 
 def test_page_store_connecting_as_the_mount_dies_writes_nothing_under_it(kvfs_mount, monkeypatch):
@@ -269,3 +321,52 @@ def test_page_store_writing_a_new_subdirectory_as_the_mount_dies_writes_nothing_
     assert killed == ["abc/de_g0/h1.bin"] and not os.path.ismount(m.path)
     assert os.listdir(m.path) == []
     assert s.statistics().written == 1 and s.statistics().set_failures == 1
+
+
+def test_commit_into_as_the_mount_dies_makes_no_directory_under_it(kvfs_mount):
+    """The daemon killed and its mount detached between the commit that found the
+    subdirectories missing and their making: the directories are made through the mount
+    root's descriptor, so they fail (ENOTCONN) instead of landing under the bare mount point."""
+    m = kvfs_mount()
+    (m.path / "v").mkdir()
+    c = CommitClient(str(m.path))
+    c._mkdir = False                 # as with a daemon that does not make directories itself
+    real = c.commit
+
+    def then_killed(*args, **kw):
+        out = real(*args, **kw)
+        m.kill9()
+        return out
+    c.commit = then_killed
+    try:
+        with pytest.raises(OSError) as e:
+            c.commit_into("v", [("abc/de/h1.bin", [b"1" * 4096])], noreplace=True)
+        assert e.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    finally:
+        c.close()
+    assert not os.path.ismount(m.path) and os.listdir(m.path) == []
+
+
+def test_kill9_after_commit_leaves_each_name_its_last_sealed_version_or_absent(kvfs_mount):
+    """A committed entry is installed under its final name in one index transaction: after
+    kill -9 a replaced name holds its old or its new bytes, a new name its bytes or nothing,
+    and no temp file is left. (RAM smaller than the files: sealed versions live on NVMe.)"""
+    m = kvfs_mount(ram="4MiB", nvme_size="64MiB")
+    v1, v2, g = content("v1", 6 * MiB), content("v2", 6 * MiB), content("g", 5 * MiB)
+    c = CommitClient(str(m.path))
+    try:
+        assert c.commit("", [("f", [v1])]) == [0]
+        wait_for(lambda: os.getxattr(m.path / "f", "user.kvfs.tier") == b"nvme", 60, "f on NVMe")
+        m.stats()                        # commits the pending index changes: v1 is durable
+        assert c.commit("", [("f", [v2]), ("d/g", [g])], noreplace=False, dirmode=0o755) == [0, 0]
+        m.kill9()
+    finally:
+        c.close()
+    m.mount()
+    assert read(m.path / "f") in (v1, v2)
+    assert sorted(os.listdir(m.path)) in (["f"], ["d", "f"])
+    try:
+        assert read(m.path / "d" / "g") == g
+    except FileNotFoundError:
+        pass                             # the commit's transaction was lost with the daemon
+    assert leftovers(m.path) == []

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 ROOT_INO = 1
 META, INODES, DIRENTS, DIRORDER, OBJECTS, RECOVER = range(6)    # database numbers in pending keys
-VALID = b"v"                # in ``recover``: its running totals are valid (kvfs.store.tally)
+VALID = marker.VALID        # in ``recover``: its running totals are valid (kvfs.store.tally)
 GROUP_OPS = 1024            # operations pending before a commit runs inline
 GROUP_DELAY = 0.02          # seconds the committer waits after the first pending change
 ICACHE_MAX = 1 << 16        # decoded inode records kept (the rest decode from LMDB on use)
@@ -200,7 +200,7 @@ class Index:
                     raise IndexDamaged(f"the index in {self.state_dir} has no root directory; {FSCK_HINT}")
             self.instance_id = txn.get(b"instance", db=self.meta).decode()
             self.clean = marker.take(txn, self.meta, self.state_dir)    # consumed by any opener
-            self.untouched = marker.untouched(txn, self.meta)   # no write behind kvfs's back
+            self.untouched = marker.untouched(txn, self.meta, self.recover)
         if header is None:
             self.env.sync(True)
             write_file_atomic(self.dir_fd, HEADER_NAME, records.encode(make_header(self.instance_id)))

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 KEY = b"clean"
 VERSION = 1
 LAST = b"last_txn"          # the id of the last write transaction kvfs made (``stamp``)
+VALID = b"v"                # in the index's ``recover`` database: the running totals are valid
 
 
 def take(txn, meta_db, where) -> dict | None:
@@ -53,11 +54,13 @@ def stamp(txn, meta_db) -> None:
     txn.put(LAST, txn.id().to_bytes(8, "big"), db=meta_db)
 
 
-def untouched(txn, meta_db) -> bool:
-    """In the opener's first write transaction ``txn``: the last write before it was kvfs's
-    own (a start after a crash may then trust the running totals, kvfs.store.tally), and
-    stamps ``txn`` as kvfs's own."""
+def untouched(txn, meta_db, recover_db) -> bool:
+    """In the opener's first write transaction ``txn``: whether the last write before it was
+    kvfs's own. If not, the running totals (kvfs.store.tally) are no longer valid, for this
+    opener and every later one, until a full recovery recounts them. Stamps ``txn``."""
     raw = txn.get(LAST, db=meta_db)
     ok = raw is not None and int.from_bytes(raw, "big") == txn.id() - 1
+    if not ok:
+        txn.delete(VALID, db=recover_db)
     stamp(txn, meta_db)
     return ok

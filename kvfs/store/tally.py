@@ -171,3 +171,29 @@ def recover(index: Index, footprints) -> dict[str, int]:
             txn.w[(RECOVER, key)] = _DEL
     index.commit()
     return {"dropped_files": dropped, "lost_objects": lost, "decoded": records.decoded - before}
+
+
+def check(index: Index, footprints) -> list[str]:
+    """fsck's check of the sets and totals against every record (problems, one line each;
+    none while the totals are not valid: the next start recounts them anyway)."""
+    ours = Tally(index, footprints)
+    index.tally = None                  # fsck's own repairs invalidate instead of keeping
+    if not ours.valid:
+        return []
+    d: dict = {OBJECTS: [0, 0]}
+    problems = []
+    with index.env.begin() as t:
+        keys = {bytes(k) for k in t.cursor(db=index.recover).iternext(values=False)}
+    for oid, rec in index.iter_objects():
+        if ours._contribution(rec, 1, d) and RAM_ONLY + k64(oid) not in keys:
+            problems.append(f"object {oid:x} has no durable copy but is not in the RAM-only set")
+    for ino, rec in index.iter_inodes():
+        if stat.S_ISREG(rec["mode"]) and rec.get("oid") is None and UNSEALED + k64(ino) not in keys:
+            problems.append(f"file {rec['name']!r} (inode {ino}) is unsealed but not in the unsealed set")
+    have = {k: v for k, v in ours.values.items() if v[0] or v[1] or k == OBJECTS}
+    want = {k: v for k, v in d.items() if v[0] or v[1] or k == OBJECTS}
+    for key in sorted(set(have) | set(want)):
+        if have.get(key, [0, 0]) != want.get(key, [0, 0]):
+            problems.append(f"running total {key!r} is {have.get(key, [0, 0])}, the records say "
+                            f"{want.get(key, [0, 0])}")
+    return problems

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
 
+import trio
+
+from kvfs.config import Config
 from kvfs.store import tally
-from kvfs.store.index import Index, ROOT_INO
+from kvfs.store.fsck import run_fsck
+from kvfs.store.index import RECOVER, Index, ROOT_INO
 from storekit import open_cache
 from storekit import read_file as read, write_file as write
 
@@ -101,3 +106,30 @@ async def test_totals_stay_exact_across_repeated_crashes_and_a_clean_unmount(tmp
     async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
         assert cache.store.table_loaded
         assert totals(cache) == fast
+
+
+def test_fsck_checks_the_sets_and_totals_against_the_records(tmp_path):
+    async def build():
+        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+            await _build(cache)
+            cache.index.commit()
+        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+            assert cache.recovered["lost_objects"]      # the crash start, then a clean unmount
+        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20, clean=True):
+            pass
+    trio.run(build)
+    cfg = Config(nvme=str(tmp_path / "nvme"), state=str(tmp_path / "state"), nvme_size="8MiB")
+    assert run_fsck(cfg).problems == []
+    ix = Index(tmp_path / "state")                   # a total that drifted from the records
+    with ix.write() as txn:
+        txn.w[(RECOVER, tally.NAMESPACE + b"a")] = struct.pack(">qq", 1, 1)
+    ix.close()
+    report = run_fsck(cfg, repair=True)
+    assert len(report.problems) == 1 and "running total b'na'" in report.problems[0]
+    assert run_fsck(cfg).problems == []             # forgotten: the next start recounts
+
+    async def start():
+        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+            assert cache.store.table_loaded         # a full recovery
+    trio.run(start)
+    assert run_fsck(cfg).problems == []

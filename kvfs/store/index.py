@@ -1,7 +1,6 @@
 """The LMDB index: namespace tree, attributes, object placement, access statistics.
 
 One environment per process. Records are typed CBOR maps (kvfs.store.records), never pickle.
-
 Group commits: a namespace operation is one ``Txn`` that never spans an await. It
 buffers its changes and, when it ends cleanly, applies them to an in-memory table of
 pending changes that every read consults first (with a cache of decoded inode
@@ -581,10 +580,11 @@ class Txn:
                     return True
         return False
 
-    def put_object(self, oid: int, rec: dict | None) -> None:
-        """``rec`` None: delete. The running totals follow (or, without a tally, go invalid)."""
+    def put_object(self, oid: int, rec: dict | None, old=_MISS) -> None:
+        """``rec`` None: delete; ``old``: the record it replaces, if the caller knows it (None:
+        a new object). The running totals follow (or, without a tally, go invalid)."""
         if self.ix.tally is not None:
-            self.ix.tally.object(self, oid, self.get_object(oid), rec)
+            self.ix.tally.object(self, oid, self.get_object(oid) if old is _MISS else old, rec)
         else:
             self.w[(RECOVER, VALID)] = _DEL
         self.w[(OBJECTS, k64(oid))] = _DEL if rec is None else rec

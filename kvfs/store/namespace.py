@@ -381,7 +381,7 @@ class Namespace:
                 rec.pop("kv", None)
             self._kv_add(rec)
             obj.pinned = rec.get("pin", False)
-            txn.put_object(obj.oid, obj.record())
+            txn.put_object(obj.oid, obj.record(), old=None)        # a new object
             txn.put_inode(ino, rec)
         self.sealed[ino] = obj
         self.unsealed.discard(ino)

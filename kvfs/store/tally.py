@@ -43,13 +43,16 @@ class Tally:
     def __init__(self, index: Index, footprints: dict[str, Callable[[int], int]]):
         self.index = index
         self.footprints = footprints        # durable tier name -> footprint(size)
-        self.values: dict[bytes, list[int]] = {}
+        # key -> [a, b, its 16 packed bytes]: the same bytearray goes into every Txn's changes,
+        # so a group commit writes the value after all its operations (no packing per Txn)
+        self.values: dict[bytes, list] = {}
+        self._ns_keys: dict[str, bytes] = {}
         self.valid = False
         index.commit()
         with index.env.begin() as t:
             for key, raw in t.cursor(db=index.recover):
                 if key[:1] in (OBJECTS, TIER, NAMESPACE):
-                    self.values[bytes(key)] = list(_PAIR.unpack(raw))
+                    self.values[bytes(key)] = [*_PAIR.unpack(raw), bytearray(raw)]
                 elif key == VALID:
                     self.valid = bytes(raw) == _VERSION
         index.tally = self
@@ -61,7 +64,13 @@ class Tally:
             return False
         size = rec["size"]
         _add(d, OBJECTS, sign, 0)
-        _add(d, NAMESPACE + namespace_of(rec.get("key", "")).encode("utf-8", "surrogateescape"), sign * size, sign)
+        ns = namespace_of(rec.get("key", ""))
+        key = self._ns_keys.get(ns)
+        if key is None:
+            if len(self._ns_keys) > 4096:
+                self._ns_keys.clear()
+            key = self._ns_keys[ns] = NAMESPACE + ns.encode("utf-8", "surrogateescape")
+        _add(d, key, sign * size, sign)
         durable = False
         for name in rec["place"]:
             fp = self.footprints.get(name)
@@ -88,22 +97,23 @@ class Tally:
                 continue
             v = values.get(key)
             if v is None:
-                v = values[key] = [0, 0]
+                v = values[key] = [0, 0, bytearray(_PAIR.size)]
             v[0] += a
             v[1] += b
-            w[(RECOVER, key)] = _PAIR.pack(*v) if v[0] or v[1] or key == OBJECTS else _DEL
+            _PAIR.pack_into(v[2], 0, v[0], v[1])
+            w[(RECOVER, key)] = v[2]
 
     # ---- whole totals ---------------------------------------------------------------
     def totals(self) -> dict:
         """The totals in the shape of the clean-unmount marker (kvfs.store.marker)."""
         tiers = {name: [0, 0] for name in self.footprints}
         namespaces = {}
-        for key, (a, b) in self.values.items():
+        for key, (a, b, _raw) in self.values.items():
             if key[:1] == TIER and key[1:].decode() in tiers:
                 tiers[key[1:].decode()] = [a, b]
             elif key[:1] == NAMESPACE and (a or b):
                 namespaces[key[1:].decode("utf-8", "surrogateescape")] = [a, b]
-        return {"objects": self.values.get(OBJECTS, [0, 0])[0], "tiers": tiers, "namespaces": namespaces}
+        return {"objects": self.values.get(OBJECTS, [0])[0], "tiers": tiers, "namespaces": namespaces}
 
     def reset(self, recs) -> None:
         """Recount from ``recs`` (every object record: after a full recovery) and mark valid."""
@@ -190,7 +200,7 @@ def check(index: Index, footprints) -> list[str]:
     for ino, rec in index.iter_inodes():
         if stat.S_ISREG(rec["mode"]) and rec.get("oid") is None and UNSEALED + k64(ino) not in keys:
             problems.append(f"file {rec['name']!r} (inode {ino}) is unsealed but not in the unsealed set")
-    have = {k: v for k, v in ours.values.items() if v[0] or v[1] or k == OBJECTS}
+    have = {k: v[:2] for k, v in ours.values.items() if v[0] or v[1] or k == OBJECTS}
     want = {k: v for k, v in d.items() if v[0] or v[1] or k == OBJECTS}
     for key in sorted(set(have) | set(want)):
         if have.get(key, [0, 0]) != want.get(key, [0, 0]):

@@ -551,8 +551,9 @@ class ObjectStore(Policy, Moves):
         with self.index.write() as txn:
             for oid in dirty:
                 obj = self.objs.get(oid)
-                if obj is not None and txn.get_object(oid) is not None:
-                    txn.put_object(oid, obj.record())
+                rec = txn.get_object(oid) if obj is not None else None
+                if rec is not None:
+                    txn.put_object(oid, obj.record(), old=rec)     # the totals need not read it again
 
     def statistics(self) -> dict:
         out = {}

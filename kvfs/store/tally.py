@@ -115,11 +115,20 @@ class Tally:
                 namespaces[key[1:].decode("utf-8", "surrogateescape")] = [a, b]
         return {"objects": self.values.get(OBJECTS, [0])[0], "tiers": tiers, "namespaces": namespaces}
 
-    def reset(self, recs) -> None:
-        """Recount from ``recs`` (every object record: after a full recovery) and mark valid."""
+    def recount(self, recs) -> dict[bytes, list[int]]:
+        """The totals of the object records ``recs`` (non-zero ones, as ``current`` gives)."""
         d: dict = {}
         for rec in recs:
             self._contribution(rec, 1, d)
+        return {k: v for k, v in d.items() if v[0] or v[1]}
+
+    def current(self) -> dict[bytes, list[int]]:
+        """The running totals (non-zero ones)."""
+        return {k: v[:2] for k, v in self.values.items() if v[0] or v[1]}
+
+    def reset(self, recs) -> None:
+        """Recount from ``recs`` (every object record: after a full recovery) and mark valid."""
+        d = self.recount(recs)
         with self.index.write() as txn:
             for key in self.values:
                 if key not in d:
@@ -190,18 +199,18 @@ def check(index: Index, footprints) -> list[str]:
     index.tally = None                  # fsck's own repairs invalidate instead of keeping
     if not ours.valid:
         return []
-    d: dict = {OBJECTS: [0, 0]}
     problems = []
     with index.env.begin() as t:
         keys = {bytes(k) for k in t.cursor(db=index.recover).iternext(values=False)}
+    recs = []
     for oid, rec in index.iter_objects():
-        if ours._contribution(rec, 1, d) and RAM_ONLY + k64(oid) not in keys:
+        recs.append(rec)
+        if ours._contribution(rec, 0, {}) and RAM_ONLY + k64(oid) not in keys:
             problems.append(f"object {oid:x} has no durable copy but is not in the RAM-only set")
     for ino, rec in index.iter_inodes():
         if stat.S_ISREG(rec["mode"]) and rec.get("oid") is None and UNSEALED + k64(ino) not in keys:
             problems.append(f"file {rec['name']!r} (inode {ino}) is unsealed but not in the unsealed set")
-    have = {k: v[:2] for k, v in ours.values.items() if v[0] or v[1] or k == OBJECTS}
-    want = {k: v for k, v in d.items() if v[0] or v[1] or k == OBJECTS}
+    have, want = ours.current(), ours.recount(recs)
     for key in sorted(set(have) | set(want)):
         if have.get(key, [0, 0]) != want.get(key, [0, 0]):
             problems.append(f"running total {key!r} is {have.get(key, [0, 0])}, the records say "

@@ -17,18 +17,25 @@ daemon), **warm** (the same names again: the kernel's cache) and **miss** (a nam
 exist: a LOOKUP the daemon answers with a negative entry). All counts are mounted at once and
 the stats run in ``--rounds`` interleaved rounds (fresh names each round), so the counts are
 compared under the same load. Flat latency from the smallest to the largest count means the
-daemon's lookup does not grow with the number of files. This VM is shared and noisy: compare
-within a run.
+daemon's lookup does not grow with the number of files. Then the **kill -9 row**: through each
+mount, ``CRASH_FILES`` small files (RAM-only objects) and one file left open unsealed, the stats
+read (the index committed), the daemon killed with SIGKILL, and ``kvfs mount`` timed again
+until ready: mount seconds, RSS, the records its recovery decoded (``recovered.decoded``; a
+full walk decodes two per file) and seconds until its table is scanned. This VM is shared and
+noisy: compare within a run.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import random
 import shutil
+import signal
 import stat as statmod
+import subprocess
 import statistics
 import sys
 import time
@@ -42,6 +49,7 @@ if str(REPO) not in sys.path:
 
 from kvfs.bench import BenchMount, wait_for  # noqa: E402
 from kvfs.config import Config  # noqa: E402
+from kvfs.proc import pid_alive  # noqa: E402
 from kvfs.build import build_store  # noqa: E402
 from kvfs.store.cache import Cache  # noqa: E402
 from kvfs.store.index import ROOT_INO, Index  # noqa: E402
@@ -49,6 +57,7 @@ from kvfs.store.nvme import NvmeTier  # noqa: E402
 from kvfs.store.ram import RamTier  # noqa: E402
 
 log = logging.getLogger("metadata_scale")
+CRASH_FILES = 200           # RAM-only files written before the kill -9
 
 
 def file_names(count: int, dirs: int) -> list[tuple[str, str]]:
@@ -141,6 +150,40 @@ def _mount(base: Path, count: int, dirs: int, keep: Path | None, progress) -> tu
     return m, out
 
 
+def _kill9(m: BenchMount) -> None:
+    pid = m.pid
+    os.kill(pid, signal.SIGKILL)
+    if not wait_for(lambda: not pid_alive(pid), 120):
+        raise RuntimeError(f"daemon {pid} did not die")
+    subprocess.run(["fusermount3", "-u", "-z", str(m.path)], capture_output=True, timeout=60)
+    m.pid = None
+
+
+def crash_row(m: BenchMount, out: dict, progress) -> None:
+    """kill -9 after RAM-only files and an unsealed one, then time the start (see the top)."""
+    d = m.path / "crash"
+    d.mkdir()
+    for i in range(CRASH_FILES):
+        (d / f"r{i:04d}").write_bytes(b"r" * 4096)
+    fd = os.open(d / "unsealed", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"u" * 4096)
+        m.stats()                   # the index committed: what the kill leaves
+        _kill9(m)
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    progress(f"{out['files']}: mounting after kill -9")
+    t0 = time.perf_counter()
+    out["crash_mount_s"] = round(m.mount(), 3)
+    mem = m.memory()
+    out["rss_crash"], out["anon_crash"] = mem.get("VmRSS"), mem.get("RssAnon")
+    rec = m.stats().get("recovered", {})
+    out["crash_decoded"], out["crash_dropped"] = rec.get("decoded"), rec.get("dropped_files")
+    wait_for(lambda: m.stats().get("table_loaded", True), 3600, 0.05)
+    out["crash_loaded_s"] = round(time.perf_counter() - t0, 2)
+
+
 def measure_all(base: Path, counts: list[int], dirs: int, sample: int, rounds: int, progress,
                 keep: Path | None = None) -> list[dict]:
     """Every count mounted at once, then ``rounds`` interleaved rounds of stats (each round
@@ -171,6 +214,8 @@ def measure_all(base: Path, counts: list[int], dirs: int, sample: int, rounds: i
             mem = m.memory()
             out["rss_after"], out["anon_after"], out["file_after"] = (mem.get("VmRSS"), mem.get("RssAnon"),
                                                                       mem.get("RssFile"))
+        for m, out in zip(mounts, rows):
+            crash_row(m, out, progress)
         for m in mounts:
             m.umount()
     finally:
@@ -191,6 +236,13 @@ def table(rows: list[dict]) -> str:
                    f"{mib(r['rss_mounted'])} MiB | "
                    f"{mib(r['rss_after'])} MiB ({mib(r['anon_after'])} + {mib(r['file_after'])}) | "
                    f"{r['cold_us']} | {ratio} | {r['warm_us']} | {r['miss_us']} |")
+    out += ["", "after kill -9 (" + str(CRASH_FILES) + " RAM-only files and one unsealed file in flight):", "",
+            "| files | mount s | table scanned s | RSS mounted (anon) | records decoded | files dropped |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['files']:,} | {r['crash_mount_s']} | {r['crash_loaded_s']} | "
+                   f"{mib(r['rss_crash'])} MiB ({mib(r['anon_crash'])}) | {r['crash_decoded']} | "
+                   f"{r['crash_dropped']} |")
     if len(rows) > 1 and rows[0]["cold_us"]:
         out += ["", f"lookup latency at {rows[-1]['files']:,} / at {rows[0]['files']:,} files: "
                 f"{rows[-1]['cold_us'] / rows[0]['cold_us']:.2f}× (medians; per round "

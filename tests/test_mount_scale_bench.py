@@ -26,5 +26,9 @@ def test_metadata_scale_bench_reports_every_count(tmp_path):
         assert r["cold_us"] > 0 and r["warm_us"] > 0 and r["miss_us"] > 0
         assert r["loaded_s"] >= r["mount_s"] - 1 and r["anon_after"] > 0 and len(r["cold_ratio"]) == 3
     assert rows[0]["cold_ratio"] == [1.0, 1.0, 1.0]
+    for r in rows:                  # the kill -9 row: the RAM-only files and the unsealed one went
+        assert r["crash_mount_s"] > 0 and r["rss_crash"] > 0 and r["crash_loaded_s"] > 0
+        assert r["crash_dropped"] == 200 + 1 and 0 < r["crash_decoded"] <= 3 * r["crash_dropped"]
+    assert "after kill -9" in res.stdout
     assert "lookup latency at 160 / at 40 files" in res.stdout
     assert not any(p.is_mount() for p in (tmp_path / "scratch").rglob("mnt"))

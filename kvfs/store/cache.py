@@ -18,7 +18,8 @@ from kvfs.store.cred import ROOT, Cred  # noqa: F401  (re-exported: fs imports t
 from kvfs.store.files import CREATE_MTIME_SLACK, FileHandles, Handle, WriteState  # noqa: F401
 from kvfs.store.getbatch import BatchGets
 from kvfs.store.index import Index
-from kvfs.store import marker
+from kvfs.store import marker, records
+from kvfs.store.tally import recover as tally_recover
 from kvfs.store.leases import Lease, Leases
 from kvfs.store.namespace import Namespace
 from kvfs.store.objects import Obj, ObjectStore
@@ -55,20 +56,33 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
     # ---- startup ------------------------------------------------------------
     async def start(self) -> dict[str, int]:
         """After a clean unmount (its marker in the index): nothing to recover, nothing
-        decoded (kvfs.store.objtable). Otherwise load the object table and recover the
-        namespace (a crash, or a tool changed the index)."""
+        decoded (kvfs.store.objtable). After a crash with valid running totals
+        (kvfs.store.tally) and no write behind kvfs's back since: drop only what the unsealed and RAM-only sets name, then start
+        as after a clean unmount from the totals. Otherwise (totals invalid: an index
+        written without them, or changed by a tool) load the object table and recover the
+        whole namespace (decoding and checking every record) and recount the totals."""
         clean = self.index.clean
+        tally = self.store.tally
+        if clean is None and tally.valid and self.index.untouched:
+            counts = tally_recover(self.index, tally.footprints)
+            log.info("recovery from the unsealed and RAM-only sets: %s", counts)
+            self.store.load_clean(tally.totals())
+            self.ns.start_clean()
+            return counts
         if clean is not None:
             self.store.load_clean(clean)
             self.ns.start_clean()
             log.info("clean start: %d objects, table scanned in the background", len(self.store.objs))
             return {"clean": 1}
+        before = records.decoded
         lost = self.store.load()
         counts, unowned = self.ns.recover(lost)
         for obj in unowned:
             await self.store.release_space(obj)
+        tally.reset(o.record() for o in self.store.objs.values())
+        counts["decoded"] = records.decoded - before
         if any(counts.values()):
-            log.info("recovery: %s", counts)
+            log.info("full recovery: %s", counts)
         return counts
 
     def mark_clean(self) -> bool:
@@ -106,7 +120,12 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
                 continue
             by_loc = getattr(tier, "sweep_by_location", False)
             async for oid, loc, size in tier.scan():
-                obj = self.store.objs.get(oid)
+                if not by_loc:          # known: its record exists (no Obj built for it)
+                    if oid in self.store.objs:
+                        continue
+                    obj = None
+                else:
+                    obj = self.store.objs.get(oid)
                 stray = (by_loc and obj is not None and not obj.busy
                          and bytes(obj.place.get(tier.name, b"")) != bytes(loc))
                 if obj is None or stray:

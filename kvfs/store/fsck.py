@@ -26,7 +26,7 @@ import trio
 
 from kvfs.config import Config
 from kvfs.errors import IndexDamaged, NamespaceError, StoreError
-from kvfs.store import checksum, records
+from kvfs.store import checksum, records, tally
 from kvfs.store.index import ENV_NAME, HEADER_NAME, ROOT_INO, Index
 from kvfs.store.objects import Obj
 
@@ -77,6 +77,7 @@ async def _fsck(cfg: Config, repair: bool, rebuild_remote: bool, progress: Progr
         _check_names(index, report, repair)
         await _check_objects(index, by_name, report, repair, progress)
         await _check_orphans(index, tiers, report, repair, progress)
+        _check_totals(index, by_name, report, repair)
     finally:
         for t in opened:
             await t.close()
@@ -118,6 +119,18 @@ def _check_names(index: Index, report: FsckReport, repair: bool) -> None:
             for ino in bad_inodes:
                 txn.del_inode(ino)
         report.repaired += len(set(bad_dirents)) + sum(1 for ino in bad_inodes if ino not in named)
+
+
+def _check_totals(index: Index, tiers: dict, report: FsckReport, repair: bool) -> None:
+    """The unsealed and RAM-only sets and the running totals a start after a crash reads
+    (kvfs.store.tally) agree with the records; repaired by forgetting the totals (the next
+    start recovers in full and recounts them)."""
+    problems = tally.check(index, {name: t.footprint for name, t in tiers.items()})
+    for msg in problems:
+        _problem(report, msg)
+    if repair and problems:
+        tally.invalidate(index)
+        report.repaired += 1
 
 
 async def _check_objects(index: Index, tiers: dict, report: FsckReport, repair: bool,

@@ -1,7 +1,6 @@
 """The LMDB index: namespace tree, attributes, object placement, access statistics.
 
 One environment per process. Records are typed CBOR maps (kvfs.store.records), never pickle.
-
 Group commits: a namespace operation is one ``Txn`` that never spans an await. It
 buffers its changes and, when it ends cleanly, applies them to an in-memory table of
 pending changes that every read consults first (with a cache of decoded inode
@@ -21,6 +20,7 @@ Databases:
   dirents  parent(u64) + name -> child(u64) + eid(u64)
   dirorder parent(u64) + eid(u64) -> name       (stable readdir offsets)
   objects  oid(u64) -> object record
+  recover  what a start after kill -9 reads instead of every record (kvfs.store.tally)
 
 Damage is refused at open, never served: the state directory holds a header file
 (``index.hdr``: format version, instance id, checksum) written when the index is
@@ -40,18 +40,18 @@ from pathlib import Path
 from typing import Iterator
 
 import lmdb
-import xxhash
 
 from kvfs.errors import IndexDamaged
 from kvfs.store import marker, records
-from kvfs.store.lmdbfile import check_lmdb_file
+from kvfs.store.lmdbfile import HEADER_NAME, check_header, check_lmdb_file, make_header, read_header  # noqa: F401
 from kvfs.store.records import FORMAT_VERSION, FSCK_HINT
-from kvfs.store.safedir import DirLock, holder_text, open_private_dir, read_file, write_file_atomic
+from kvfs.store.safedir import DirLock, holder_text, open_private_dir, write_file_atomic
 
 log = logging.getLogger(__name__)
 
 ROOT_INO = 1
-META, INODES, DIRENTS, DIRORDER, OBJECTS = range(5)     # database numbers in pending keys
+META, INODES, DIRENTS, DIRORDER, OBJECTS, RECOVER = range(6)    # database numbers in pending keys
+VALID = marker.VALID        # in ``recover``: its running totals are valid (kvfs.store.tally)
 GROUP_OPS = 1024            # operations pending before a commit runs inline
 GROUP_DELAY = 0.02          # seconds the committer waits after the first pending change
 ICACHE_MAX = 1 << 16        # decoded inode records kept (the rest decode from LMDB on use)
@@ -60,44 +60,11 @@ _MISS = object()
 _U64 = struct.Struct(">Q")
 _U64x2 = struct.Struct(">QQ")
 _ID_BATCH = 1024
-HEADER_NAME = "index.hdr"
 ENV_NAME = "index.lmdb"
 k64 = _U64.pack             # an id as an 8-byte key (big endian: keys sort by id)
 _dumps = records.encode
 _load_inode = records.decode_inode
 _load_object = records.decode_object
-
-
-def _header_sum(version: int, instance: str) -> str:
-    return xxhash.xxh3_64_hexdigest(f"kvfs-index {version} {instance}".encode())
-
-
-def make_header(instance: str) -> dict:
-    return {"magic": "kvfs-index", "version": FORMAT_VERSION, "instance": instance,
-            "sum": _header_sum(FORMAT_VERSION, instance)}
-
-
-def check_header(doc: dict, where: str) -> str:
-    """The instance id of a valid header ``doc``; IndexDamaged otherwise."""
-    if doc.get("magic") != "kvfs-index":
-        raise IndexDamaged(f"{where}: not a kvfs index header; {FSCK_HINT}")
-    version, instance = doc.get("version"), doc.get("instance")
-    if version != FORMAT_VERSION:
-        raise IndexDamaged(f"{where}: index format {version!r} is not the supported format "
-                           f"{FORMAT_VERSION}; {FSCK_HINT}")
-    if not isinstance(instance, str) or doc.get("sum") != _header_sum(version, instance):
-        raise IndexDamaged(f"{where}: header checksum mismatch; {FSCK_HINT}")
-    return instance
-
-
-def read_header(state_fd: int, state_dir) -> dict | None:
-    raw = read_file(state_fd, HEADER_NAME)
-    if raw is None:
-        return None
-    try:
-        return records.decode_meta(raw)
-    except IndexDamaged:
-        raise IndexDamaged(f"{state_dir}/{HEADER_NAME} does not parse; {FSCK_HINT}") from None
 
 
 class Index:
@@ -157,8 +124,10 @@ class Index:
         self.dirents = self.env.open_db(b"dirents")
         self.dirorder = self.env.open_db(b"dirorder")
         self.objects = self.env.open_db(b"objects")
+        self.recover = self.env.open_db(b"recover")
+        self.tally = None           # kvfs.store.tally.Tally: running totals (the object store's)
         self._next: dict[bytes, list[int]] = {}
-        self._dbs = (self.meta, self.inodes, self.dirents, self.dirorder, self.objects)
+        self._dbs = (self.meta, self.inodes, self.dirents, self.dirorder, self.objects, self.recover)
         # (database, key) -> value (a record dict for inodes and objects, else bytes) or _DEL
         self._pending: dict[tuple[int, bytes], object] = {}
         # pending keys LMDB does not hold (a name made in this group): a deletion in the same
@@ -199,6 +168,7 @@ class Index:
                     raise IndexDamaged(f"the index in {self.state_dir} has no root directory; {FSCK_HINT}")
             self.instance_id = txn.get(b"instance", db=self.meta).decode()
             self.clean = marker.take(txn, self.meta, self.state_dir)    # consumed by any opener
+            self.untouched = marker.untouched(txn, self.meta, self.recover)
         if header is None:
             self.env.sync(True)
             write_file_atomic(self.dir_fd, HEADER_NAME, records.encode(make_header(self.instance_id)))
@@ -221,6 +191,7 @@ class Index:
     def put_meta(self, name: bytes, value: bytes) -> None:
         with self.env.begin(write=True) as txn:
             txn.put(name, value, db=self.meta)
+            marker.stamp(txn, self.meta)
 
     def _release(self) -> None:
         if self.env is not None:
@@ -261,6 +232,7 @@ class Index:
         try:
             with self.env.begin(write=True) as txn:
                 put, delete = txn.put, txn.delete
+                marker.stamp(txn, self.meta)
                 for (db, key), v in pending.items():
                     if v is _DEL:
                         delete(key, db=dbs[db])
@@ -343,6 +315,7 @@ class Index:
                 raw = t.get(b"next_" + kind, db=self.meta)
                 start = _U64.unpack(raw)[0] if raw else 1
                 t.put(b"next_" + kind, k64(start + _ID_BATCH), db=self.meta)
+                marker.stamp(t, self.meta)
             pool = self._next[kind] = [start, start + _ID_BATCH]
         n = pool[0]
         pool[0] += 1
@@ -487,17 +460,20 @@ class Txn:
     changes; the changes join the pending table on clean exit and are dropped on an
     exception. Records it returns are copies the caller may change and put back."""
 
-    __slots__ = ("ix", "w")
+    __slots__ = ("ix", "w", "d")
 
     def __init__(self, index: Index):
         self.ix = index
         self.w: dict[tuple[int, bytes], object] = {}
+        self.d = None               # differences of the running totals (kvfs.store.tally)
 
     def __enter__(self) -> "Txn":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None and self.w:
+            if self.d:
+                self.ix.tally.apply(self.d, self.w)
             if self.ix.names is None:
                 self.ix._apply(self.w)
             else:                   # new names enter its table before they are visible
@@ -522,10 +498,25 @@ class Txn:
         return rec
 
     def put_inode(self, ino: int, rec: dict) -> None:
-        self.w[(INODES, k64(ino))] = rec
+        key = k64(ino)
+        if rec["mode"] & 0o170000 == 0o100000:      # keep the set of unsealed files (tally.py)
+            if rec.get("oid") is None:
+                self.w[(RECOVER, b"u" + key)] = b""
+            else:
+                self._sealed(ino, key)
+        self.w[(INODES, key)] = rec
 
     def del_inode(self, ino: int) -> None:
-        self.w[(INODES, k64(ino))] = _DEL
+        key = k64(ino)
+        self._sealed(ino, key)
+        self.w[(INODES, key)] = _DEL
+
+    def _sealed(self, ino: int, key: bytes) -> None:
+        """Inode ``ino`` leaves the set of unsealed files if it was in it."""
+        v = self.w.get((INODES, key), _MISS)
+        old = self.ix.get_inode(ino) if v is _MISS else (None if v is _DEL else v)
+        if old is not None and old["mode"] & 0o170000 == 0o100000 and old.get("oid") is None:
+            self.w[(RECOVER, b"u" + key)] = _DEL
 
     def lookup(self, parent: int, name: bytes) -> int | None:
         raw = self._get(DIRENTS, k64(parent) + name)
@@ -573,16 +564,21 @@ class Txn:
                     return True
         return False
 
-    def put_object(self, oid: int, rec: dict) -> None:
-        self.w[(OBJECTS, k64(oid))] = rec
+    def put_object(self, oid: int, rec: dict | None, old=_MISS) -> None:
+        """``rec`` None: delete; ``old``: the record it replaces, if the caller knows it (None:
+        a new object). The running totals follow (or, without a tally, go invalid)."""
+        if self.ix.tally is not None:
+            self.ix.tally.object(self, oid, self.get_object(oid) if old is _MISS else old, rec)
+        else:
+            self.w[(RECOVER, VALID)] = _DEL
+        self.w[(OBJECTS, k64(oid))] = _DEL if rec is None else rec
 
     def get_object(self, oid: int) -> dict | None:
         return self._get(OBJECTS, k64(oid))
 
     def del_object(self, oid: int) -> None:
-        self.w[(OBJECTS, k64(oid))] = _DEL
+        self.put_object(oid, None)
 
 
 def _now_ns() -> int:
-    import time
-    return time.time_ns()
+    return __import__("time").time_ns()

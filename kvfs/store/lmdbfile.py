@@ -1,11 +1,19 @@
-"""A check of an LMDB data file before it is mapped (kvfs.store.index opens the index with it)."""
+"""The files of the index kept beside LMDB's: the header (``index.hdr``: magic, format,
+instance, checksum) and a sanity check of the LMDB data file before it is mapped
+(kvfs.store.index opens the index with both)."""
 from __future__ import annotations
 
 import struct
 from pathlib import Path
 
+import xxhash
+
 from kvfs.errors import IndexDamaged
-from kvfs.store.records import FSCK_HINT
+from kvfs.store import records
+from kvfs.store.records import FORMAT_VERSION, FSCK_HINT
+from kvfs.store.safedir import read_file
+
+HEADER_NAME = "index.hdr"
 
 
 def check_lmdb_file(path: Path) -> None:
@@ -36,3 +44,35 @@ def check_lmdb_file(path: Path) -> None:
     need = (best[0] + 1) * psize
     if size < need:
         raise IndexDamaged(f"{path} is truncated ({size} of at least {need} bytes); {FSCK_HINT}")
+
+
+def _header_sum(version: int, instance: str) -> str:
+    return xxhash.xxh3_64_hexdigest(f"kvfs-index {version} {instance}".encode())
+
+
+def make_header(instance: str) -> dict:
+    return {"magic": "kvfs-index", "version": FORMAT_VERSION, "instance": instance,
+            "sum": _header_sum(FORMAT_VERSION, instance)}
+
+
+def check_header(doc: dict, where: str) -> str:
+    """The instance id of a valid header ``doc``; IndexDamaged otherwise."""
+    if doc.get("magic") != "kvfs-index":
+        raise IndexDamaged(f"{where}: not a kvfs index header; {FSCK_HINT}")
+    version, instance = doc.get("version"), doc.get("instance")
+    if version != FORMAT_VERSION:
+        raise IndexDamaged(f"{where}: index format {version!r} is not the supported format "
+                           f"{FORMAT_VERSION}; {FSCK_HINT}")
+    if not isinstance(instance, str) or doc.get("sum") != _header_sum(version, instance):
+        raise IndexDamaged(f"{where}: header checksum mismatch; {FSCK_HINT}")
+    return instance
+
+
+def read_header(state_fd: int, state_dir) -> dict | None:
+    raw = read_file(state_fd, HEADER_NAME)
+    if raw is None:
+        return None
+    try:
+        return records.decode_meta(raw)
+    except IndexDamaged:
+        raise IndexDamaged(f"{state_dir}/{HEADER_NAME} does not parse; {FSCK_HINT}") from None

@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 
 KEY = b"clean"
 VERSION = 1
+LAST = b"last_txn"          # the id of the last write transaction kvfs made (``stamp``)
+VALID = b"v"                # in the index's ``recover`` database: the running totals are valid
 
 
 def take(txn, meta_db, where) -> dict | None:
@@ -43,4 +45,22 @@ def write(index, marker: dict) -> None:
     index.commit()
     with index.env.begin(write=True) as txn:
         txn.put(KEY, records.encode({**marker, "version": VERSION, "txnid": txn.id()}), db=index.meta)
+        stamp(txn, index.meta)
     index.env.sync(True)
+
+
+def stamp(txn, meta_db) -> None:
+    """Note ``txn`` as kvfs's last write (every write transaction of kvfs.store.index does)."""
+    txn.put(LAST, txn.id().to_bytes(8, "big"), db=meta_db)
+
+
+def untouched(txn, meta_db, recover_db) -> bool:
+    """In the opener's first write transaction ``txn``: whether the last write before it was
+    kvfs's own. If not, the running totals (kvfs.store.tally) are no longer valid, for this
+    opener and every later one, until a full recovery recounts them. Stamps ``txn``."""
+    raw = txn.get(LAST, db=meta_db)
+    ok = raw is not None and int.from_bytes(raw, "big") == txn.id() - 1
+    if not ok:
+        txn.delete(VALID, db=recover_db)
+    stamp(txn, meta_db)
+    return ok

@@ -106,7 +106,10 @@ class Namespace:
 
     # ---- recovery -----------------------------------------------------------
     def recover(self, lost: list[Obj]) -> tuple[dict[str, int], list[Obj]]:
-        """After load: drop names whose bytes did not survive, unsealed files, dangling entries.
+        """The full recovery, after ``ObjectStore.load`` (only when the running totals of
+        kvfs.store.tally are not valid; otherwise ``tally.recover`` reads just the unsealed
+        and RAM-only sets): drop names whose bytes did not survive, unsealed files, dangling
+        entries.
 
         Returns counts and the objects no name refers to (free them with release_space).
         """
@@ -183,30 +186,27 @@ class Namespace:
             raise _err(errno.ENAMETOOLONG)
         return self.index.lookup(parent, name)
 
+    def _names_up(self, ino: int) -> list[bytes]:
+        """The names from ``ino`` up to the root (at most 4096; stops at a missing record)."""
+        names = []
+        for _ in range(4096):
+            if ino == ROOT_INO:
+                break
+            rec = self.index.get_inode(ino)
+            if rec is None:
+                break
+            names.append(rec["name"])
+            ino = rec["parent"]
+        return names
+
     def top_of(self, ino: int) -> str:
         """The namespace of what lies in directory ``ino``: its top-level directory's name
         (``/`` for the root; what kvfs.telemetry.namespace_of gives for a path under it)."""
-        name = None
-        for _ in range(4096):
-            if ino == ROOT_INO:
-                break
-            rec = self.index.get_inode(ino)
-            if rec is None:
-                break
-            name, ino = rec["name"], rec["parent"]
-        return "/" if name is None else name.decode("utf-8", "surrogateescape")
+        names = self._names_up(ino)
+        return names[-1].decode("utf-8", "surrogateescape") if names else "/"
 
     def path_of(self, ino: int) -> str:
-        parts = []
-        for _ in range(4096):
-            if ino == ROOT_INO:
-                break
-            rec = self.index.get_inode(ino)
-            if rec is None:
-                break
-            parts.append(rec["name"].decode("utf-8", "surrogateescape"))
-            ino = rec["parent"]
-        return "/" + "/".join(reversed(parts))
+        return "/" + "/".join(n.decode("utf-8", "surrogateescape") for n in reversed(self._names_up(ino)))
 
     # ---- namespace changes --------------------------------------------------
     def _check_new(self, txn: Txn, parent: int, name: bytes) -> dict:
@@ -418,7 +418,7 @@ class Namespace:
                 rec.pop("kv", None)
             self._kv_add(rec)
             obj.pinned = rec.get("pin", False)
-            txn.put_object(obj.oid, obj.record())
+            txn.put_object(obj.oid, obj.record(), old=None)        # a new object
             txn.put_inode(ino, rec)
         self.sealed[ino] = obj
         self.unsealed.discard(ino)

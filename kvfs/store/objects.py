@@ -27,6 +27,7 @@ from kvfs.store.moves import Moves
 from kvfs.store.objtable import ObjTable
 from kvfs.store.policy import Policy
 from kvfs.store.ram import RamTier, Staging
+from kvfs.store.tally import Tally
 from kvfs.store.tier import ObjectInfo, Tier
 from kvfs.telemetry import Telemetry, namespace_of
 
@@ -98,6 +99,8 @@ class ObjectStore(Policy, Moves):
         self.chunk_size = chunk_size
         self.high, self.low = high, low
         self.promote_hits, self.promote_window = promote_hits, promote_window
+        # running totals and the RAM-only set, kept in the index's commits (tally.py)
+        self.tally = Tally(index, {t.name: t.footprint for t in tiers if not t.volatile})
         # oid -> Obj, built from its record on first use after a clean mount (objtable.py)
         self.objs = ObjTable(index, self._materialize)
         # per tier, its objects by namespace in LRU order (fair victim choice, fair.py)
@@ -548,8 +551,9 @@ class ObjectStore(Policy, Moves):
         with self.index.write() as txn:
             for oid in dirty:
                 obj = self.objs.get(oid)
-                if obj is not None and txn.get_object(oid) is not None:
-                    txn.put_object(oid, obj.record())
+                rec = txn.get_object(oid) if obj is not None else None
+                if rec is not None:
+                    txn.put_object(oid, obj.record(), old=rec)     # the totals need not read it again
 
     def statistics(self) -> dict:
         """Per tier: its size, the store's counters and the tier's own status. A tier that

@@ -14,8 +14,11 @@ others, it learns without keeping them:
   demotion of a durable tier wait for it (``ObjectStore.wait_loaded``); lookups,
   reads, writes and stats do not.
 
-After a crash (no marker) the store decodes everything at mount, as recovery needs
-(``ObjectStore.load``), and the table is complete from the start.
+After a crash (no marker) the same lazy start follows a recovery that reads only the
+unsealed and RAM-only sets, with the totals kept in the index's group commits
+(kvfs.store.tally). Only when those totals are not valid (an index written without them, or
+changed behind kvfs's back) does the store decode everything at mount (``ObjectStore.load``),
+and the table is then complete from the start.
 """
 from __future__ import annotations
 

@@ -99,13 +99,18 @@ def _decode(raw: bytes, fields: tuple[dict, dict], what: str) -> dict:
 
 
 _MISSING = object()
+decoded = 0                 # inode and object records decoded by this process (recovery reports its share)
 
 
 def decode_inode(raw: bytes) -> dict:
+    global decoded
+    decoded += 1
     return _decode(raw, INODE_FIELDS, "inode")
 
 
 def decode_object(raw: bytes) -> dict:
+    global decoded
+    decoded += 1
     return _decode(raw, OBJECT_FIELDS, "object")
 
 

@@ -36,7 +36,7 @@ async def open_cache(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chu
     cfg = Config(chunk_size=chunk, high_watermark=high, low_watermark=low)
     store = build_store(cfg, index, tiers)
     cache = Cache(index, store, tiers[1].staging_dir)
-    await cache.start()
+    cache.recovered = await cache.start()
     try:
         yield cache
     finally:

@@ -1,7 +1,8 @@
 """A start after a clean unmount decodes no record: objects are built on first use, the
 LRU order and KV child counts are scanned in the background, tier totals come from the
-clean-unmount marker. Any other start (a crash, a tool that opened the index) recovers
-in full. Real tiers, real LMDB, no kernel."""
+clean-unmount marker. A start after a crash reads only the unsealed and RAM-only sets and
+the running totals (kvfs.store.tally); one after a write behind kvfs's back, or with the
+totals invalid, recovers in full. Real tiers, real LMDB, no kernel."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ import stat
 import lmdb
 import trio
 
-from kvfs.store import objtable
+from kvfs.store import objtable, tally
 from kvfs.store.index import Index, ROOT_INO
 from storekit import open_cache
 from storekit import block, hx, read_file as read, write_file as write
@@ -32,8 +33,10 @@ async def test_a_clean_start_builds_objects_on_first_use(tmp_path):
         for i in range(1, 40, 3):          # some on NVMe only, the rest written down at close
             await cache.store.demote(cache.ns.sealed[cache.ns.lookup(d, b"f%d" % i)], 0)
         cache.set_xattr(cache.ns.lookup(d, b"f5"), b"user.kvfs.pin", b"1")
-    Index(tmp_path / "state").close()                 # consumes the marker: ...
-    async with open_cache(tmp_path) as cache:         # ... what a crash-path start computes
+    ix = Index(tmp_path / "state")                    # consumes the marker and the totals: ...
+    tally.invalidate(ix)
+    ix.close()
+    async with open_cache(tmp_path) as cache:         # ... what a full recovery computes
         assert cache.store.table_loaded
         nvme = cache.store.tiers[1]
         full = (nvme.used, nvme.objects, len(cache.store.objs), cache.telemetry.totals())
@@ -86,20 +89,24 @@ async def test_any_open_consumes_the_marker_and_unsealed_files_go_at_a_clean_unm
         cache.ns.make(ROOT_INO, b"unsealed", FILE, 0, 0, oid=None)
         cache.index.commit()                                # ... then a "crash": no marker
     async with open_cache(tmp_path) as cache:
-        assert cache.store.table_loaded                     # full recovery dropped it
+        assert cache.recovered["dropped_files"] == 1        # the unsealed set dropped it ...
+        assert cache.recovered["decoded"] == 1 and not cache.store.table_loaded    # ... alone
         assert cache.index.lookup(ROOT_INO, b"unsealed") is None
         assert await read(cache, ROOT_INO, b"kept") == b"k" * 100
     async with open_cache(tmp_path, clean=True):
         pass
-    Index(tmp_path / "state").close()                       # fsck or a tool opened it
-    async with open_cache(tmp_path, clean=True) as cache:
-        assert cache.store.table_loaded
+    Index(tmp_path / "state").close()                       # fsck or a tool opened it: no
+    async with open_cache(tmp_path, clean=True) as cache:   # marker, the kept totals serve
+        assert cache.recovered["decoded"] == 0 and not cache.store.table_loaded
     env = lmdb.open(str(tmp_path / "state" / "index.lmdb"), max_dbs=8)
     with env.begin(write=True) as txn:                      # written behind kvfs's back
         txn.put(b"other", b"1", db=env.open_db(b"meta", txn=txn))
     env.close()
+    Index(tmp_path / "state").close()       # whoever opens it first: the totals are not trusted
     async with open_cache(tmp_path) as cache:
-        assert cache.store.table_loaded
+        assert cache.store.table_loaded     # a full recovery recounts them ...
+    async with open_cache(tmp_path) as cache:
+        assert not cache.store.table_loaded and cache.recovered["decoded"] == 0    # ... for later starts
 
 
 async def test_open_files_or_ram_only_objects_keep_the_unmount_unclean(tmp_path):

@@ -1,0 +1,218 @@
+"""What a start after kill -9 needs, kept in the index's group commits (issue 12).
+
+The ``recover`` database of the index holds, changed in the same ``Txn`` as the records
+they describe (so every group commit carries them consistent with the records):
+
+* ``u`` + ino: regular files created and not sealed yet (``Txn.put_inode``/``del_inode``
+  keep it, for every writer);
+* ``r`` + oid: objects with bytes but no durable copy (only in RAM: they die with the
+  process);
+* running totals, as functions of the object records: ``o`` (object count), ``t`` + tier
+  (footprint bytes and objects on each durable tier), ``n`` + namespace (bytes and objects
+  per namespace: telemetry and quota usage); ``Txn.put_object``/``del_object`` hand each
+  change of an object record to ``Tally.object``, which adds the difference;
+* ``v``: the totals are valid. A writer without a tally (fsck, a tool) that changes an
+  object record deletes it, so the next start recounts everything.
+
+A start after a crash (``Cache.start``) then reads only these sets and the totals
+(``recover``: the records it decodes are those of the sets), instead of every record; the
+full consistency walk (dangling names, unowned objects) is ``kvfs fsck``'s.
+"""
+from __future__ import annotations
+
+import logging
+import stat
+import struct
+from typing import Callable
+
+from kvfs.store import records
+from kvfs.store.index import _DEL, RECOVER, VALID, Index, Txn, k64
+from kvfs.telemetry import namespace_of
+
+log = logging.getLogger(__name__)
+
+UNSEALED, RAM_ONLY = b"u", b"r"
+OBJECTS, TIER, NAMESPACE = b"o", b"t", b"n"
+_PAIR = struct.Struct(">qq")
+_VERSION = b"1"
+
+
+class Tally:
+    """The running totals of one index (attached as ``index.tally`` by the object store)."""
+
+    def __init__(self, index: Index, footprints: dict[str, Callable[[int], int]]):
+        self.index = index
+        self.footprints = footprints        # durable tier name -> footprint(size)
+        # key -> [a, b, its 16 packed bytes]: the same bytearray goes into every Txn's changes,
+        # so a group commit writes the value after all its operations (no packing per Txn)
+        self.values: dict[bytes, list] = {}
+        self._ns_keys: dict[str, bytes] = {}
+        self.valid = False
+        index.commit()
+        with index.env.begin() as t:
+            for key, raw in t.cursor(db=index.recover):
+                if key[:1] in (OBJECTS, TIER, NAMESPACE):
+                    self.values[bytes(key)] = [*_PAIR.unpack(raw), bytearray(raw)]
+                elif key == VALID:
+                    self.valid = bytes(raw) == _VERSION
+        index.tally = self
+
+    # ---- per record -------------------------------------------------------------
+    def _contribution(self, rec: dict | None, sign: int, d: dict) -> bool:
+        """Add ``rec``'s share of the totals times ``sign`` to ``d``; whether it is RAM-only."""
+        if rec is None:
+            return False
+        size = rec["size"]
+        _add(d, OBJECTS, sign, 0)
+        ns = namespace_of(rec.get("key", ""))
+        key = self._ns_keys.get(ns)
+        if key is None:
+            if len(self._ns_keys) > 4096:
+                self._ns_keys.clear()
+            key = self._ns_keys[ns] = NAMESPACE + ns.encode("utf-8", "surrogateescape")
+        _add(d, key, sign * size, sign)
+        durable = False
+        for name in rec["place"]:
+            fp = self.footprints.get(name)
+            if fp is not None:
+                durable = True
+                _add(d, TIER + name.encode(), sign * fp(size), sign)
+        return bool(size) and not durable
+
+    def object(self, txn: Txn, oid: int, old: dict | None, new: dict | None) -> None:
+        """An object record changes from ``old`` to ``new`` (None: absent) in ``txn``."""
+        d = txn.d
+        if d is None:
+            d = txn.d = {}
+        was = self._contribution(old, -1, d)
+        now = self._contribution(new, 1, d)
+        if was != now:
+            txn.w[(RECOVER, RAM_ONLY + k64(oid))] = b"" if now else _DEL
+
+    def apply(self, d: dict, w: dict) -> None:
+        """A Txn's differences join the totals and its changes (``w``): written with it."""
+        values = self.values
+        for key, (a, b) in d.items():
+            if not a and not b:
+                continue
+            v = values.get(key)
+            if v is None:
+                v = values[key] = [0, 0, bytearray(_PAIR.size)]
+            v[0] += a
+            v[1] += b
+            _PAIR.pack_into(v[2], 0, v[0], v[1])
+            w[(RECOVER, key)] = v[2]
+
+    # ---- whole totals ---------------------------------------------------------------
+    def totals(self) -> dict:
+        """The totals in the shape of the clean-unmount marker (kvfs.store.marker)."""
+        tiers = {name: [0, 0] for name in self.footprints}
+        namespaces = {}
+        for key, (a, b, _raw) in self.values.items():
+            if key[:1] == TIER and key[1:].decode() in tiers:
+                tiers[key[1:].decode()] = [a, b]
+            elif key[:1] == NAMESPACE and (a or b):
+                namespaces[key[1:].decode("utf-8", "surrogateescape")] = [a, b]
+        return {"objects": self.values.get(OBJECTS, [0])[0], "tiers": tiers, "namespaces": namespaces}
+
+    def recount(self, recs) -> dict[bytes, list[int]]:
+        """The totals of the object records ``recs`` (non-zero ones, as ``current`` gives)."""
+        d: dict = {}
+        for rec in recs:
+            self._contribution(rec, 1, d)
+        return {k: v for k, v in d.items() if v[0] or v[1]}
+
+    def current(self) -> dict[bytes, list[int]]:
+        """The running totals (non-zero ones)."""
+        return {k: v[:2] for k, v in self.values.items() if v[0] or v[1]}
+
+    def reset(self, recs) -> None:
+        """Recount from ``recs`` (every object record: after a full recovery) and mark valid."""
+        d = self.recount(recs)
+        with self.index.write() as txn:
+            for key in self.values:
+                if key not in d:
+                    txn.w[(RECOVER, key)] = _DEL
+            self.values = {}
+            d.setdefault(OBJECTS, [0, 0])
+            self.apply(d, txn.w)
+            txn.w[(RECOVER, VALID)] = _VERSION
+        self.valid = True
+
+
+def invalidate(index: Index) -> None:
+    """Forget the running totals: the next start recovers in full (a writer that changed
+    records without keeping them, and tests that compare the two starts)."""
+    with index.write() as txn:
+        txn.w[(RECOVER, VALID)] = _DEL
+    index.commit()
+
+
+def _add(d: dict, key: bytes, a: int, b: int) -> None:
+    v = d.get(key)
+    if v is None:
+        d[key] = [a, b]
+    else:
+        v[0] += a
+        v[1] += b
+
+
+def recover(index: Index, footprints) -> dict[str, int]:
+    """After kill -9, with valid totals: drop the files never sealed and the objects whose
+    only copy was in RAM (and the files that named them), touching only the records the two
+    sets name. Returns counts, ``decoded``: records decoded."""
+    before = records.decoded
+    index.commit()
+    with index.env.begin() as t:
+        keys = [bytes(k) for k in t.cursor(db=index.recover).iternext(values=False)
+                if k[:1] in (UNSEALED, RAM_ONLY)]
+    dropped = lost = 0
+    with index.write() as txn:
+        for key in keys:
+            ident = struct.unpack(">Q", key[1:])[0]
+            if key[:1] == UNSEALED:
+                rec = txn.get_inode(ident)
+                if rec is not None and stat.S_ISREG(rec["mode"]) and rec.get("oid") is None:
+                    txn.unlink(rec["parent"], rec["name"])
+                    txn.del_inode(ident)
+                    dropped += 1
+                txn.w[(RECOVER, key)] = _DEL         # also a stale entry (sealed or gone since)
+                continue
+            orec = txn.get_object(ident)
+            if orec is not None and not any(n in footprints for n in orec["place"]):
+                rec = txn.get_inode(orec["ino"])
+                if rec is not None and rec.get("oid") == ident:
+                    txn.unlink(rec["parent"], rec["name"])
+                    txn.del_inode(orec["ino"])
+                    dropped += 1
+                txn.del_object(ident)
+                lost += 1
+            txn.w[(RECOVER, key)] = _DEL
+    index.commit()
+    return {"dropped_files": dropped, "lost_objects": lost, "decoded": records.decoded - before}
+
+
+def check(index: Index, footprints) -> list[str]:
+    """fsck's check of the sets and totals against every record (problems, one line each;
+    none while the totals are not valid: the next start recounts them anyway)."""
+    ours = Tally(index, footprints)
+    index.tally = None                  # fsck's own repairs invalidate instead of keeping
+    if not ours.valid:
+        return []
+    problems = []
+    with index.env.begin() as t:
+        keys = {bytes(k) for k in t.cursor(db=index.recover).iternext(values=False)}
+    recs = []
+    for oid, rec in index.iter_objects():
+        recs.append(rec)
+        if ours._contribution(rec, 0, {}) and RAM_ONLY + k64(oid) not in keys:
+            problems.append(f"object {oid:x} has no durable copy but is not in the RAM-only set")
+    for ino, rec in index.iter_inodes():
+        if stat.S_ISREG(rec["mode"]) and rec.get("oid") is None and UNSEALED + k64(ino) not in keys:
+            problems.append(f"file {rec['name']!r} (inode {ino}) is unsealed but not in the unsealed set")
+    have, want = ours.current(), ours.recount(recs)
+    for key in sorted(set(have) | set(want)):
+        if have.get(key, [0, 0]) != want.get(key, [0, 0]):
+            problems.append(f"running total {key!r} is {have.get(key, [0, 0])}, the records say "
+                            f"{want.get(key, [0, 0])}")
+    return problems

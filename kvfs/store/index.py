@@ -102,23 +102,7 @@ class Index:
             check_lmdb_file(data)
         if header is not None:
             check_header(header, f"{self.state_dir}/{HEADER_NAME}")
-        try:
-            os.mkdir(env_dir, 0o700)
-        except FileExistsError:
-            pass
-        try:
-            # sync=False: commits survive kill -9 (the page cache keeps them); sync() is
-            # called periodically and at unmount for power-loss durability.
-            self.env = lmdb.open(str(env_dir), map_size=map_size, max_dbs=8, subdir=True, sync=False,
-                                 metasync=False, readahead=False, lock=True, mode=0o600)
-        except lmdb.Error as e:
-            raise IndexDamaged(f"LMDB cannot open the index in {self.state_dir}: {e}; {FSCK_HINT}") from None
-        for name in ("data.mdb", "lock.mdb"):
-            try:
-                os.chmod(env_dir / name, 0o600)
-            except OSError:
-                pass
-        os.chmod(env_dir, 0o700)
+        self.env = self._open_env(env_dir, map_size)
         self.meta = self.env.open_db(b"meta")
         self.inodes = self.env.open_db(b"inodes")
         self.dirents = self.env.open_db(b"dirents")
@@ -172,6 +156,27 @@ class Index:
         if header is None:
             self.env.sync(True)
             write_file_atomic(self.dir_fd, HEADER_NAME, records.encode(make_header(self.instance_id)))
+
+    def _open_env(self, env_dir: Path, map_size: int) -> "lmdb.Environment":
+        """The LMDB environment in ``env_dir``, private to the daemon's user."""
+        try:
+            os.mkdir(env_dir, 0o700)
+        except FileExistsError:
+            pass
+        try:
+            # sync=False: commits survive kill -9 (the page cache keeps them); sync() is
+            # called periodically and at unmount for power-loss durability.
+            env = lmdb.open(str(env_dir), map_size=map_size, max_dbs=8, subdir=True, sync=False,
+                            metasync=False, readahead=False, lock=True, mode=0o600)
+        except lmdb.Error as e:
+            raise IndexDamaged(f"LMDB cannot open the index in {self.state_dir}: {e}; {FSCK_HINT}") from None
+        for name in ("data.mdb", "lock.mdb"):
+            try:
+                os.chmod(env_dir / name, 0o600)
+            except OSError:
+                pass
+        os.chmod(env_dir, 0o700)
+        return env
 
     def verify_records(self) -> int:
         """Decode every inode and object record (IndexDamaged at the first that does not

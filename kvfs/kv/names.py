@@ -50,14 +50,16 @@ class NameView:
         self.path, self.run = str(info["path"]), int(info["run"])
         return True
 
-    def _open(self) -> bool:
-        """Map the table file; False if it is not the table of this mount's run."""
+    def _open(self) -> memoryview | None:
+        """Map the table file and return its words; None if it is not the table of this
+        mount's run. The caller uses what this returns, not ``self._w``: another thread of
+        the view may forget the mapping at any time."""
         self._close_map()
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             size = os.fstat(fd).st_size
             if size < 8 * NAMES_HEADER:
-                return False
+                return None
             m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
@@ -67,10 +69,10 @@ class NameView:
                 or cap == 0 or cap & (cap - 1) or len(w) < NAMES_HEADER + cap):
             w.release()
             m.close()
-            return False
+            return None
         self._map, self._w = m, w
         self.remaps += 1
-        return True
+        return w
 
     def _close_map(self) -> None:
         """Forget the mapping. Not released or closed here: another thread of the same view
@@ -126,10 +128,10 @@ class NameView:
                     if not self._discover():    # none yet (built after the mount): ask later
                         self._retry_at = time.monotonic() + RETRY
                         return False
-                if not self._open():
+                w = self._open()
+                if w is None:
                     self._off = True
                     return False
-                w = self._w
             gen = w[H_GENERATION]
             if gen != NAMES_STALE:
                 mask = w[H_CAPACITY] - 1

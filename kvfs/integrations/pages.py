@@ -40,27 +40,13 @@ from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObject
                              read_backing_into, write_all)
 from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_under
 from kvfs.kv.names import NameView
-from kvfs.integrations.pagetypes import (Counters, LeaseHold, NotOnKvfs, PageSizeError, PageStoreStats,  # noqa: F401
-                                         Stalled)
+from kvfs.integrations.pagetypes import (PIECE, Counters, LeaseHold, NotOnKvfs, PageSizeError,  # noqa: F401
+                                         PageStoreStats, Stalled, cuts as _cuts)
 
 log = logging.getLogger(__name__)
 
-PIECE = 512 << 10          # leased reads land and are hashed in pieces of about this size
 _LOG_EVERY = 30.0          # seconds between repeated warnings of one kind
 _NO_HEAD = memoryview(bytearray(0))   # raw pages have no header
-
-
-def _cuts(segs: list[memoryview]) -> list[tuple[int, int, int]]:
-    """Group ``segs`` into pieces of about PIECE bytes: ``(first, end, nbytes)``."""
-    cuts, first, size = [], 0, 0
-    for i, s in enumerate(segs):
-        size += len(s)
-        if size >= PIECE:
-            cuts.append((first, i + 1, size))
-            first, size = i + 1, 0
-    if first < len(segs):
-        cuts.append((first, len(segs), size))
-    return cuts
 
 
 class PageStore:
@@ -174,11 +160,9 @@ class PageStore:
         longer than ``stall_timeout``, further calls fail at once (``Stalled``: a miss) instead
         of piling the runtime's threads up behind it. A call of many pages calls the yielded
         ``progress()`` after each page: what counts is the wait since the last answer."""
-        if self.stall_timeout is not None and self._inflight:
-            now = time.monotonic()
-            oldest = min(list(self._inflight.values()), default=now)
-            if now - oldest > self.stall_timeout:
-                raise Stalled(errno.ETIMEDOUT, f"a kvfs request has been waiting {now - oldest:.1f}s")
+        waited = self._stalled()
+        if waited:
+            raise Stalled(errno.ETIMEDOUT, f"a kvfs request has been waiting {waited:.1f}s")
         token = object()
         self._inflight[token] = time.monotonic()
 
@@ -188,6 +172,13 @@ class PageStore:
             yield progress
         finally:
             self._inflight.pop(token, None)
+
+    def _stalled(self) -> float:
+        """How long the oldest call under way has waited, if longer than ``stall_timeout``; else 0."""
+        if self.stall_timeout is None or not self._inflight:
+            return 0.0
+        waited = time.monotonic() - min(list(self._inflight.values()), default=time.monotonic())
+        return waited if waited > self.stall_timeout else 0.0
 
     def _failed(self, what: str, e: BaseException, pages: int) -> None:
         self._count(**{"stalled" if isinstance(e, Stalled) else "errors": 1})
@@ -238,12 +229,17 @@ class PageStore:
     def _table_absent(self, name: str) -> bool:
         """The name table says page ``name`` is absent. One stat of the directory (kernel attribute
         cache): its inode, and the check that it is still on the mount we connected to."""
-        names = self._names
+        names, inflight, token = self._names, self._inflight, object()
+        if names is None or (inflight and self._stalled()):
+            return False                # the guarded path answers (Stalled: a stopped daemon)
+        inflight[token] = time.monotonic()      # the stats may wait on the daemon: counted as a call
         try:
-            st = names is not None and os.stat(self.dir)
+            st = os.stat(self.dir)
+            return st.st_dev == self._dev and names.absent_in(self.dir, name, st.st_ino)
         except OSError:
             return False
-        return bool(st) and st.st_dev == self._dev and names.absent_in(self.dir, name, st.st_ino)
+        finally:
+            inflight.pop(token, None)
 
     def _first_exists(self, name: str, probed=None) -> bool:
         """Is the first page there? No round trip if the name table says it is absent (unless the

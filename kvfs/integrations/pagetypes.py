@@ -1,10 +1,12 @@
-"""The types of kvfs.integrations.pages: its errors, counters and lease holds."""
+"""The types of kvfs.integrations.pages: its errors, counters, lease holds and read pieces."""
 from __future__ import annotations
 
 import dataclasses
 import threading
 
 from kvfs.kv.blockio import Backing, LeaseClient
+
+PIECE = 512 << 10          # leased reads land and are hashed in pieces of about this size
 
 
 class NotOnKvfs(OSError):
@@ -86,3 +88,16 @@ class Counters:
         with self._lock:
             ds = list(self._all)
         return PageStoreStats(**{k: sum(d[k] for d in ds) for k in _FIELDS})
+
+
+def cuts(segs: list[memoryview]) -> list[tuple[int, int, int]]:
+    """Group ``segs`` into pieces of about PIECE bytes: ``(first, end, nbytes)``."""
+    cuts, first, size = [], 0, 0
+    for i, s in enumerate(segs):
+        size += len(s)
+        if size >= PIECE:
+            cuts.append((first, i + 1, size))
+            first, size = i + 1, 0
+    if first < len(segs):
+        cuts.append((first, len(segs), size))
+    return cuts

@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--sweep", default="", help="also measure the fast path with these reader counts "
+                    "and staging buffers, e.g. 4x8,16x32 (readers x staging)")
     args = ap.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
@@ -69,6 +71,10 @@ def main(argv=None) -> int:
             res[f"{name}_gbps"] = nbytes / t / 1e9
             res[f"{name}_sources"] = dict(cache.last_load.sources)
             if fast:
+                host_out = gpu.host_empty(lay.block_shape(n_tok), lay.torch_dtype)
+                t = median_time(lambda: cache.load_into(toks, host_out), args.runs, sync)
+                res["cpu_destination_gbps"] = nbytes / t / 1e9     # the read side alone
+                del host_out
                 t = median_time(lambda: [None for _ in cache.load_layers(toks, out)], args.runs, sync)
                 res["layer_by_layer_gbps"] = nbytes / t / 1e9
                 if gpu.kvikio_available():
@@ -85,6 +91,13 @@ def main(argv=None) -> int:
                     res["gds_unverified_gbps"] = nbytes / median_time(gds, args.runs, sync) / 1e9
                 else:
                     res["gds_unverified_gbps"] = None
+    sweep = [tuple(map(int, c.split("x"))) for c in args.sweep.split(",") if c]
+    for readers, staging in sweep:
+        with kvfs.KVCache(args.root, "bench/gpu-load", lay, readers=readers, staging=staging) as cache:
+            t = median_time(lambda: cache.load_into(toks, out), args.runs, sync)
+            tl = median_time(lambda: [None for _ in cache.load_layers(toks, out)], args.runs, sync)
+            res.setdefault("sweep", {})[f"{readers}x{staging}"] = {
+                "fast_path_gbps": nbytes / t / 1e9, "layer_by_layer_gbps": nbytes / tl / 1e9}
     for k in ("fast_path", "through_mount", "layer_by_layer"):
         res[f"{k}_vs_h2d"] = res[f"{k}_gbps"] / res["h2d_pinned_gbps"]
     print(json.dumps(res, indent=2))

@@ -100,6 +100,10 @@ class DeviceCopier:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        if self.cuda:
+            # the destination may still be read by work queued on the caller's stream (a
+            # runtime reusing its KV buffer): the copies start after that work
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def copy(self, dst, src, *, pinned: bool = False):
         if not self.cuda:

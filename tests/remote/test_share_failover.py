@@ -165,8 +165,9 @@ def target_restart(target, a, b, c, on_a: dict) -> None:
 
 
 def written(p: str) -> bytes:
-    """The bytes the writer loop wrote to block ``p`` (from its seed)."""
-    return content(int(Path(p).stem[3:]))
+    """The bytes the writer loop wrote to block ``p`` (from its seed). ``blkN.bin.tmp``: the
+    temp file of a put that kill -9 caught between its close (sealed, whole) and its rename."""
+    return content(int(Path(p).name.split(".")[0][3:]))
 
 
 @pytest.mark.mount

@@ -33,6 +33,45 @@ def median_time(fn, runs, sync):
     return statistics.median(ts)
 
 
+def raw_shm_read(lay, args, nbytes: int) -> dict:
+    """The read side's physical floor: the same bytes as block-sized files in /dev/shm, read with
+    os.preadv by 1, 4 and 16 threads into one page-aligned buffer (no checksum, no FUSE)."""
+    import mmap
+    import os
+    import shutil
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    d = tempfile.mkdtemp(prefix="kvfs-gpu-raw-", dir="/dev/shm")
+    try:
+        size = lay.block_bytes
+        chunk = os.urandom(1 << 20) * (size // (1 << 20) + 1)
+        paths = []
+        for i in range(args.blocks):
+            p = os.path.join(d, f"b{i}")
+            with open(p, "wb") as f:
+                f.write(chunk[:size])
+            paths.append(p)
+        buf = mmap.mmap(-1, size * args.blocks)
+        mv = memoryview(buf)
+
+        def read(i):
+            fd = os.open(paths[i], os.O_RDONLY)
+            try:
+                os.preadv(fd, [mv[i * size:(i + 1) * size]], 0)
+            finally:
+                os.close(fd)
+        out = {}
+        for threads in (1, 4, 16):
+            with ThreadPoolExecutor(threads) as pool:
+                t = median_time(lambda: list(pool.map(read, range(args.blocks))), args.runs, lambda: None)
+            out[str(threads)] = nbytes / t / 1e9
+        mv.release()
+        buf.close()
+        return out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root", type=Path, help="a kvfs mount (or a directory) to store the blocks in")
@@ -91,6 +130,7 @@ def main(argv=None) -> int:
                     res["gds_unverified_gbps"] = nbytes / median_time(gds, args.runs, sync) / 1e9
                 else:
                     res["gds_unverified_gbps"] = None
+    res["raw_shm_read_gbps"] = raw_shm_read(lay, args, nbytes)
     sweep = [tuple(map(int, c.split("x"))) for c in args.sweep.split(",") if c]
     for readers, staging in sweep:
         with kvfs.KVCache(args.root, "bench/gpu-load", lay, readers=readers, staging=staging) as cache:

@@ -122,6 +122,29 @@ class DeviceCopier:
             ev.record(self.stream)
         return ev
 
+    def copy_transposed(self, dst, src, scratch, *, pinned: bool = False):
+        """``dst.copy_(src.transpose(0, 1))`` for a contiguous host ``src``: on CUDA the bytes
+        cross as one contiguous copy into ``scratch`` (a device tensor shaped like ``src``)
+        and are permuted on the device (torch would permute on the CPU, into pageable memory,
+        first: layer-by-layer loads ran at 0.02x of H2D on an H200)."""
+        if not self.cuda:
+            return self.copy(dst, src.transpose(0, 1), pinned=pinned)
+        torch = _torch()
+        with torch.cuda.stream(self.stream):
+            scratch.copy_(src, non_blocking=pinned)
+            dst.copy_(scratch.transpose(0, 1))
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    def scratch(self, shape, dtype):
+        """A device tensor for ``copy_transposed`` (None off CUDA), allocated on the copy stream."""
+        if not self.cuda:
+            return None
+        torch = _torch()
+        with torch.cuda.stream(self.stream):
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
     @staticmethod
     def wait(token) -> None:
         if token is not None:

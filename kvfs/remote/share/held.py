@@ -94,7 +94,10 @@ class HeldRegion(RemoteTier):
             slot, _e = self._entry(oid, loc)
         except NoSuchObject:
             return
-        self.own.discard(slot)
+        if slot in self.own:
+            self.own.discard(slot)
+        else:               # an inherited record freed (reclaimed, or dropped by the store)
+            self.reclaimed += 1
         await super().delete(oid, loc)
 
     def fits(self, size: int) -> bool:
@@ -188,8 +191,7 @@ class HoldsRegions:
         rloc = h.loc_of(slot)
         await self._publish(F.OP_FREE, oid, rloc, None, h.region, h.sb.volume_uuid)
         await write_unit(h.vol, start * h.unit, bytes(h.unit), h.unit)
-        await h.delete(oid, rloc)
-        h.reclaimed += 1
+        await h.delete(oid, rloc)          # counts it in h.reclaimed
         victim = self.held[h.region]["from_slot"]
         self.view.apply(victim, "", F.LogEntry(0, 0, F.OP_FREE, h.region, start, oid=oid))
 

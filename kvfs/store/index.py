@@ -465,12 +465,13 @@ class Txn:
     changes; the changes join the pending table on clean exit and are dropped on an
     exception. Records it returns are copies the caller may change and put back."""
 
-    __slots__ = ("ix", "w", "d")
+    __slots__ = ("ix", "w", "d", "dirs")
 
     def __init__(self, index: Index):
         self.ix = index
         self.w: dict[tuple[int, bytes], object] = {}
         self.d = None               # differences of the running totals (kvfs.store.tally)
+        self.dirs = False           # an entry that was not a regular file goes (kvfs.store.names)
 
     def __enter__(self) -> "Txn":
         return self
@@ -482,7 +483,7 @@ class Txn:
             if self.ix.names is None:
                 self.ix._apply(self.w)
             else:                   # new names enter its table before they are visible
-                self.ix.names.apply(self.w, lambda: self.ix._apply(self.w), DIRENTS)
+                self.ix.names.apply(self.w, lambda: self.ix._apply(self.w), DIRENTS, self.dirs)
 
     def _get(self, db: int, key: bytes):
         v = self.w.get((db, key), _MISS)
@@ -531,7 +532,10 @@ class Txn:
         p = k64(parent)
         old = None if new else self._get(DIRENTS, p + name)    # new: the caller knows it is free
         if old is not None:
-            self.w[(DIRORDER, p + k64(_U64x2.unpack(old)[1]))] = _DEL
+            was, oeid = _U64x2.unpack(old)
+            if not self.dirs and was != child and self.ix.names is not None and not self._regular(was):
+                self.dirs = True    # replaced an entry that was not a regular file
+            self.w[(DIRORDER, p + k64(oeid))] = _DEL
         eid = self.ix.new_id(b"eid")
         dk, ok = (DIRENTS, p + name), (DIRORDER, p + k64(eid))
         if new and dk not in self.ix._pending and dk not in self.w:
@@ -549,8 +553,17 @@ class Txn:
         raw = self._get(DIRENTS, p + name)
         if raw is None:
             return
+        child, eid = _U64x2.unpack(raw)
+        if not self.dirs and self.ix.names is not None and not self._regular(child):
+            self.dirs = True        # readers' cached directory inodes must not outlive this
         self.w[(DIRENTS, p + name)] = _DEL
-        self.w[(DIRORDER, p + k64(_U64x2.unpack(raw)[1]))] = _DEL
+        self.w[(DIRORDER, p + k64(eid))] = _DEL
+
+    def _regular(self, ino: int) -> bool:
+        """Inode ``ino`` is a regular file (unknown, e.g. deleted already: not known to be)."""
+        v = self.w.get((INODES, k64(ino)), _MISS)
+        rec = self.ix.get_inode(ino) if v is _MISS else (None if v is _DEL else v)
+        return rec is not None and rec["mode"] & 0o170000 == 0o100000
 
     def has_children(self, parent: int) -> bool:
         prefix = k64(parent)

@@ -35,6 +35,7 @@ import logging
 import itertools
 import os
 import struct
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -134,7 +135,7 @@ class Index:
                     raise IndexDamaged(f"{self.state_dir}: header instance differs; {FSCK_HINT}")
                 txn.put(b"format", _dumps(make_header(inst)), db=self.meta)
                 txn.put(b"instance", inst.encode(), db=self.meta)
-                now = _now_ns()
+                now = time.time_ns()
                 root = dict(mode=0o40755, uid=os.getuid(), gid=os.getgid(), size=0, nlink=1,
                             atime=now, mtime=now, ctime=now, parent=ROOT_INO, name=b"", xattrs={})
                 txn.put(k64(ROOT_INO), _dumps(root), db=self.inodes)
@@ -519,10 +520,18 @@ class Txn:
 
     def _sealed(self, ino: int, key: bytes) -> None:
         """Inode ``ino`` leaves the set of unsealed files if it was in it."""
-        v = self.w.get((INODES, key), _MISS)
-        old = self.ix.get_inode(ino) if v is _MISS else (None if v is _DEL else v)
+        old = self._rec(ino, key)
         if old is not None and old["mode"] & 0o170000 == 0o100000 and old.get("oid") is None:
             self.w[(RECOVER, b"u" + key)] = _DEL
+
+    def _rec(self, ino: int, key: bytes) -> dict | None:
+        v = self.w.get((INODES, key), _MISS)    # as this operation sees it (not a copy: read only)
+        return self.ix.get_inode(ino) if v is _MISS else (None if v is _DEL else v)
+
+    def _gone(self, ino: int) -> None:
+        """An entry of ``ino`` goes: not a regular file (or unknown)? ``dirs`` (kvfs.store.names)."""
+        if not self.dirs and self.ix.names is not None:
+            self.dirs = (rec := self._rec(ino, k64(ino))) is None or rec["mode"] & 0o170000 != 0o100000
 
     def lookup(self, parent: int, name: bytes) -> int | None:
         raw = self._get(DIRENTS, k64(parent) + name)
@@ -533,8 +542,8 @@ class Txn:
         old = None if new else self._get(DIRENTS, p + name)    # new: the caller knows it is free
         if old is not None:
             was, oeid = _U64x2.unpack(old)
-            if not self.dirs and was != child and self.ix.names is not None and not self._regular(was):
-                self.dirs = True    # replaced an entry that was not a regular file
+            if was != child:
+                self._gone(was)
             self.w[(DIRORDER, p + k64(oeid))] = _DEL
         eid = self.ix.new_id(b"eid")
         dk, ok = (DIRENTS, p + name), (DIRORDER, p + k64(eid))
@@ -554,16 +563,9 @@ class Txn:
         if raw is None:
             return
         child, eid = _U64x2.unpack(raw)
-        if not self.dirs and self.ix.names is not None and not self._regular(child):
-            self.dirs = True        # readers' cached directory inodes must not outlive this
+        self._gone(child)
         self.w[(DIRENTS, p + name)] = _DEL
         self.w[(DIRORDER, p + k64(eid))] = _DEL
-
-    def _regular(self, ino: int) -> bool:
-        """Inode ``ino`` is a regular file (unknown, e.g. deleted already: not known to be)."""
-        v = self.w.get((INODES, k64(ino)), _MISS)
-        rec = self.ix.get_inode(ino) if v is _MISS else (None if v is _DEL else v)
-        return rec is not None and rec["mode"] & 0o170000 == 0o100000
 
     def has_children(self, parent: int) -> bool:
         prefix = k64(parent)
@@ -596,7 +598,3 @@ class Txn:
 
     def del_object(self, oid: int) -> None:
         self.put_object(oid, None)
-
-
-def _now_ns() -> int:
-    return __import__("time").time_ns()

@@ -186,6 +186,9 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         finally:
             ops.mounted = False
             pyfuse3.close(unmount=not unmounted)
+            if index.names is not None:     # unmounted: readers stop answering from it now
+                index.names, names = None, index.names
+                names.close()
         log.info("unmounted; writing down")
         store.flush_stats()
         if not cfg.volatile_ram:

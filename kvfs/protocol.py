@@ -158,9 +158,15 @@ def decode_backing_xattr(raw: bytes) -> Backing | None:
 # number of uint64 slots (open addressing, linear probing). A slot holds names_hash() of one
 # directory entry, NAMES_EMPTY or NAMES_TOMB. ``.kvfs/stats`` names the file and the run id.
 NAMES_MAGIC = 0x31454d414e53464b      # b"KFSNAME1" read as a little-endian uint64
-NAMES_VERSION = 1
-NAMES_HEADER = 8                       # words: magic, version, capacity, generation, run, live, 0, 0
-H_MAGIC, H_VERSION, H_CAPACITY, H_GENERATION, H_RUN, H_LIVE = range(6)
+# Version 2 gives meaning to word 6, which version 1 left 0 (the slots are unchanged; a reader
+# still reads a version-1 table, without caching directory inodes): H_DIRS counts removals of
+# directory entries that were not regular files (rmdir, a directory renamed away or over, a
+# symlink removed). A reader may use a directory's inode (path -> inode) with no system call
+# while this word has the value it read before the ``stat`` that gave the inode.
+NAMES_VERSION = 2
+NAMES_VERSIONS = (1, 2)                # what readers accept
+NAMES_HEADER = 8                       # words: magic, version, capacity, generation, run, live, dirs, 0
+H_MAGIC, H_VERSION, H_CAPACITY, H_GENERATION, H_RUN, H_LIVE, H_DIRS = range(7)
 NAMES_EMPTY, NAMES_TOMB = 0, 1
 NAMES_STALE = 0                        # generation of a table that was replaced (readers remap)
 NAMES_STATS_KEY = "names"              # .kvfs/stats: {"path": ..., "run": ...} or null

@@ -39,7 +39,7 @@ from kvfs.kv.getbatch import EBADMSG, GetClient
 from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObjects, preadv_full, read_backing,
                              read_backing_into, write_all)
 from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_under
-from kvfs.kv.names import NameView
+from kvfs.kv.names import REVALIDATE, NameView
 from kvfs.integrations.pagetypes import (PIECE, Counters, LeaseHold, NotOnKvfs, PageSizeError,  # noqa: F401
                                          PageStoreStats, Stalled, cuts as _cuts)
 
@@ -54,7 +54,7 @@ class PageStore:
 
     def __init__(self, root: str | os.PathLike, subdir: str = "", *, require_kvfs: bool = True,
                  lease_ttl: float | None = None, verify_shm: str = "once", stall_timeout: float | None = 10.0,
-                 use_commit: bool = True):
+                 use_commit: bool = True, revalidate: float | None = REVALIDATE):
         if verify_shm not in ("once", "always"):
             raise ValueError(f"verify_shm must be 'once' or 'always', got {verify_shm!r}")
         self.root = os.path.abspath(os.fspath(root))
@@ -63,6 +63,7 @@ class PageStore:
         self.lease_ttl = lease_ttl
         self.stall_timeout = stall_timeout
         self.use_commit = use_commit      # batched writes through .kvfs/commit (kvfs.kv.commit)
+        self.revalidate = revalidate      # seconds between stats of the directory on table misses
         self._inflight: dict[object, float] = {}     # calls under way -> when they started
         self.verified = VerifiedObjects() if verify_shm == "once" else None
         self._lock = threading.Lock()
@@ -109,7 +110,7 @@ class PageStore:
                 lk.close()
                 raise NotOnKvfs(errno.ENOTCONN, f"{self.root} left its kvfs mount while connecting")
             self._dev, self._mount_root = dev, lk.mount_root
-            self._names = NameView(lk.mount_root) if lk.one_call else None
+            self._names = NameView(lk.mount_root, dev, self._dir_stat, self.revalidate) if lk.one_call else None
             self._lookup = lk
             log.debug("page store %s (%s)", self.dir, "kvfs" if lk.one_call else "plain directory")
             return lk
@@ -227,17 +228,22 @@ class PageStore:
         return lk.prefix_rel(names)
 
     def _table_absent(self, name: str) -> bool:
-        """The name table says page ``name`` is absent. One stat of the directory (kernel attribute
-        cache): its inode, and the check that it is still on the mount we connected to."""
-        names, inflight, token = self._names, self._inflight, object()
-        if names is None or (inflight and self._stalled()):
+        """The name table says page ``name`` is absent. No system call in the steady state: the
+        directory's inode is cached while the table vouches for it (kvfs.kv.names), and stat-ed
+        (``_dir_stat``) at most every ``revalidate`` seconds or after a directory went."""
+        names = self._names
+        if names is None or (self._inflight and self._stalled()):
             return False                # the guarded path answers (Stalled: a stopped daemon)
-        inflight[token] = time.monotonic()      # the stats may wait on the daemon: counted as a call
+        return names.absent_in(self.dir, name)
+
+    def _dir_stat(self, path: str) -> os.stat_result:
+        """The name table's stat of a directory: it may wait on the daemon, so it counts as a call
+        under way (the stall guard), and it is counted (``table_stats``)."""
+        inflight, token = self._inflight, object()
+        inflight[token] = time.monotonic()
         try:
-            st = os.stat(self.dir)
-            return st.st_dev == self._dev and names.absent_in(self.dir, name, st.st_ino)
-        except OSError:
-            return False
+            self._counts.add(table_stats=1)
+            return os.stat(path)
         finally:
             inflight.pop(token, None)
 

@@ -45,6 +45,7 @@ class PageStoreStats:
     commit_refused: int = 0  # pages the batched commit refused (then written through the mount)
     batch_reads: int = 0     # pages without a fast path read by one .kvfs/get per batch
     table_misses: int = 0    # misses the name table answered (kvfs.kv.names: no round trip)
+    table_stats: int = 0     # stats of a directory for the table (0 per miss once its inode is cached)
 
 
 @dataclasses.dataclass

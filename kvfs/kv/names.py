@@ -8,30 +8,50 @@ daemon adds an entry before it becomes visible and removes it after it is gone. 
 mount, replaced). A view remaps itself when the daemon replaced the table (it grew); one that
 cannot be used stays off until :meth:`reset`. A table not advertised yet (the daemon builds it
 after the mount is ready) is asked for again at most every RETRY seconds; until then: lookups.
+
+:meth:`NameView.absent_in` needs the inode of the directory (and of each subdirectory of a name
+like vLLM's ``abc/de_g0/<hash>.bin``). It keeps them per path, with no system call, while a
+version-2 table vouches for them: its count of removed directories (H_DIRS) is what it was
+before the ``stat`` that gave the inode, both before and after the probe. What the table cannot
+see -- the mount going (a killed daemon, a lazy unmount, another mount at the path), a symlink
+outside the mount changing -- a ``stat`` of the directory catches, at most ``revalidate``
+seconds after the last one: it must still be on the mount's device (``dev``), with that inode.
+A crashed daemon's successor marks its table stale when it starts (kvfs.store.names.retire).
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import mmap
 import os
 import time
 
-from kvfs.protocol import (CONTROL_NAME, H_CAPACITY, H_GENERATION, H_MAGIC, H_RUN, H_VERSION, NAMES_BUILDING_KEY,
-                           NAMES_EMPTY, NAMES_HEADER, NAMES_MAGIC, NAMES_STALE, NAMES_STATS_KEY, NAMES_VERSION,
-                           STATS_FILE, names_hash)
+from kvfs.protocol import (CONTROL_NAME, H_CAPACITY, H_DIRS, H_GENERATION, H_MAGIC, H_RUN, H_VERSION,
+                           NAMES_BUILDING_KEY, NAMES_EMPTY, NAMES_HEADER, NAMES_MAGIC, NAMES_STALE, NAMES_STATS_KEY,
+                           NAMES_VERSIONS, STATS_FILE, names_hash)
 
 log = logging.getLogger(__name__)
 
 _REMAPS = 4         # tries to map a current table in one call (each replacement is a rebuild)
 RETRY = 1.0         # seconds before asking .kvfs/stats again for a table not advertised (being built)
+_MAX_DIRS = 4096    # cached directory inodes per view (dropped all at once beyond)
+REVALIDATE = 1.0    # seconds a cached directory inode is used before a stat checks it again
 
 
 class NameView:
     """A read-only view of the name table of the kvfs mount at ``mount_root``."""
 
-    def __init__(self, mount_root: str):
+    def __init__(self, mount_root: str, dev: int | None = None, stat=os.stat, revalidate: float | None = REVALIDATE):
+        """``dev``: the mount's device number (a directory whose ``stat`` says another one is
+        not answered from this table); ``stat``: the call that stats directories (PageStore's
+        counts them and guards them against a stopped daemon); ``revalidate``: seconds between
+        the ``stat``s of a cached directory (0: every call, as a version-1 table; None: only
+        when the table says a directory went -- then a remount goes unseen)."""
         self.mount_root = mount_root
+        self.dev = dev
+        self.stat = stat
+        self.revalidate_ns = None if revalidate is None else int(revalidate * 1e9)
         self.path: str | None = None
         self.run = 0
         self._map: mmap.mmap | None = None
@@ -39,6 +59,8 @@ class NameView:
         self._off = False
         self._retry_at = 0.0
         self.remaps = 0
+        self.stats = 0              # directories stat-ed for their inode (0 per call when cached)
+        self._inos: dict[str, tuple[int, int, int]] = {}    # directory -> (inode, H_DIRS, stat-ed at)
 
     def _discover(self) -> bool:
         with open(os.path.join(self.mount_root, CONTROL_NAME, STATS_FILE), "rb") as f:
@@ -65,7 +87,7 @@ class NameView:
             os.close(fd)
         w = memoryview(m).cast("Q")
         cap = w[H_CAPACITY]
-        if (w[H_MAGIC] != NAMES_MAGIC or w[H_VERSION] != NAMES_VERSION or w[H_RUN] != self.run
+        if (w[H_MAGIC] != NAMES_MAGIC or w[H_VERSION] not in NAMES_VERSIONS or w[H_RUN] != self.run
                 or cap == 0 or cap & (cap - 1) or len(w) < NAMES_HEADER + cap):
             w.release()
             m.close()
@@ -96,27 +118,62 @@ class NameView:
     def absent_in(self, directory: str, name: str, parent: int | None = None) -> bool:
         """``absent`` for the file ``name`` under ``directory`` (a path inside the mount; its
         inode ``parent`` if the caller has it). ``name`` may hold subdirectories: each is looked
-        up in the table too, so a missing subdirectory is answered without a round trip; inodes
-        of those present come from ``stat`` (the kernel's attribute cache)."""
+        up in the table too, so a missing subdirectory is answered without a round trip. The
+        inodes of the directories come from the cache the table vouches for, else ``stat``."""
         if self._off:
             return False
-        if parent is not None and "/" not in name:     # the common case: one probe, no stat
-            return self.absent(parent, name.encode("utf-8", "surrogateescape"))
-        parts = name.split("/")
-        path = directory
+        mark = self._mark()
         try:
+            if "/" not in name:             # the common case: one probe
+                if parent is None:
+                    parent = self._ino(directory, mark)
+                return self.absent(parent, name.encode("utf-8", "surrogateescape")) and self._held(mark)
+            parts = name.split("/")
+            path = directory
             if parent is None:
-                parent = os.stat(path).st_ino
+                parent = self._ino(path, mark)
             for part in parts[:-1]:
                 if not part or part == "." or part == "..":
                     return False        # not a plain relative path: ask the filesystem
                 if self.absent(parent, os.fsencode(part)):
-                    return True
+                    return self._held(mark)
                 path = os.path.join(path, part)
-                parent = os.stat(path).st_ino
+                parent = self._ino(path, mark)
         except OSError:
             return False                # the ordinary path answers (and counts) it
-        return self.absent(parent, os.fsencode(parts[-1]))
+        return self.absent(parent, os.fsencode(parts[-1])) and self._held(mark)
+
+    def _mark(self) -> int | None:
+        """H_DIRS now if the table vouches for cached inodes (mapped, version 2), else None."""
+        w = self._w
+        if w is None:
+            return None
+        try:
+            return w[H_DIRS] if w[H_VERSION] >= 2 else None
+        except (ValueError, TypeError):         # released meanwhile: not vouched
+            return None
+
+    def _held(self, mark: int | None) -> bool:
+        """Cached inodes taken under ``mark`` still held after the probe (always, if none were)."""
+        return mark is None or self._mark() == mark
+
+    def _ino(self, path: str, mark: int | None) -> int:
+        """The inode of the directory ``path``: cached under ``mark``, else a ``stat`` (whose
+        device must be ``dev``), then cached if ``mark`` (read before the ``stat``) vouches."""
+        now = time.monotonic_ns()
+        if mark is not None:
+            c = self._inos.get(path)
+            if c is not None and c[1] == mark and (self.revalidate_ns is None or now - c[2] < self.revalidate_ns):
+                return c[0]
+        self.stats += 1
+        st = self.stat(path)
+        if self.dev is not None and st.st_dev != self.dev:
+            raise OSError(errno.EXDEV, f"{path} is not on the mount of this name table")
+        if mark is not None:
+            if len(self._inos) >= _MAX_DIRS:
+                self._inos.clear()
+            self._inos[path] = (st.st_ino, mark, now)
+        return st.st_ino
 
     def _absent(self, h: int) -> bool:
         for _ in range(_REMAPS):
@@ -149,6 +206,7 @@ class NameView:
     def reset(self) -> None:
         """Forget the table (the mount may have changed): the next call discovers it again."""
         self._close_map()
+        self._inos.clear()
         self.path, self._off, self._retry_at = None, False, 0.0
 
     close = reset

@@ -35,6 +35,7 @@ import logging
 import itertools
 import os
 import struct
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -134,7 +135,7 @@ class Index:
                     raise IndexDamaged(f"{self.state_dir}: header instance differs; {FSCK_HINT}")
                 txn.put(b"format", _dumps(make_header(inst)), db=self.meta)
                 txn.put(b"instance", inst.encode(), db=self.meta)
-                now = _now_ns()
+                now = time.time_ns()
                 root = dict(mode=0o40755, uid=os.getuid(), gid=os.getgid(), size=0, nlink=1,
                             atime=now, mtime=now, ctime=now, parent=ROOT_INO, name=b"", xattrs={})
                 txn.put(k64(ROOT_INO), _dumps(root), db=self.inodes)
@@ -465,12 +466,13 @@ class Txn:
     changes; the changes join the pending table on clean exit and are dropped on an
     exception. Records it returns are copies the caller may change and put back."""
 
-    __slots__ = ("ix", "w", "d")
+    __slots__ = ("ix", "w", "d", "dirs")
 
     def __init__(self, index: Index):
         self.ix = index
         self.w: dict[tuple[int, bytes], object] = {}
         self.d = None               # differences of the running totals (kvfs.store.tally)
+        self.dirs = False           # an entry that was not a regular file goes (kvfs.store.names)
 
     def __enter__(self) -> "Txn":
         return self
@@ -482,7 +484,7 @@ class Txn:
             if self.ix.names is None:
                 self.ix._apply(self.w)
             else:                   # new names enter its table before they are visible
-                self.ix.names.apply(self.w, lambda: self.ix._apply(self.w), DIRENTS)
+                self.ix.names.apply(self.w, lambda: self.ix._apply(self.w), DIRENTS, self.dirs)
 
     def _get(self, db: int, key: bytes):
         v = self.w.get((db, key), _MISS)
@@ -518,10 +520,18 @@ class Txn:
 
     def _sealed(self, ino: int, key: bytes) -> None:
         """Inode ``ino`` leaves the set of unsealed files if it was in it."""
-        v = self.w.get((INODES, key), _MISS)
-        old = self.ix.get_inode(ino) if v is _MISS else (None if v is _DEL else v)
+        old = self._rec(ino, key)
         if old is not None and old["mode"] & 0o170000 == 0o100000 and old.get("oid") is None:
             self.w[(RECOVER, b"u" + key)] = _DEL
+
+    def _rec(self, ino: int, key: bytes) -> dict | None:
+        v = self.w.get((INODES, key), _MISS)    # as this operation sees it (not a copy: read only)
+        return self.ix.get_inode(ino) if v is _MISS else (None if v is _DEL else v)
+
+    def _gone(self, ino: int) -> None:
+        """An entry of ``ino`` goes: not a regular file (or unknown)? ``dirs`` (kvfs.store.names)."""
+        if not self.dirs and self.ix.names is not None:
+            self.dirs = (rec := self._rec(ino, k64(ino))) is None or rec["mode"] & 0o170000 != 0o100000
 
     def lookup(self, parent: int, name: bytes) -> int | None:
         raw = self._get(DIRENTS, k64(parent) + name)
@@ -531,7 +541,10 @@ class Txn:
         p = k64(parent)
         old = None if new else self._get(DIRENTS, p + name)    # new: the caller knows it is free
         if old is not None:
-            self.w[(DIRORDER, p + k64(_U64x2.unpack(old)[1]))] = _DEL
+            was, oeid = _U64x2.unpack(old)
+            if was != child:
+                self._gone(was)
+            self.w[(DIRORDER, p + k64(oeid))] = _DEL
         eid = self.ix.new_id(b"eid")
         dk, ok = (DIRENTS, p + name), (DIRORDER, p + k64(eid))
         if new and dk not in self.ix._pending and dk not in self.w:
@@ -549,8 +562,10 @@ class Txn:
         raw = self._get(DIRENTS, p + name)
         if raw is None:
             return
+        child, eid = _U64x2.unpack(raw)
+        self._gone(child)
         self.w[(DIRENTS, p + name)] = _DEL
-        self.w[(DIRORDER, p + k64(_U64x2.unpack(raw)[1]))] = _DEL
+        self.w[(DIRORDER, p + k64(eid))] = _DEL
 
     def has_children(self, parent: int) -> bool:
         prefix = k64(parent)
@@ -583,7 +598,3 @@ class Txn:
 
     def del_object(self, oid: int) -> None:
         self.put_object(oid, None)
-
-
-def _now_ns() -> int:
-    return __import__("time").time_ns()

@@ -19,7 +19,16 @@ removal of one hide the other: a false miss (the runtime recomputes), not a wron
 Growing (or clearing tombstones) writes a new file, renames it over the old name, and only
 then marks the old one stale (generation NAMES_STALE): a reader that sees the same live
 generation before and after its probe got an answer that held at that instant; otherwise it
-remaps. A crashed daemon's file goes with its RAM-tier directory; a new daemon has a new run id.
+remaps. A crashed daemon's file goes with its RAM-tier directory; a new daemon has a new run id
+and marks the crashed one's table stale before removing it (:func:`retire`).
+
+Cached directory inodes (version 2): a reader keeps ``path -> inode`` of the directories it
+asks about without a ``stat`` per call while the header word ``H_DIRS`` has not moved. It
+counts removed entries that were not regular files (:meth:`NameTable.apply` with ``dirs``:
+bumped *before* the transaction is visible, so a reader that reads the same count before its
+``stat`` and after its probe saw the path lead to that inode throughout). What the table cannot
+see (the mount itself going: killed, lazily unmounted, another mount at the path) the reader
+catches by a ``stat`` of each cached directory at most a second old (kvfs.kv.names).
 
 Who may read it: the file lives in the RAM tier's directory (mode 0700, the daemon's user).
 A table of hashes is an existence oracle for guessed names -- it would let a user who cannot
@@ -37,7 +46,7 @@ import time
 
 import trio
 
-from kvfs.protocol import (H_CAPACITY, H_GENERATION, H_LIVE, H_MAGIC, H_RUN, H_VERSION, NAMES_EMPTY,
+from kvfs.protocol import (H_CAPACITY, H_DIRS, H_GENERATION, H_LIVE, H_MAGIC, H_RUN, H_VERSION, NAMES_EMPTY,
                            NAMES_HEADER, NAMES_MAGIC, NAMES_STALE, NAMES_TOMB, NAMES_VERSION, names_hash)
 
 log = logging.getLogger(__name__)
@@ -57,7 +66,7 @@ def _capacity_for(live: int) -> int:
 class _Mapped:
     """One table file, mapped read-write."""
 
-    def __init__(self, path: str, capacity: int, generation: int, run: int):
+    def __init__(self, path: str, capacity: int, generation: int, run: int, dirs: int = 0):
         size = 8 * (NAMES_HEADER + capacity)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
@@ -71,6 +80,7 @@ class _Mapped:
         self.live = 0
         w = self.words
         w[H_VERSION], w[H_CAPACITY], w[H_RUN], w[H_GENERATION] = NAMES_VERSION, capacity, run, generation
+        w[H_DIRS] = dirs
         w[H_MAGIC] = NAMES_MAGIC    # last: a reader never sees a half-made header as valid
 
     def add(self, h: int) -> None:
@@ -129,6 +139,7 @@ class NameTable:
         self.run = secrets.randbits(63) | 1
         self.generation = 0
         self.rebuilds = 0
+        self.dirs = 0               # H_DIRS: removals of entries that were not regular files
         self.t: _Mapped | None = None
         self._gone: set[int] | None = None     # while building: names removed since it began
 
@@ -172,7 +183,7 @@ class NameTable:
         """A new file with ``hashes`` renamed over the table, then the old one marked stale."""
         self.generation += 1
         tmp = f"{self.path}.{self.generation}"
-        new = _Mapped(tmp, capacity, self.generation + 1, self.run)   # generation 0 is "stale"
+        new = _Mapped(tmp, capacity, self.generation + 1, self.run, self.dirs)   # generation 0: "stale"
         try:
             for h in hashes:
                 new.add(h)
@@ -185,15 +196,19 @@ class NameTable:
         if old is not None:
             old.close(stale=True)
 
-    def apply(self, changes: dict, commit, dirents_db: int) -> None:
+    def apply(self, changes: dict, commit, dirents_db: int, dirs: bool = False) -> None:
         """Run ``commit()`` (which makes a transaction's ``changes`` visible) between adding
         its new directory entries and removing its deleted ones. ``changes`` maps (db, key)
         to a value or a deletion marker; a DIRENTS key is the parent inode (8 bytes, big
-        endian) and the name."""
+        endian) and the name. ``dirs``: the transaction removes (or replaces) an entry that
+        was not a regular file: readers' cached directory inodes stop counting first."""
         t = self.t
         if t is None:
             commit()
             return
+        if dirs:
+            self.dirs += 1
+            t.words[H_DIRS] = self.dirs
         gone, building = [], self._gone
         try:
             for (db, key), v in changes.items():
@@ -229,7 +244,7 @@ class NameTable:
         if self.t is None or self._gone is not None:
             return None
         return {"path": self.path, "run": self.run, "names": self.t.live,
-                "capacity": self.t.capacity, "rebuilds": self.rebuilds}
+                "capacity": self.t.capacity, "rebuilds": self.rebuilds, "dirs_removed": self.dirs}
 
     def close(self) -> None:
         """Mark the table stale and remove it (at unmount, or when it cannot be kept)."""
@@ -241,6 +256,34 @@ class NameTable:
             os.unlink(self.path)
         except OSError as e:
             log.warning("could not remove the name table %s: %s", self.path, e)
+
+
+def retire(dir_fd: int) -> bool:
+    """Mark the table in the directory ``dir_fd`` (a dead daemon's RAM-tier directory, about to
+    be removed) stale, so that the readers that still map it stop answering from it now rather
+    than at their next check of the directory. True if there was one."""
+    try:
+        fd = os.open(FILE_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size < 8 * NAMES_HEADER:
+            return False
+        with mmap.mmap(fd, 8 * NAMES_HEADER) as m:
+            w = memoryview(m).cast("Q")
+            try:
+                if w[H_MAGIC] != NAMES_MAGIC:
+                    return False
+                w[H_GENERATION] = NAMES_STALE
+            finally:
+                w.release()
+        log.info("marked a dead daemon's name table stale")
+        return True
+    except (OSError, ValueError) as e:
+        log.warning("could not mark a dead daemon's name table stale: %s", e)
+        return False
+    finally:
+        os.close(fd)
 
 
 def dirent_count(index) -> int:

@@ -27,7 +27,7 @@ from typing import AsyncIterator, Iterator
 import trio
 
 from kvfs.errors import NoSuchObject, TierFull
-from kvfs.store import safedir
+from kvfs.store import names, safedir
 from kvfs.store.ownerlinks import OwnerLinks, can_grant
 from kvfs.store.safedir import Dir
 from kvfs.store.tier import ObjectInfo, Tier
@@ -108,7 +108,7 @@ class RamTier(Tier):
     async def open(self) -> None:
         # whatever a crashed daemon of this instance left is volatile and gone by definition
         safedir.check_shared_parent(self.shm_dir, "shm_dir")
-        safedir.remove_stale_dirs(self.shm_dir, self.prefix)
+        safedir.remove_stale_dirs(self.shm_dir, self.prefix, before=names.retire)   # its readers stop
         self._make_dir()
 
     async def close(self) -> None:

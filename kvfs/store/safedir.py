@@ -125,9 +125,10 @@ def make_unique_dir(parent: str | Path, prefix: str) -> tuple[Path, int]:
     return path, open_private_dir(path, "directory", create=False)
 
 
-def remove_stale_dirs(parent: str | Path, prefix: str) -> int:
+def remove_stale_dirs(parent: str | Path, prefix: str, before=None) -> int:
     """Remove ``parent/prefix*`` directories a dead daemon of ours left: only real
-    directories owned by us whose lock no live daemon holds; never through a symlink."""
+    directories owned by us whose lock no live daemon holds; never through a symlink.
+    ``before(dir_fd)`` runs on each first (kvfs.store.names.retire)."""
     n = 0
     try:
         names = [e for e in os.listdir(parent) if e.startswith(prefix)]
@@ -148,6 +149,8 @@ def remove_stale_dirs(parent: str | Path, prefix: str) -> int:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue                   # a live daemon's directory
+                if before is not None:
+                    before(fd)
                 clear_dir(fd)
                 os.rmdir(name, dir_fd=pfd)
                 n += 1

@@ -3,21 +3,22 @@ file, without a mount: the transaction hook's ordering, growth, tombstones, stal
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 
 import pytest
 
 from kvfs.kv.names import NameView
-from kvfs.protocol import H_MAGIC, H_RUN
+from kvfs.protocol import H_DIRS, H_GENERATION, H_MAGIC, H_RUN, H_VERSION, NAMES_STALE
 from kvfs.store.index import DIRENTS, k64
-from kvfs.store.names import MIN_CAPACITY, NameTable
+from kvfs.store.names import MIN_CAPACITY, NameTable, retire
 
 
 class Reader(NameView):
     """A NameView told the table's path and run directly (what ``.kvfs/stats`` says)."""
 
-    def __init__(self, table: NameTable):
-        super().__init__("/nonexistent")
+    def __init__(self, table: NameTable, **kw):
+        super().__init__("/nonexistent", **kw)
         self.path, self.run = table.path, table.run
 
 
@@ -135,3 +136,103 @@ def test_one_view_shared_by_threads_survives_growth(table):
         for t in threads:
             t.join()
     assert table.rebuilds >= 3 and not wrong and not r._off and r.remaps >= 2
+
+
+class Stats:
+    """os.stat of real directories, counted (what PageStore's guarded stat counts)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def __call__(self, path):
+        self.n += 1
+        return os.stat(path)
+
+
+def dir_table(tmp_path):
+    """A table holding the file ``x`` of a real directory ``d``; ``d``'s stat."""
+    d = tmp_path / "d"
+    d.mkdir()
+    st = os.stat(d)
+    t = NameTable(str(tmp_path / "shm"))
+    os.mkdir(t.dir)
+    t.open([(st.st_ino, b"x")])
+    return t, str(d), st
+
+
+def test_directory_inode_cached_until_a_directory_goes(tmp_path):
+    """No stat per call while H_DIRS stays; a transaction that removes a directory moves it
+    before its changes are visible (a reader inside the commit already re-stats), also across
+    a rebuild of the table."""
+    t, d, st = dir_table(tmp_path)
+    stat = Stats()
+    r = Reader(t, dev=st.st_dev, stat=stat, revalidate=None)
+    try:
+        assert r.absent_in(d, "y") and not r.absent_in(d, "x")
+        n = stat.n
+        assert n <= 2                       # before the table was mapped, and the first cached
+        assert all(r.absent_in(d, f"y{i}") for i in range(100)) and stat.n == n
+        seen = []
+
+        def commit():
+            seen.append((t.t.words[H_DIRS], r.absent_in(d, "y")))
+        t.apply(txn(removes=[(99, b"somedir")]), commit, DIRENTS, dirs=True)
+        assert seen == [(1, True)] and stat.n == n + 1      # counted before the commit: re-stat
+        assert r.absent_in(d, "y") and stat.n == n + 1
+        for i in range(2 * MIN_CAPACITY):                  # grown: the count goes with it
+            t.apply(txn(adds=[(7, b"g%d" % i)]), lambda: None, DIRENTS)
+        assert t.rebuilds >= 1 and t.t.words[H_DIRS] == 1 and t.statistics()["dirs_removed"] == 1
+        assert r.absent_in(d, "y") and stat.n == n + 1
+        t.apply(txn(adds=[(7, b"f")]), lambda: None, DIRENTS)   # files come and go: no re-stat
+        t.apply(txn(removes=[(7, b"f")]), lambda: None, DIRENTS)
+        assert r.absent_in(d, "y") and stat.n == n + 1
+    finally:
+        t.close()
+
+
+def test_cached_inode_stat_again_and_checked_against_the_mount(tmp_path):
+    """``revalidate=0``: a stat per call (what the default does once a second), and a
+    directory that is no longer on the table's device (another mount at the path: here a
+    symlink to another filesystem) is not answered; a version-1 table never vouches."""
+    t, d, st = dir_table(tmp_path)
+    stat = Stats()
+    r = Reader(t, dev=st.st_dev, stat=stat, revalidate=0)
+    other = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        for _ in range(3):
+            assert r.absent_in(d, "y")
+        assert stat.n == 3
+        if os.stat(other).st_dev != st.st_dev:
+            link = str(tmp_path / "link")
+            os.symlink(d, link)
+            assert r.absent_in(link, "y")
+            os.unlink(link)
+            os.symlink(other, link)
+            assert not r.absent_in(link, "y")       # EXDEV: ask the filesystem
+        t.t.words[H_VERSION] = 1                    # a daemon of version 1
+        v1 = Reader(t, dev=st.st_dev, stat=(stat1 := Stats()), revalidate=None)
+        for _ in range(3):
+            assert v1.absent_in(d, "y") and not v1.absent_in(d, "x")
+        assert stat1.n == 6
+    finally:
+        os.rmdir(other)
+        t.close()
+
+
+def test_retire_marks_a_dead_daemons_table_stale(tmp_path):
+    t, d, st = dir_table(tmp_path)
+    r = Reader(t, dev=st.st_dev, revalidate=None)
+    assert r.absent_in(d, "y") and r.absent_in(d, "y")
+    fd = os.open(t.dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert retire(fd)
+    finally:
+        os.close(fd)
+    assert t.t.words[H_GENERATION] == NAMES_STALE
+    assert not r.absent_in(d, "y")                  # the old table no longer answers
+    t.close()
+    fd = os.open(t.dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert not retire(fd)                       # none there (removed at close): False
+    finally:
+        os.close(fd)

@@ -176,9 +176,23 @@ def ensure_initramfs(cache: Path | None = None) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: the sockets stay bound until all are chosen (one at a time,
+    the kernel may hand the same ephemeral port out twice: QEMU then refused two host
+    forwards on one port, seen once in a full run)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclasses.dataclass
@@ -200,10 +214,11 @@ class Target:
     def __post_init__(self) -> None:
         self.image = Path(self.image)
         self.workdir = Path(self.workdir or self.image.parent)
-        self.port = self.port or free_port()
-        self.raw_port = self.raw_port or free_port()
-        self.raw_port_dd = self.raw_port_dd or free_port()
-        self.control_port = self.control_port or free_port()
+        fresh = iter(free_ports(4))
+        self.port = self.port or next(fresh)
+        self.raw_port = self.raw_port or next(fresh)
+        self.raw_port_dd = self.raw_port_dd or next(fresh)
+        self.control_port = self.control_port or next(fresh)
 
     @property
     def url(self) -> str:

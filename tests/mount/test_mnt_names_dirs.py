@@ -36,6 +36,17 @@ def cached(store: PageStore, subdir: str = "") -> None:
     assert store.prefix([f"{subdir}steady-miss"]) == 0 and store.statistics().table_stats == n
 
 
+def warm_reader(kvfs_mount, subdir: str = "pages"):
+    """A mount with its name table, page ``p0`` in ``subdir``, and a store on ``subdir``
+    answering misses from its cached inode."""
+    m = kvfs_mount()
+    table_ready(m)
+    reader = PageStore(m.path, subdir, revalidate=None)
+    put(m.path / subdir / "p0", PAGE)
+    cached(reader)
+    return m, reader
+
+
 def test_directory_removed_and_made_again_is_not_answered_from_its_old_inode(kvfs_mount):
     m = kvfs_mount()
     table_ready(m)
@@ -59,11 +70,7 @@ def test_directory_removed_and_made_again_is_not_answered_from_its_old_inode(kvf
 
 
 def test_directory_renamed_away_and_another_over_its_name(kvfs_mount):
-    m = kvfs_mount()
-    table_ready(m)
-    reader = PageStore(m.path, "pages", revalidate=None)
-    put(m.path / "pages" / "p0", PAGE)
-    cached(reader)
+    m, reader = warm_reader(kvfs_mount)
     os.rename(m.path / "pages", m.path / "old")        # renamed away ...
     os.mkdir(m.path / "next")
     put(m.path / "next" / "p1", PAGE)
@@ -103,11 +110,7 @@ def test_subdirectories_of_names_removed_and_made_again(kvfs_mount):
 
 
 def test_killed_daemon_and_a_new_mount_at_the_same_path(kvfs_mount):
-    m = kvfs_mount()
-    table_ready(m)
-    reader = PageStore(m.path, "pages", revalidate=None)
-    put(m.path / "pages" / "p0", PAGE)
-    cached(reader)
+    m, reader = warm_reader(kvfs_mount)
     m.kill9()                           # its table stays mapped in the reader, never marked stale
     assert reader.prefix(["p2"]) == 0                   # a dead mount: misses, no exception
     m.mount()                           # (only misses asked meanwhile: nothing made it reconnect)

@@ -110,7 +110,7 @@ def test_dev_fuse_missing(tmp_path, mp):
               f"--nvme {tmp_path / 'nvme'} --state {tmp_path / 'state'}")
     res = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
                          capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     assert_one_line_error(res, "/dev/fuse")
 
 

@@ -39,7 +39,8 @@ def test_vectors_in_another_process_with_another_hash_seed(seed):
         f"cases = json.load(open({str(VECTORS)!r}))['cases']\n"
         "print(json.dumps([_compute(c) for c in cases]))\n"
     )
-    env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONHASHSEED=seed,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     cases = json.loads(VECTORS.read_text())["cases"]
     assert json.loads(out.stdout) == [c["hashes"] for c in cases]

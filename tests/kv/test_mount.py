@@ -70,7 +70,8 @@ def test_acceptance_shared_prefix(kvfs_mount):
             f"c = kvfs.KVCache({str(m.path)!r}, model='meta-llama/Llama-3.1-8B', layout=lay)\n"
             "print(c.lookup(json.loads(sys.stdin.read()))); c.close()\n")
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps(fourth), capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONHASHSEED="7", PYTHONPATH=str(REPO)), timeout=120)
+                         env=dict(os.environ, PYTHONHASHSEED="7",
+                                  PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))), timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == 992
     cache.close()
@@ -239,6 +240,29 @@ def test_lease_fast_path_from_shared_memory(kvfs_mount):
         cache.load(toks)
     with pytest.raises(kvfs.kv.block.ChecksumMismatch):         # layer by layer too
         list(cache.load_layers(toks, out))
+    with pytest.raises(kvfs.kv.block.ChecksumMismatch):         # a strided destination too
+        cache.load_into(toks[:16 * 5], strided)
+    cache.close()
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_strided_destination_fills_through_host_chunks(kvfs_mount, monkeypatch, fast_path):
+    """A destination that is not contiguous CPU memory (a strided view here; a CUDA tensor on
+    a GPU node) is filled through host chunks of a few blocks, read in place by the readers
+    and copied out one chunk at a time: 2-block chunks make 7 blocks take four chunks through
+    three buffers, so a buffer is reused while others are being read."""
+    monkeypatch.setattr(kvfs.kv.loader, "CHUNK_BYTES", 2 * LLAMA.block_bytes)
+    m = kvfs_mount(ram="256MiB")
+    cache = kvfs.KVCache(m.path, model="m", layout=LLAMA, fast_path=fast_path)
+    toks = _tokens(16 * 7, 21)
+    kv = _kv(LLAMA, len(toks), 22)
+    cache.save(toks, kv, wait=True)
+    for trial in range(2):
+        strided = torch.zeros(kv.shape[:2] + (16 * 9,) + kv.shape[3:], dtype=kv.dtype)[:, :, 16:16 * 8]
+        cache.load_into(toks, strided)
+        assert torch.equal(strided, kv)
+        assert cache.last_load.sources == ({"ram": 7} if fast_path else {"mount": 7})
+    assert m.stats()["leases"] == 0
     cache.close()
 
 

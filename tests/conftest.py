@@ -197,6 +197,32 @@ class Mount:
         return f"<Mount {self.path} pid={self.pid}>"
 
 
+def pytest_configure(config):
+    """Each session gets a base directory of its own outside ``/tmp/pytest-of-<user>`` unless
+    ``--basetemp`` names one: tests that let another user reach a mount (``reachable``) make
+    its ancestors traversable, and a second pytest session starting meanwhile resets
+    ``/tmp/pytest-of-<user>`` to 0700 (two test runs side by side on one machine failed so)."""
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        import tempfile
+        config.option.basetemp = tempfile.mkdtemp(prefix="kvfs-pytest-")
+        config._kvfs_basetemp = config.option.basetemp
+
+
+def pytest_unconfigure(config):
+    """The session's own base directory goes when every test passed (kept to debug a failure)."""
+    base = getattr(config, "_kvfs_basetemp", None)
+    failed = getattr(config, "_kvfs_failed", True)
+    if base and not failed:
+        with open("/proc/self/mounts") as f:      # never walk into a mount a test left behind
+            if any(line.split()[1].startswith(base + "/") for line in f if len(line.split()) > 1):
+                return
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config._kvfs_failed = exitstatus != 0
+
+
 def pytest_collection_modifyitems(config, items):
     if HAVE_FUSE:
         return

@@ -175,7 +175,7 @@ def bench(args) -> dict:
     res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
                     "kernel": os.uname().release, "python": sys.version.split()[0], "torch": torch.__version__,
                     "versions": {r: m.version for r, m in mods.items()}, "pages": args.pages, "runs": args.runs,
-                    "load": os.getloadavg()}}
+                    "load": os.getloadavg(), "shm_dir": _shm_desc(args.shm_dir)}}
     try:
         for rt in runtimes:
             res[rt] = {}
@@ -190,7 +190,8 @@ def bench(args) -> dict:
                 plain = root / f"plain-{rt}-{ps}-{layers}"
                 plain.mkdir()
                 names = RUNTIMES[rt][1]
-                with BenchMount(root / f"m{rt}{layers}", ram=ram, nvme_size="8GiB", promote_hits=None) as m:
+                extra = {"shm_dir": str(args.shm_dir)} if args.shm_dir else {}
+                with BenchMount(root / f"m{rt}{layers}", ram=ram, nvme_size="8GiB", promote_hits=None, **extra) as m:
                     dirs = {names[0]: plain, names[1]: m.path / f"{rt}-own", names[2]: m.path / f"{rt}-kvfs"}
                     for d in dirs.values():
                         d.mkdir(exist_ok=True)
@@ -206,6 +207,20 @@ def bench(args) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return res
+
+
+def _shm_desc(shm_dir: Path | None) -> str:
+    """The RAM tier's directory and its tmpfs options that matter (``huge=``)."""
+    path = str(shm_dir or "/dev/shm")
+    best, opts = "", ""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 3 and (path == parts[1] or path.startswith(parts[1].rstrip("/") + "/")) \
+                    and len(parts[1]) > len(best):
+                best, opts = parts[1], parts[3]
+    huge = [o for o in opts.split(",") if o.startswith("huge=")]
+    return f"{path} ({huge[0] if huge else 'huge=never'})"
 
 
 def _rate(op: str, seconds: float, n: int, page_bytes: int) -> str:
@@ -227,9 +242,9 @@ def report(res: dict) -> str:
     out = ["## Benchmark: runtime backends on a plain directory and on kvfs", "",
            f"Measured {m['date']} on {m['cpus']} CPUs, kernel {m['kernel']}, Python {m['python']}, "
            f"{vs} (released storage layers, driven as their controllers drive them), {n} pages, median of "
-           f"{m['runs']} runs, load average {m['load'][0]:.1f} at the start (a two-core machine shared with "
-           "other engineers' test runs: noisy). Plain directory: the host disk (ext4, page cache warm). "
-           "kvfs: RAM tier large enough for every page. Regenerate with `python "
+           f"{m['runs']} runs, load average {m['load'][0]:.1f} at the start (a two-core VM: other "
+           "work on it moves these figures; compare the ratios within one run). Plain directory: the host disk (ext4, page cache warm). "
+           f"kvfs: RAM tier large enough for every page, in {m.get('shm_dir', '/dev/shm')}. Regenerate with `python "
            "benchmarks/runtime_adapters.py --write-docs docs/benchmarks.md`.", "",
            "Ratios are against the runtime's own file backend on the plain directory, in the same run "
            "(higher is better: throughput for set/get, 1/latency for exists). Targets: exists ≥ 1.0×, "
@@ -320,6 +335,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="", help=f"comma-separated subset of {list(PAGES)} (default all)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--write-docs", type=Path)
+    ap.add_argument("--shm-dir", type=Path, default=None, help="the kvfs RAM tier's directory (default "
+                    "/dev/shm); e.g. a tmpfs mounted with huge=within_size (docs/operations.md)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the plain directory and mounts go (default /tmp)")
     ap.add_argument("--from-json", type=Path, help="report (and --write-docs) a saved --json result, measure nothing")
     args = ap.parse_args(argv)

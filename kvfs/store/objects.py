@@ -127,6 +127,10 @@ class ObjectStore(Policy, Moves):
         self._kick = trio.Event()
         self._promote_send, self._promote_recv = trio.open_memory_channel(64)
         self._moving = 0           # background relieve/promote passes running
+        # promotions sent and not yet started: a send hands the object straight to a waiting
+        # receiver (the channel's buffer stays empty) before that task runs, so the buffer
+        # alone let ``settled`` say True with a promotion about to start
+        self._promote_queued = 0
         self._background: trio.Nursery | None = None    # serve()'s nursery (read-ahead)
 
     # ---- loading ------------------------------------------------------------
@@ -343,6 +347,7 @@ class ObjectStore(Policy, Moves):
         if obj.size and self.ram.name not in obj.place and obj.win_count >= self.promote_hits:
             try:
                 self._promote_send.send_nowait(obj)
+                self._promote_queued += 1
             except trio.WouldBlock:
                 pass
 
@@ -526,6 +531,7 @@ class ObjectStore(Policy, Moves):
 
     async def _promote_loop(self) -> None:
         async for obj in self._promote_recv:
+            self._promote_queued -= 1
             self._moving += 1
             try:
                 await self.promote(obj)
@@ -535,7 +541,7 @@ class ObjectStore(Policy, Moves):
     def settled(self) -> bool:
         """No demotion, eviction or promotion is running or queued (for tests and tools)."""
         return (not self._moving and not self._kick.is_set() and self._loaded.is_set()
-                and self._promote_send.statistics().current_buffer_used == 0)
+                and self._promote_queued == 0)
 
     async def _stats_loop(self) -> None:
         while True:

@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +55,18 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=Path, default=None)
     a = ap.parse_args(argv)
     size = parse_size(a.size)
+    res = measure(a, size)
+    med = statistics.median
+    print(f"{res['on_nvme']} pages of {size >> 10} KiB on the NVMe tier (load {res['load'][0]:.1f}): "
+          f"adapter get {med(res['adapter_gbps']):.2f} GB/s, raw O_DIRECT {med(res['raw_gbps']):.2f} GB/s, "
+          f"adapter / raw {med(res['ratio']):.2f}x ({min(res['ratio']):.2f}-{max(res['ratio']):.2f}), "
+          f"lease fallbacks {res['lease_fallbacks']}, checksum errors {res['checksum_errors']}")
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+def measure(a, size: int) -> dict:
     root = Path(tempfile.mkdtemp(prefix="kvfs-nvme-get-", dir=a.workdir))
     res: dict = {"pages": a.pages, "page_bytes": size, "runs": a.runs, "load": os.getloadavg()}
     with BenchMount(root, ram="32MiB", nvme_size=f"{(a.pages * size * 2 >> 20) + 256}MiB") as m:
@@ -120,14 +133,8 @@ def main(argv=None) -> int:
             pool.close()
         finally:
             ps.close()
-    med = statistics.median
-    print(f"{res['on_nvme']} pages of {size >> 10} KiB on the NVMe tier (load {res['load'][0]:.1f}): "
-          f"adapter get {med(res['adapter_gbps']):.2f} GB/s, raw O_DIRECT {med(res['raw_gbps']):.2f} GB/s, "
-          f"adapter / raw {med(res['ratio']):.2f}x ({min(res['ratio']):.2f}-{max(res['ratio']):.2f}), "
-          f"lease fallbacks {res['lease_fallbacks']}, checksum errors {res['checksum_errors']}")
-    if a.json:
-        a.json.write_text(json.dumps(res, indent=2) + "\n")
-    return 0
+    shutil.rmtree(root, ignore_errors=True)
+    return res
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import stat
@@ -36,7 +37,7 @@ import time
 from kvfs.kv.block import ChecksumMismatch
 from kvfs.kv.commit import CommitClient
 from kvfs.kv.getbatch import EBADMSG, GetClient
-from kvfs.kv.blockio import (AlignedBuffer, Backing, LeaseClient, VerifiedObjects, preadv_full, read_backing,
+from kvfs.kv.blockio import (PAGE, AlignedBuffer, Backing, page_aligned, LeaseClient, VerifiedObjects, preadv_full, read_backing,
                              read_backing_into, write_all)
 from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_under
 from kvfs.kv.names import REVALIDATE, NameView
@@ -440,13 +441,13 @@ class PageStore:
     def _read_leased(self, b: Backing, name: str, segs: list[memoryview], size: int) -> int | None:
         """Read a leased page beside FUSE and verify it; None: use the mount instead."""
         try:
+            if b.direct and len(segs) == 1 and size % PAGE == 0 and page_aligned(segs[0]):
+                return read_backing(b, segs[0])     # no staging copy (a mismatch: a miss)
             if b.direct:        # O_DIRECT: whole pages into an aligned buffer, then copied out
                 buf = self._staging(size)
                 read_backing(b, buf.mv)
-                off = 0
-                for s in segs:
+                for s, off in zip(segs, itertools.accumulate((len(s) for s in segs), initial=0)):
                     s[:] = buf.mv[off:off + len(s)]
-                    off += len(s)
                 return size
             verified = self.verified if b.tier == "ram" else None
             return read_backing_into(b, _NO_HEAD, segs, _cuts(segs), verified=verified)

@@ -16,6 +16,7 @@ file exists). Pure Python (no torch).
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import logging
@@ -60,6 +61,14 @@ class AlignedBuffer:
             self._map.close()
         except BufferError:   # a torch.frombuffer view still exports it; freed with the view
             log.debug("aligned buffer still exported; left to the garbage collector")
+
+
+def page_aligned(mv: memoryview) -> bool:
+    """Whether a writable buffer starts on a page boundary (O_DIRECT may read into it)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv)) % PAGE == 0
+    except (TypeError, ValueError):     # read-only, or not a plain buffer
+        return False
 
 
 def read_full(fd: int, mv: memoryview, offset: int, length: int) -> int:

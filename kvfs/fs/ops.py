@@ -109,6 +109,18 @@ class Notifier:
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.warning("kernel notification queue full: %d notifications dropped", self.dropped)
 
+    async def drained(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s, in a worker thread) until every notification queued so
+        far reached the kernel; False if it did not in time (or the queue is full)."""
+        if self._thread is None:
+            return True
+        done = threading.Event()
+        try:
+            self._q.put_nowait((done.set, ()))
+        except queue.Full:
+            return False
+        return await trio.to_thread.run_sync(done.wait, timeout, abandon_on_cancel=True)
+
     def _run(self) -> None:
         while True:
             item = self._q.get()
@@ -164,6 +176,12 @@ class KvfsOperations(pyfuse3.Operations):
                     pass
         with trio.move_on_after(INVALIDATE_WAIT):
             await trio.to_thread.run_sync(send, abandon_on_cancel=True)
+
+    async def kernel_synced(self) -> None:
+        """Names the store removed on its own so far are out of the kernel's caches (the
+        invalidations queued for them delivered; bounded by INVALIDATE_WAIT)."""
+        if self._mounted:
+            await self.notifier.drained(INVALIDATE_WAIT)
 
     @property
     def mounted(self) -> bool:

@@ -33,6 +33,7 @@ class SharedNames:
         self.tier = tier
         self.adopted = 0
         self.dropped = 0
+        self.kernel_synced = None       # async (): the kernel's caches caught up (set by the daemon)
         tier.on_dropped = self.dropped_by_owner
         cache.on_renamed = self.renamed
         tier.names = self
@@ -189,6 +190,8 @@ class SharedNames:
             self.dropped += 1
             await self.cache.store.lose(obj)
             await trio.lowlevel.checkpoint()
+        if self.kernel_synced is not None:  # no process here opens a dropped name from then on
+            await self.kernel_synced()
 
     def status(self) -> dict:
         return {"adopted": self.adopted, "dropped": self.dropped}

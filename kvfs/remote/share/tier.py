@@ -73,6 +73,7 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         self.tail_errors = 0
         self.fenced = ""                # why this node may no longer write (empty: it may)
         self.on_dropped = None          # async (list of (path, Published)): set by SharedNames
+        self.tail_status: dict | None = None   # the tailer's status as of the last whole poll
         self.names = None               # the SharedNames of the mount (status only)
 
     # ---- open: format 2, join, claim ------------------------------------------
@@ -385,6 +386,9 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
             except Exception:   # noqa: BLE001 - the names stay; their reads still verify
                 self.tail_errors += 1
                 log.exception("dropping %d names freed by their owners failed", len(gone))
+        # what stats report as tailed: only once this poll's frees are applied (the names
+        # dropped, the kernel told), never the tailer's position while they are under way
+        self.tail_status = self.tailer.status() if self.tailer else {}
 
     async def _take_over_dead(self) -> None:
         """Claim the regions of nodes the failure detector finds dead (one region per poll)."""
@@ -475,7 +479,8 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
                                              and self.clock() >= h["writable_at"],
                                              **(H.describe(self.held_tiers[r]) if r in self.held_tiers else {})}
                                     for r, h in self.held.items()},
-                           "tail": self.tailer.status() if self.tailer else {},
+                           "tail": self.tail_status if self.tail_status is not None
+                           else (self.tailer.status() if self.tailer else {}),
                            **(self.names.status() if self.names is not None else {})}
         return st
 

@@ -155,9 +155,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         ops = KvfsOperations(cache, describe)
         if cfg.share:
             from kvfs.remote.share import attach
-            ops.shared = ops.control.shared = await attach(cache, tiers)
-            if ops.shared is not None:
-                ops.shared.kernel_synced = ops.kernel_synced
+            ops.shared = ops.control.shared = await attach(cache, tiers, ops.kernel_synced)
         if cfg.metrics:
             from kvfs.metrics import MetricsServer
             metrics = MetricsServer(cfg.metrics, cache, trio.lowlevel.current_trio_token())

@@ -12,8 +12,10 @@ from kvfs.kv.blockio import AlignedBuffer, LeaseClient
 MiB = 1 << 20
 
 
-def test_nvme_pages_read_straight_into_page_aligned_destinations(kvfs_mount):
-    m = kvfs_mount(ram="8MiB")
+def test_nvme_pages_read_straight_into_page_aligned_destinations(kvfs_mount, tmp_path):
+    cfg = tmp_path / "stay.toml"        # pages read twice stay on NVMe (no promotion to RAM)
+    cfg.write_text("promote_hits = 1000000\n")
+    m = kvfs_mount(ram="8MiB", config=cfg)
     ps = PageStore(m.path, "pages")
     os.makedirs(m.path / "pages")
     names = [f"p{i:02d}" for i in range(12)]
@@ -33,7 +35,11 @@ def test_nvme_pages_read_straight_into_page_aligned_destinations(kvfs_mount):
             assert all(ps.read_into(names, dests)), shift
             assert all(bytes(dests[i][0]) == data[i] for i in range(len(names))), shift
         assert ps.statistics().lease_fallbacks == 0
-        b = backs[nvme[0]]
+        lease = LeaseClient(str(m.path), str(m.path / "pages"))
+        b = lease.acquire([names[nvme[0]]])[0]          # still the NVMe object, read twice
+        lease.release()
+        lease.close()
+        assert b is not None and b.tier == "nvme" and b.path == backs[nvme[0]].path
         with open(b.path, "r+b") as f:  # a damaged NVMe object (the disk under the tier)
             f.seek(b.offset + 1000)
             byte = f.read(1)

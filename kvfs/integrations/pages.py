@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import logging
 import os
 import stat
@@ -37,17 +36,16 @@ import time
 from kvfs.kv.block import ChecksumMismatch
 from kvfs.kv.commit import CommitClient
 from kvfs.kv.getbatch import EBADMSG, GetClient
-from kvfs.kv.blockio import (PAGE, AlignedBuffer, Backing, page_aligned, LeaseClient, VerifiedObjects, preadv_full, read_backing,
-                             read_backing_into, write_all)
+from kvfs.kv.blockio import Backing, LeaseClient, VerifiedObjects, preadv_full, write_all
+from kvfs.integrations.leased import Ahead, in_place, read_leased
 from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_under
 from kvfs.kv.names import REVALIDATE, NameView
 from kvfs.integrations.pagetypes import (PIECE, Counters, LeaseHold, NotOnKvfs, PageSizeError,  # noqa: F401
-                                         PageStoreStats, Stalled, cuts as _cuts)
+                                         PageStoreStats, Stalled)
 
 log = logging.getLogger(__name__)
 
 _LOG_EVERY = 30.0          # seconds between repeated warnings of one kind
-_NO_HEAD = memoryview(bytearray(0))   # raw pages have no header
 
 
 class PageStore:
@@ -385,11 +383,13 @@ class PageStore:
 
     def _read_batch(self, names: list[str], dests: list[list[memoryview]], ok: list[bool],
                     fallbacks: list[int], progress) -> None:
-        """One lease for the batch, then each page beside FUSE (or through the mount)."""
+        """One lease for the batch, then each page beside FUSE (or through the mount); an
+        O_DIRECT page is read while the one before it is hashed (kvfs.integrations.leased)."""
         lease = self._lease()
         leased = lease.acquire(names) if lease is not None else None
         on_kvfs = self._lookup is not None and self._lookup.one_call
         sizes = [sum(len(s) for s in d) for d in dests]
+        ahead = Ahead()
         try:
             batched = self._batch_get(names, dests, [i for i, b in enumerate(leased or ()) if b is None or
                                                      b.size != sizes[i]])
@@ -402,7 +402,11 @@ class PageStore:
                     ok[i] = True
                     progress()
                     continue
-                r = self._read_leased(b, name, dests[i], size) if b is not None and b.size == size else None
+                j = i + 1
+                nxt = (j, leased[j], dests[j][0]) if (j < len(leased or ()) and j not in batched and in_place(
+                    leased[j], dests[j], sizes[j])) else None
+                r = self._read_leased(b, name, dests[i], size, ahead=ahead, i=i, nxt=nxt) \
+                    if b is not None and b.size == size else None
                 if r is None:               # no fast path for it: through the mount
                     r = self._read_mount(name, dests[i], size)
                     if r is None:
@@ -411,6 +415,7 @@ class PageStore:
                 ok[i] = True
                 progress()
         finally:
+            ahead.close()                   # no read still writing into a runtime's buffer
             if leased is not None:
                 lease.release(lease.generation)
 
@@ -438,32 +443,9 @@ class PageStore:
         self._count(batch_reads=len(done), checksum_errors=sum(r == EBADMSG for r in res))
         return done
 
-    def _read_leased(self, b: Backing, name: str, segs: list[memoryview], size: int) -> int | None:
-        """Read a leased page beside FUSE and verify it; None: use the mount instead."""
-        try:
-            if b.direct and len(segs) == 1 and size % PAGE == 0 and page_aligned(segs[0]):
-                return read_backing(b, segs[0])     # no staging copy (a mismatch: a miss)
-            if b.direct:        # O_DIRECT: whole pages into an aligned buffer, then copied out
-                buf = self._staging(size)
-                read_backing(b, buf.mv)
-                for s, off in zip(segs, itertools.accumulate((len(s) for s in segs), initial=0)):
-                    s[:] = buf.mv[off:off + len(s)]
-                return size
-            verified = self.verified if b.tier == "ram" else None
-            return read_backing_into(b, _NO_HEAD, segs, _cuts(segs), verified=verified)
-        except ChecksumMismatch:
-            raise
-        except OSError as e:   # e.g. demoted meanwhile (the lease makes this rare): the mount has it
-            log.debug("%s: fast path failed (%s); reading through the mount", name, e)
-            return None
-
-    def _staging(self, size: int) -> AlignedBuffer:
-        buf = getattr(self._local, "staging", None)
-        if buf is None or buf.size < size:
-            if buf is not None:
-                buf.close()
-            buf = self._local.staging = AlignedBuffer(size)
-        return buf
+    def _read_leased(self, b: Backing, name: str, segs: list[memoryview], size: int, **ahead) -> int | None:
+        """Read a leased page beside FUSE and verify it; None: use the mount (kvfs.integrations.leased)."""
+        return read_leased(b, name, segs, size, local=self._local, verified=self.verified, **ahead)
 
     def _read_mount(self, name: str, segs: list[memoryview], size: int) -> int | None:
         """Read a page through the mount (None: absent); a size mismatch is an error."""

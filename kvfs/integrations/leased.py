@@ -1,0 +1,108 @@
+"""Leased pages read beside FUSE, for :class:`kvfs.integrations.pages.PageStore`.
+
+A leased page on the NVMe tier whose destination is one page-aligned range is read with
+O_DIRECT straight into it (no staging copy). Its checksum is then computed over memory the
+disk has just written, which is not in the CPU cache: about a tenth of the read's time on the
+machines measured (docs/benchmarks.md, "NVMe get"). :class:`Ahead` hides that: while the
+caller hashes page *i*, one helper thread reads page *i+1*. The disk still sees one read at a
+time (never more than one read ahead per caller), so the adapter's rate is comparable with a
+single-threaded raw O_DIRECT reader; the reads simply follow each other without a gap.
+
+A page is only a hit once its own checksum matched; a page read ahead and never verified (the
+batch ended first) is not reported, and the caller waits for every read it started before it
+returns (nothing writes into a runtime's buffer after the call).
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import logging
+import threading
+
+import xxhash
+
+from kvfs.kv.block import ChecksumMismatch
+from kvfs.kv.blockio import PAGE, AlignedBuffer, Backing, mismatch, page_aligned, read_backing, read_backing_into
+from kvfs.integrations.pagetypes import cuts as _cuts
+
+log = logging.getLogger(__name__)
+
+_NO_HEAD = memoryview(bytearray(0))   # raw pages have no header
+_POOL_WORKERS = 8                     # helper threads shared by every caller of the process
+_pool: cf.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _helpers() -> cf.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = cf.ThreadPoolExecutor(_POOL_WORKERS, thread_name_prefix="kvfs-read-ahead")
+        return _pool
+
+
+def in_place(b: Backing | None, segs: list[memoryview], size: int) -> bool:
+    """Whether leased page ``b`` can be read with O_DIRECT straight into its destination."""
+    return (b is not None and b.direct and b.size == size and b.offset % PAGE == 0 and len(segs) == 1
+            and size % PAGE == 0 and page_aligned(segs[0]))
+
+
+class Ahead:
+    """At most one page read running in a helper thread ahead of the caller (one per call;
+    not shared between threads). ``close`` waits for it."""
+
+    def __init__(self):
+        self._pending: dict[int, cf.Future] = {}
+
+    def start(self, i: int, b: Backing, mv: memoryview) -> None:
+        self._pending[i] = _helpers().submit(read_backing, b, mv, check=False)
+
+    def take(self, i: int) -> cf.Future | None:
+        return self._pending.pop(i, None)
+
+    def close(self) -> None:
+        pending, self._pending = list(self._pending.values()), {}
+        cf.wait(pending)
+
+
+def read_leased(b: Backing, name: str, segs: list[memoryview], size: int, *, local: threading.local,
+                verified=None, ahead: Ahead | None = None, i: int = -1,
+                nxt: tuple[int, Backing, memoryview] | None = None) -> int | None:
+    """Read leased page ``name`` beside FUSE into ``segs`` and verify it; None: the fast path
+    failed (e.g. demoted meanwhile; the lease makes this rare), read it through the mount.
+    ``ahead``/``i``/``nxt``: page ``i`` may already be under way in ``ahead``; ``nxt`` (index,
+    backing, destination) is the next page to start before this one is hashed."""
+    try:
+        if in_place(b, segs, size):
+            fut = ahead.take(i) if ahead is not None else None
+            try:
+                n = fut.result() if fut is not None else read_backing(b, segs[0], check=False)
+            finally:
+                if ahead is not None and nxt is not None:
+                    ahead.start(*nxt)
+            got = xxhash.xxh3_64_hexdigest(segs[0][:b.size])
+            if got != b.checksum:
+                raise mismatch(b, got)
+            return n
+        if b.direct:        # O_DIRECT: whole pages into an aligned buffer, then copied out
+            buf = _staging(local, size)
+            read_backing(b, buf.mv)
+            for s, off in zip(segs, itertools.accumulate((len(s) for s in segs), initial=0)):
+                s[:] = buf.mv[off:off + len(s)]
+            return size
+        verified = verified if b.tier == "ram" else None
+        return read_backing_into(b, _NO_HEAD, segs, _cuts(segs), verified=verified)
+    except ChecksumMismatch:
+        raise
+    except OSError as e:
+        log.debug("%s: fast path failed (%s); reading through the mount", name, e)
+        return None
+
+
+def _staging(local: threading.local, size: int) -> AlignedBuffer:
+    buf = getattr(local, "staging", None)
+    if buf is None or buf.size < size:
+        if buf is not None:
+            buf.close()
+        buf = local.staging = AlignedBuffer(size)
+    return buf

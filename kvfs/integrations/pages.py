@@ -235,6 +235,19 @@ class PageStore:
             return False                # the guarded path answers (Stalled: a stopped daemon)
         return names.absent_in(self.dir, name)
 
+    def absent_now(self, name: str) -> bool:
+        """True: the name table says page ``name`` is absent, answered with no system call
+        and nothing that may wait on the daemon (for a caller that must not block, such as
+        vLLM's scheduler thread). False: not known without asking (present, or the table's
+        directory inodes are due for their ``stat``): ask :meth:`prefix`."""
+        names = self._names
+        if names is None or (self._inflight and self._stalled()):
+            return False
+        if names.absent_in(self.dir, name, nonblocking=True):
+            self._counts.add(lookups=1, lookup_misses=1, table_misses=1)
+            return True
+        return False
+
     def _dir_stat(self, path: str) -> os.stat_result:
         """The name table's stat of a directory: it may wait on the daemon, so it counts as a call
         under way (the stall guard), and it is counted (``table_stats``)."""

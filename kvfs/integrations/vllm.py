@@ -22,7 +22,9 @@ the mount:
   (vLLM's own ``AsyncLookupManager``, which batches a step's keys per request); each batch is
   **one** ``.kvfs/lookup`` round trip (the ``fs`` tier: one ``access`` per chunk). The answer
   is the leading run of present chunks: keys past a request's first missing chunk are
-  reported missing (vLLM loads a leading run only).
+  reported missing (vLLM loads a leading run only). A chunk the mount's name table says is
+  absent is answered MISS at once, in the scheduler's step (no RETRY, no thread hop, no
+  system call: ``PageStore.absent_now``), so a new prompt is scheduled a step earlier.
 * loads: **one** ``.kvfs/lease`` round trip per job, then each chunk is read from its backing
   file (RAM tier tmpfs, or NVMe with O_DIRECT) beside FUSE straight into the primary tier's
   slot and its xxh3 checked. A chunk without a fast path is read through the mount (counted
@@ -206,6 +208,8 @@ class KvfsTierManager(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self.store.absent_now(self.name(key)):
+            return LookupResult.MISS    # the name table, in this step: no RETRY, no thread hop
         result = self._lookup.lookup(key, req_context)
         if result is None:
             return LookupResult.RETRY

@@ -102,46 +102,50 @@ class NameView:
         dropped unmaps it."""
         self._w = self._map = None
 
-    def absent(self, parent_ino: int, name: bytes) -> bool:
+    def absent(self, parent_ino: int, name: bytes, nonblocking: bool = False) -> bool:
         """True: the entry ``name`` of directory ``parent_ino`` does not exist (now). False:
-        ask the filesystem. Never raises."""
+        ask the filesystem. Never raises. ``nonblocking``: nothing that may wait on the daemon
+        (a table not discovered yet: False)."""
         if self._off:
             return False
         try:
-            return self._absent(names_hash(parent_ino, name))
+            return self._absent(names_hash(parent_ino, name), nonblocking)
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.info("name table of %s not usable (%s: %s): using lookups", self.mount_root, type(e).__name__, e)
             self._off = True
             self._close_map()
             return False
 
-    def absent_in(self, directory: str, name: str, parent: int | None = None) -> bool:
+    def absent_in(self, directory: str, name: str, parent: int | None = None, nonblocking: bool = False) -> bool:
         """``absent`` for the file ``name`` under ``directory`` (a path inside the mount; its
         inode ``parent`` if the caller has it). ``name`` may hold subdirectories: each is looked
         up in the table too, so a missing subdirectory is answered without a round trip. The
-        inodes of the directories come from the cache the table vouches for, else ``stat``."""
+        inodes of the directories come from the cache the table vouches for, else ``stat``
+        (``nonblocking``: no ``stat``, nothing else that may wait on the daemon: an inode not
+        cached or due for its ``stat``, or a table not discovered yet, answers False)."""
         if self._off:
             return False
         mark = self._mark()
+        nb = nonblocking
         try:
             if "/" not in name:             # the common case: one probe
                 if parent is None:
-                    parent = self._ino(directory, mark)
-                return self.absent(parent, name.encode("utf-8", "surrogateescape")) and self._held(mark)
+                    parent = self._ino(directory, mark, nb)
+                return self.absent(parent, name.encode("utf-8", "surrogateescape"), nb) and self._held(mark)
             parts = name.split("/")
             path = directory
             if parent is None:
-                parent = self._ino(path, mark)
+                parent = self._ino(path, mark, nb)
             for part in parts[:-1]:
                 if not part or part == "." or part == "..":
                     return False        # not a plain relative path: ask the filesystem
-                if self.absent(parent, os.fsencode(part)):
+                if self.absent(parent, os.fsencode(part), nb):
                     return self._held(mark)
                 path = os.path.join(path, part)
-                parent = self._ino(path, mark)
+                parent = self._ino(path, mark, nb)
         except OSError:
             return False                # the ordinary path answers (and counts) it
-        return self.absent(parent, os.fsencode(parts[-1])) and self._held(mark)
+        return self.absent(parent, os.fsencode(parts[-1]), nb) and self._held(mark)
 
     def _mark(self) -> int | None:
         """H_DIRS now if the table vouches for cached inodes (mapped, version 2), else None."""
@@ -157,14 +161,17 @@ class NameView:
         """Cached inodes taken under ``mark`` still held after the probe (always, if none were)."""
         return mark is None or self._mark() == mark
 
-    def _ino(self, path: str, mark: int | None) -> int:
+    def _ino(self, path: str, mark: int | None, nonblocking: bool = False) -> int:
         """The inode of the directory ``path``: cached under ``mark``, else a ``stat`` (whose
-        device must be ``dev``), then cached if ``mark`` (read before the ``stat``) vouches."""
+        device must be ``dev``), then cached if ``mark`` (read before the ``stat``) vouches;
+        ``nonblocking``: EAGAIN instead of the ``stat``."""
         now = time.monotonic_ns()
         if mark is not None:
             c = self._inos.get(path)
             if c is not None and c[1] == mark and (self.revalidate_ns is None or now - c[2] < self.revalidate_ns):
                 return c[0]
+        if nonblocking:
+            raise OSError(errno.EAGAIN, f"{path}: inode not cached")
         self.stats += 1
         st = self.stat(path)
         if self.dev is not None and st.st_dev != self.dev:
@@ -175,12 +182,12 @@ class NameView:
             self._inos[path] = (st.st_ino, mark, now)
         return st.st_ino
 
-    def _absent(self, h: int) -> bool:
+    def _absent(self, h: int, nonblocking: bool = False) -> bool:
         for _ in range(_REMAPS):
             w = self._w
             if w is None:
                 if self.path is None:
-                    if time.monotonic() < self._retry_at:
+                    if nonblocking or time.monotonic() < self._retry_at:    # _discover reads .kvfs
                         return False
                     if not self._discover():    # none yet (built after the mount): ask later
                         self._retry_at = time.monotonic() + RETRY

@@ -79,7 +79,16 @@ def test_chunks_round_trip(v, kvfs_mount, tiers):
     assert d.hits(keys + _keys(v, 3, "b")) == n
     assert d.hits(_keys(v, 3, "b") + keys) == 0
     st = d.tier.statistics()
-    assert st.lookups == 1 + 2                 # the store's own lookup, then one per request
+    # from the name table (table_misses): the store's own lookup, and the absent "b" chunk in
+    # each request (the first request's 13th, the second's first); the first request's 12
+    # hits: one lookup round trip
+    assert (st.lookups, st.table_misses) == (1 + 1 + 2, 1 + 2)
+    # an absent chunk is a MISS in the scheduler's own step: no RETRY, nothing queued
+    ctx = v.base.ReqContext(req_id="fresh")
+    d.tier.on_new_request(ctx)
+    assert d.tier.lookup(_keys(v, 1, "c")[0], ctx) == v.base.LookupResult.MISS
+    assert d.tier.lookup(keys[0], ctx) == v.base.LookupResult.RETRY     # a hit needs the round trip
+    d.tier.on_request_finished(ctx)
     res = d.load(keys, range(n, 2 * n))
     assert res.success and res.transfer_bytes == n * MIB
     assert d.read(range(n, 2 * n)) == want

@@ -76,6 +76,12 @@ class _KvfsLookup(AsyncLookupManager):
         self._tier = tier            # set before the base class starts its worker thread
         super().__init__(tier_type=tier_type)
 
+    def unasked(self, key: OffloadKey) -> bool:
+        """No lookup of ``key`` pending or answered here (vLLM's own state; a version without
+        that attribute: always True)."""
+        states = getattr(self, "_lookup_state", None)
+        return states is None or key not in states
+
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         k = self._tier.store.prefix([self._tier.name(key) for key in keys])
         return [i < k for i in range(len(keys))]
@@ -208,7 +214,7 @@ class KvfsTierManager(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if self.store.absent_now(self.name(key)):
+        if self._lookup.unasked(key) and self.store.absent_now(self.name(key)):
             return LookupResult.MISS    # the name table, in this step: no RETRY, no thread hop
         result = self._lookup.lookup(key, req_context)
         if result is None:

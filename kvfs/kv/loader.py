@@ -429,11 +429,7 @@ class Loader(LayerLoads):
             for f in futs:
                 sources.update(f.result())
         finally:
-            for f in futs:
-                try:
-                    f.result()
-                except BaseException:
-                    pass
+            _drain(futs)
 
     def _chunk_buffers(self, size: int, pin: bool) -> list[_HostBuffer]:
         if self._chunks and (self._chunks[0].buf.size < size or self._chunks_pinned != pin):
@@ -484,14 +480,7 @@ class Loader(LayerLoads):
                 copying.append((copier.copy(out[:, :, a * B:z * B], src, pinned=hb.pinned), hb))
             copier.finish()
         finally:
-            for _, _, _, futs in reading:   # an error: let in-flight reads finish before reuse
-                for f in futs:
-                    try:
-                        f.result()
-                    except BaseException:
-                        pass
-            for tok, _ in copying:
-                copier.wait(tok)
+            _drain([f for _, _, _, futs in reading for f in futs], copying, copier)
 
     def _load_staged(self, plans, backing, direct, xattr, out, out_mv, T, copier, sources) -> None:
         """Blocks through staging buffers (O_DIRECT backings, devices, strided ``out``)."""
@@ -541,13 +530,7 @@ class Loader(LayerLoads):
                 copying.append((tok, st))
             copier.finish()
         finally:
-            for fut, _ in pending:    # an error: let in-flight reads finish before reuse
-                try:
-                    fut.result()
-                except BaseException:
-                    pass
-            for tok, st in copying:
-                copier.wait(tok)
+            _drain([fut for fut, _ in pending], copying, copier)
 
     def _check_out(self, out: torch.Tensor, n_blocks: int) -> None:
         lay = self.layout
@@ -594,3 +577,15 @@ class Loader(LayerLoads):
         self._free(self._bufs)
         self._free(self._chunks)
         self._bufs, self._chunks = [], []
+
+
+def _drain(futs, copying=(), copier=None) -> None:
+    """After an error: let in-flight reads finish and wait for the copies under way, so no
+    buffer is reused (or freed) while a reader or a copy still uses it."""
+    for f in futs:
+        try:
+            f.result()
+        except BaseException:       # noqa: BLE001 -- the first error is the one raised
+            pass
+    for tok, _ in copying:
+        copier.wait(tok)

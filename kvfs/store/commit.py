@@ -31,6 +31,7 @@ one that opened the control file (its pid was not reused).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import logging
@@ -55,6 +56,7 @@ _COPY_CHUNK = 64 << 20
 GROUP_BYTES = 64 << 20     # entries whose copies go in one worker-thread call ...
 GROUP_ENTRIES = 32         # ... at most (the RAM tier keeps 64 spare staging files: more
                            # buffers at once would create and unlink files)
+COPIERS = 4                # copier threads (a request has one group copying while one seals)
 
 
 SOURCE_FS = ("tmpfs",)      # filesystems a commit reads from (besides memfds)
@@ -265,59 +267,99 @@ class Commits:
         published file, or the exception that failed it. Entries go in groups of about
         GROUP_BYTES: temp files made, then every copy of the group in one worker-thread call
         (a thread hop per page would cost more than a small page's copy), then sealed and
-        renamed one by one."""
-        out: list = []
-        start = size = 0
+        renamed one by one. The copies of the next group run while this one is sealed (its
+        hashes in other worker threads): two cores busy, not one."""
+        groups, start, size = [], 0, 0
         for i, e in enumerate(entries):
             if size and size + e.length > GROUP_BYTES or i - start >= GROUP_ENTRIES:
-                out += await self._commit_group(entries[start:i], cred, quotas, noreplace, dirmode, made)
+                groups.append(entries[start:i])
                 start, size = i, 0
             size += max(0, e.length)
         if start < len(entries):
-            out += await self._commit_group(entries[start:], cred, quotas, noreplace, dirmode, made)
+            groups.append(entries[start:])
+        out: list = []
+        pending: list = []          # begun groups not finished: (their entries, the copy's box)
+        args = (cred, quotas, noreplace, dirmode, made)
+        try:
+            for k, group in enumerate(groups):
+                if not pending:
+                    pending.append(await self._begin_group(group, *args))
+                cur, box = pending[0]
+                copied = await _copied(box)
+                if k + 1 < len(groups):         # the next group's copies, under this one's seals
+                    pending.append(await self._begin_group(groups[k + 1], *args))
+                pending.pop(0)
+                out += await self._finish_group(cur, copied, quotas, noreplace)
+        finally:
+            for cur, box in pending:    # begun and never finished (cancelled): nothing left behind
+                with trio.CancelScope(shield=True):
+                    await box["done"].wait()        # the copies wrote into these buffers
+                    await self._finish_group(cur, None, quotas, noreplace)
         return out
 
-    async def _commit_group(self, entries: list[CommitEntry], cred: Cred, quotas, noreplace: bool,
-                            dirmode: int | None, dirs: list | None) -> list:
+    async def _begin_group(self, entries: list[CommitEntry], cred: Cred, quotas, noreplace: bool,
+                           dirmode: int | None, dirs: list | None) -> tuple[list, dict]:
+        """Begin each entry (its checks and buffer; a failure is that entry's result), then
+        start the group's copies in a worker thread (:func:`_copied` waits for them)."""
         made: list = []
         for e in entries:
             try:
                 made.append(await self._begin(e, cred, quotas, noreplace, dirmode, dirs))
             except trio.Cancelled:
+                for m in made:
+                    if isinstance(m, _Pending):
+                        await self._clean(m, quotas)
                 raise
             except Exception as exc:        # noqa: BLE001 -- each entry fails on its own
                 made.append(exc)
         jobs = [(m.entry.src, self._copy_target(m), m.entry.offset, m.entry.length)
                 for m in made if isinstance(m, _Pending) and m.entry.length]
-        copied = iter(await trio.to_thread.run_sync(_copy_all, jobs) if jobs else [])
+        return made, _start_copies(jobs)
+
+    async def _finish_group(self, made: list, copied: list | None, quotas, noreplace: bool) -> list:
+        """Seal and publish each begun entry with its copy's result (``copied`` None: the
+        request is being cancelled, only clean up); returns the per-entry results. Every
+        entry is cleaned up, also those after a cancellation."""
+        copied_it = iter(copied or [])
         out: list = []
-        for m in made:
+        for i, m in enumerate(made):
             if not isinstance(m, _Pending):
                 out.append(m)
                 continue
             try:
-                got = next(copied) if m.entry.length else 0
+                if copied is None:
+                    raise _err(errno.ECANCELED, "the request was cancelled")
+                got = next(copied_it) if m.entry.length else 0
                 out.append(await self._finish(m, got, noreplace))
             except trio.Cancelled:
+                for rest in made[i + 1:]:
+                    if isinstance(rest, _Pending):
+                        await self._clean(rest, quotas)
                 raise
             except Exception as exc:        # noqa: BLE001
                 log.debug("commit of %r failed: %r", m.entry.path, exc)
                 out.append(exc)
             finally:
-                if m.fh in self.handles:
-                    if quotas is not None:
-                        quotas.forget_handle(m.fh)
-                    await self.release(m.fh)
-                if m.tmp is None:
-                    if m.staging is not None:   # not taken by a published object
-                        m.staging.discard()
-                        m.staging = None
-                elif not m.published:
-                    try:
-                        await self.unlink(m.parent, m.tmp)
-                    except NamespaceError:
-                        pass
+                await self._clean(m, quotas)
         return out
+
+    async def _clean(self, m: "_Pending", quotas) -> None:
+        """What an entry leaves behind unless it was published: its handle, buffer, temp file
+        (shielded: a cancelled request still cleans up)."""
+        with trio.CancelScope(shield=True):
+            if m.fh in self.handles:
+                if quotas is not None:
+                    quotas.forget_handle(m.fh)
+                await self.release(m.fh)
+            if m.tmp is None:
+                if m.staging is not None:   # not taken by a published object
+                    m.staging.discard()
+                    m.staging = None
+            elif not m.published:
+                try:
+                    await self.unlink(m.parent, m.tmp)
+                except NamespaceError:
+                    pass
 
     async def _begin(self, e: CommitEntry, cred: Cred, quotas, noreplace: bool, dirmode: int | None = None,
                      dirs: list | None = None) -> "_Pending":
@@ -443,6 +485,43 @@ def _read(src: int, offset: int, length: int) -> bytes:
         parts.append(b)
         done += len(b)
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+_copiers: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _start_copies(jobs: list[tuple[int, int | None, int, int]]) -> dict:
+    """Run :func:`_copy_all` in a copier thread (not a trio task: no nursery, no task of the
+    request to cancel); the returned box's ``done`` event is set when the copies ended."""
+    global _copiers
+    box: dict = {"done": trio.Event(), "copied": [], "error": None}
+    if not jobs:
+        box["done"].set()
+        return box
+    token = trio.lowlevel.current_trio_token()
+    if _copiers is None:
+        _copiers = concurrent.futures.ThreadPoolExecutor(COPIERS, thread_name_prefix="kvfs-commit-copy")
+
+    def work() -> None:
+        try:
+            box["copied"] = _copy_all(jobs)
+        except BaseException as e:          # noqa: BLE001 -- raised in the trio thread
+            box["error"] = e
+        finally:
+            try:
+                token.run_sync_soon(box["done"].set)
+            except trio.RunFinishedError:   # the daemon stopped meanwhile
+                pass
+    _copiers.submit(work)
+    return box
+
+
+async def _copied(box: dict) -> list:
+    """Wait for a group's copies (:func:`_start_copies`); their per-job results."""
+    await box["done"].wait()
+    if box["error"] is not None:
+        raise box["error"]
+    return box["copied"]
 
 
 def _copy_all(jobs: list[tuple[int, int | None, int, int]]) -> list:

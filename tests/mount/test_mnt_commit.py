@@ -72,6 +72,30 @@ def test_commit_publishes_a_batch_as_close_and_rename_would(kvfs_mount):
     assert leftovers(d) == [] and leftovers(d / "sub") == []
 
 
+def test_commit_of_many_groups_publishes_every_entry(kvfs_mount):
+    """A request of several copy groups (32 entries or 64 MiB each; the next group's copies run
+    while the one before it is sealed): every entry published with its own bytes, a failed
+    entry fails alone, a name given twice with noreplace keeps its first entry's bytes."""
+    m = kvfs_mount(ram="256MiB")
+    d = m.path / "g"
+    d.mkdir()
+    pages = {f"p{i:03d}": content(f"p{i}", (3 * MiB if i % 7 == 0 else 64 << 10) + i) for i in range(100)}
+    items = [(n, [b]) for n, b in pages.items()]
+    items.insert(40, ("nodir/x", [b"x"]))       # in the second group
+    items.append(("p010", [b"second"]))          # in the last group: an earlier group's name
+    c = CommitClient(str(m.path))
+    try:
+        res = c.commit("g", items, noreplace=True)
+    finally:
+        c.close()
+    assert res[40] == errno.ENOENT and res[-1] == errno.EEXIST, res
+    assert all(r == 0 for i, r in enumerate(res) if i not in (40, len(res) - 1)), res
+    for n, b in pages.items():
+        assert read(d / n) == b, n
+        assert os.getxattr(d / n, "user.kvfs.checksum").decode() == xxhash.xxh3_64_hexdigest(b)
+    assert leftovers(d) == []
+
+
 def test_bytes_changed_after_commit_do_not_change_the_stored_file(kvfs_mount):
     m = kvfs_mount()
     data = content("orig", 1 * MiB)

@@ -38,6 +38,7 @@ import logging
 import os
 import select
 import stat
+import threading
 import time
 
 import trio
@@ -56,7 +57,8 @@ _COPY_CHUNK = 64 << 20
 GROUP_BYTES = 64 << 20     # entries whose copies go in one worker-thread call ...
 GROUP_ENTRIES = 32         # ... at most (the RAM tier keeps 64 spare staging files: more
                            # buffers at once would create and unlink files)
-COPIERS = 4                # copier threads (a request has one group copying while one seals)
+COPIERS = 8                # copier threads, shared by all requests
+COPY_SPLIT = 2             # threads copying one group (while the group before it is sealed)
 
 
 SOURCE_FS = ("tmpfs",)      # filesystems a commit reads from (besides memfds)
@@ -491,28 +493,37 @@ _copiers: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _start_copies(jobs: list[tuple[int, int | None, int, int]]) -> dict:
-    """Run :func:`_copy_all` in a copier thread (not a trio task: no nursery, no task of the
-    request to cancel); the returned box's ``done`` event is set when the copies ended."""
+    """Run :func:`_copy_all` over ``jobs`` in copier threads (not trio tasks: no nursery, no
+    task of the request to cancel), split in up to COPY_SPLIT interleaved parts that copy in
+    parallel; the returned box's ``done`` event is set when every part ended."""
     global _copiers
-    box: dict = {"done": trio.Event(), "copied": [], "error": None}
+    box: dict = {"done": trio.Event(), "copied": [None] * len(jobs), "error": None}
     if not jobs:
         box["done"].set()
         return box
     token = trio.lowlevel.current_trio_token()
     if _copiers is None:
         _copiers = concurrent.futures.ThreadPoolExecutor(COPIERS, thread_name_prefix="kvfs-commit-copy")
+    parts = min(COPY_SPLIT, len(jobs))
+    left = [parts]
+    lock = threading.Lock()
 
-    def work() -> None:
+    def work(k: int) -> None:
         try:
-            box["copied"] = _copy_all(jobs)
+            box["copied"][k::parts] = _copy_all(jobs[k::parts])
         except BaseException as e:          # noqa: BLE001 -- raised in the trio thread
             box["error"] = e
         finally:
-            try:
-                token.run_sync_soon(box["done"].set)
-            except trio.RunFinishedError:   # the daemon stopped meanwhile
-                pass
-    _copiers.submit(work)
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                try:
+                    token.run_sync_soon(box["done"].set)
+                except trio.RunFinishedError:   # the daemon stopped meanwhile
+                    pass
+    for k in range(parts):
+        _copiers.submit(work, k)
     return box
 
 

@@ -304,18 +304,21 @@ class Commits:
         """Begin each entry (its checks and buffer; a failure is that entry's result), then
         start the group's copies in a worker thread (:func:`_copied` waits for them)."""
         made: list = []
-        for e in entries:
-            try:
-                made.append(await self._begin(e, cred, quotas, noreplace, dirmode, dirs))
-            except trio.Cancelled:
-                for m in made:
-                    if isinstance(m, _Pending):
-                        await self._clean(m, quotas)
-                raise
-            except Exception as exc:        # noqa: BLE001 -- each entry fails on its own
-                made.append(exc)
-        jobs = [(m.entry.src, self._copy_target(m), m.entry.offset, m.entry.length)
-                for m in made if isinstance(m, _Pending) and m.entry.length]
+        try:
+            for e in entries:
+                try:
+                    made.append(await self._begin(e, cred, quotas, noreplace, dirmode, dirs))
+                except trio.Cancelled:
+                    raise
+                except Exception as exc:        # noqa: BLE001 -- each entry fails on its own
+                    made.append(exc)
+            jobs = [(m.entry.src, self._copy_target(m), m.entry.offset, m.entry.length)
+                    for m in made if isinstance(m, _Pending) and m.entry.length]
+        except BaseException:               # cancelled, or a buffer that could not be mapped
+            for m in made:
+                if isinstance(m, _Pending):
+                    await self._clean(m, quotas)
+            raise
         return made, _start_copies(jobs)
 
     async def _finish_group(self, made: list, copied: list | None, quotas, noreplace: bool) -> list:

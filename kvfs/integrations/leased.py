@@ -47,6 +47,14 @@ def in_place(b: Backing | None, segs: list[memoryview], size: int) -> bool:
             and size % PAGE == 0 and page_aligned(segs[0]))
 
 
+def ahead_of(j: int, backs, dests: list[list[memoryview]], sizes: list[int], batched) -> tuple | None:
+    """``(j, backing, destination)`` when page ``j`` (leased as ``backs[j]``) can be read ahead
+    of its turn (``in_place``; not among the ``batched`` pages), else None."""
+    if j >= len(dests) or j >= len(backs) or j in batched:
+        return None
+    return (j, backs[j], dests[j][0]) if in_place(backs[j], dests[j], sizes[j]) else None
+
+
 class Ahead:
     """At most one page read running in a helper thread ahead of the caller (one per call;
     not shared between threads). ``close`` waits for it."""

@@ -37,7 +37,7 @@ from kvfs.kv.block import ChecksumMismatch
 from kvfs.kv.commit import CommitClient
 from kvfs.kv.getbatch import EBADMSG, GetClient
 from kvfs.kv.blockio import Backing, LeaseClient, VerifiedObjects, preadv_full, write_all
-from kvfs.integrations.leased import Ahead, in_place, read_leased
+from kvfs.integrations.leased import Ahead, ahead_of, read_leased
 from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_under
 from kvfs.kv.names import REVALIDATE, NameView
 from kvfs.integrations.pagetypes import (PIECE, Counters, LeaseHold, NotOnKvfs, PageSizeError,  # noqa: F401
@@ -345,24 +345,30 @@ class PageStore:
                 sizes = [sum(len(s) for s in d) for d in dests]
                 batched = self._batch_get(names, dests, [i for i, name in enumerate(names) if on_kvfs and (
                     backings.get(name) is None or backings[name].size != sizes[i])])
-                for i, name in enumerate(names):
-                    progress()
-                    size = sizes[i]
-                    b = backings.get(name)
-                    if i in batched:
-                        ok[i] = True
-                        continue
-                    try:
-                        r = self._read_leased(b, name, dests[i], size) if b is not None and b.size == size else None
-                        if r is None:
-                            r = self._read_mount(name, dests[i], size)
-                            fallbacks += on_kvfs and r is not None
-                        ok[i] = r is not None
-                    except ChecksumMismatch as e:
-                        checksum_errors += 1
-                        self._failed("read", e, 1)
-                    except (FileNotFoundError, PageSizeError) as e:
-                        self._failed("read", e, 1)
+                ahead, backs = Ahead(), [backings.get(x) for x in names]
+                try:
+                    for i, name in enumerate(names):
+                        progress()
+                        size = sizes[i]
+                        b = backings.get(name)
+                        if i in batched:
+                            ok[i] = True
+                            continue
+                        nxt = ahead_of(i + 1, backs, dests, sizes, batched)
+                        try:
+                            r = self._read_leased(b, name, dests[i], size, ahead=ahead, i=i, nxt=nxt) \
+                                if b is not None and b.size == size else None
+                            if r is None:
+                                r = self._read_mount(name, dests[i], size)
+                                fallbacks += on_kvfs and r is not None
+                            ok[i] = r is not None
+                        except ChecksumMismatch as e:
+                            checksum_errors += 1
+                            self._failed("read", e, 1)
+                        except (FileNotFoundError, PageSizeError) as e:
+                            self._failed("read", e, 1)
+                finally:
+                    ahead.close()           # no read still writing into a runtime's buffer
         except Exception as e:         # noqa: BLE001 -- any failure is a miss
             self._failed("read", e, n)
         got = sum(ok)
@@ -415,9 +421,7 @@ class PageStore:
                     ok[i] = True
                     progress()
                     continue
-                j = i + 1
-                nxt = (j, leased[j], dests[j][0]) if (j < len(leased or ()) and j not in batched and in_place(
-                    leased[j], dests[j], sizes[j])) else None
+                nxt = ahead_of(i + 1, leased or (), dests, sizes, batched)
                 r = self._read_leased(b, name, dests[i], size, ahead=ahead, i=i, nxt=nxt) \
                     if b is not None and b.size == size else None
                 if r is None:               # no fast path for it: through the mount
@@ -593,3 +597,4 @@ class PageStore:
         for c in ([lk] if lk is not None else []) + leases:
             with contextlib.suppress(OSError):
                 c.close()
+

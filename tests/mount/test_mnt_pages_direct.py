@@ -56,5 +56,16 @@ def test_nvme_pages_read_straight_into_page_aligned_destinations(kvfs_mount, tmp
         assert ps.statistics().checksum_errors == 1
         assert ps.read_into([names[bad]], [dests[bad]]) == [False]     # a miss, not wrong bytes
         assert ps.statistics().checksum_errors == 2
+        # LMCache's lookup-and-pin path: each page on its own, the damaged one alone a miss
+        pool.mv[:] = b"\0" * len(pool.mv)
+        k, held = ps.hold(names)
+        try:
+            assert k == len(names)
+            got = ps.read_held(held, names, dests)
+        finally:
+            ps.release_hold(held)
+        assert got == [i != bad for i in range(len(names))], got
+        assert all(bytes(dests[i][0]) == data[i] for i in range(len(names)) if i != bad)
+        assert ps.statistics().checksum_errors == 3
     finally:
         ps.close()

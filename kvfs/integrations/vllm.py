@@ -22,8 +22,8 @@ the mount:
   (vLLM's own ``AsyncLookupManager``, which batches a step's keys per request); each batch is
   **one** ``.kvfs/lookup`` round trip (the ``fs`` tier: one ``access`` per chunk). The answer
   is the leading run of present chunks: keys past a request's first missing chunk are
-  reported missing (vLLM loads a leading run only). A chunk the mount's name table says is
-  absent is answered MISS at once, in the scheduler's step (no RETRY, no thread hop, no
+  reported missing (vLLM loads a leading run only). A request's first chunk that the mount's
+  name table says is absent is answered MISS at once, in the scheduler's step (no RETRY, no thread hop, no
   system call: ``PageStore.absent_now``), so a new prompt is scheduled a step earlier.
 * loads: **one** ``.kvfs/lease`` round trip per job, then each chunk is read from its backing
   file (RAM tier tmpfs, or NVMe with O_DIRECT) beside FUSE straight into the primary tier's
@@ -179,6 +179,7 @@ class KvfsTierManager(SecondaryTierManager):
         self._store_keys: dict[JobId, list[OffloadKey]] = {}
         self._jobs = _Jobs(int(n_read_threads), int(n_write_threads))
         self._lookup = _KvfsLookup(self, tier_type)
+        self._asked: set[str] = set()     # requests whose lookups went to the lookup thread
         log.info("kvfs vLLM tier %r at %s (%d-byte chunks)", tier_type, self.dir, self.block_size_bytes)
 
     def name(self, key: OffloadKey) -> str:
@@ -214,8 +215,10 @@ class KvfsTierManager(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if self._lookup.unasked(key) and self.store.absent_now(self.name(key)):
+        rid = req_context.req_id
+        if rid not in self._asked and self._lookup.unasked(key) and self.store.absent_now(self.name(key)):
             return LookupResult.MISS    # the name table, in this step: no RETRY, no thread hop
+        self._asked.add(rid)            # the request's first chunk only: its later ones go in its batch
         result = self._lookup.lookup(key, req_context)
         if result is None:
             return LookupResult.RETRY
@@ -271,6 +274,7 @@ class KvfsTierManager(SecondaryTierManager):
         return self._jobs.busy
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._asked.discard(req_context.req_id)
         self._lookup.cleanup(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:

@@ -56,6 +56,10 @@ def test_nvme_pages_read_straight_into_page_aligned_destinations(kvfs_mount, tmp
         assert ps.statistics().checksum_errors == 1
         assert ps.read_into([names[bad]], [dests[bad]]) == [False]     # a miss, not wrong bytes
         assert ps.statistics().checksum_errors == 2
+        off = [[pool.mv[512:512 + MiB]]]        # not page aligned: staging, copy and hash per piece
+        assert ps.read_into([names[bad]], off) == [False]
+        assert ps.read_into([names[bad - 1]], off) == [True] and bytes(off[0][0]) == data[bad - 1]
+        assert ps.statistics().checksum_errors == 3
         # LMCache's lookup-and-pin path: each page on its own, the damaged one alone a miss
         pool.mv[:] = b"\0" * len(pool.mv)
         k, held = ps.hold(names)
@@ -66,6 +70,6 @@ def test_nvme_pages_read_straight_into_page_aligned_destinations(kvfs_mount, tmp
             ps.release_hold(held)
         assert got == [i != bad for i in range(len(names))], got
         assert all(bytes(dests[i][0]) == data[i] for i in range(len(names)) if i != bad)
-        assert ps.statistics().checksum_errors == 3
+        assert ps.statistics().checksum_errors == 4
     finally:
         ps.close()

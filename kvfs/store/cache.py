@@ -130,7 +130,10 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
                          and bytes(obj.place.get(tier.name, b"")) != bytes(loc))
                 if obj is None or stray:
                     self.index.commit()     # a record dropped in memory is gone from LMDB too
-                    await tier.delete(oid, loc)
+                    if getattr(tier, "totals_from_records", False):
+                        await tier.delete(oid, loc, counted=False)     # not in its totals
+                    else:
+                        await tier.delete(oid, loc)
                     n += 1
         if n:
             log.info("removed %d orphaned backing objects", n)

@@ -71,6 +71,9 @@ class _Buffers(threading.local):
 class NvmeTier(Tier):
     name = "nvme"
     volatile = False
+    # used/objects come from the index (its records, or the totals kept with them), never
+    # from the files here: a file no record names (a put cut off by kill -9) is not in them
+    totals_from_records = True
 
     def __init__(self, capacity: int, root: str | Path, *, threads: int = 4, holder: str | None = None):
         super().__init__(capacity)
@@ -322,7 +325,9 @@ class NvmeTier(Tier):
                                              abandon_on_cancel=True)
         return memoryview(data)
 
-    async def delete(self, oid: int, loc: bytes) -> None:
+    async def delete(self, oid: int, loc: bytes, counted: bool = True) -> None:
+        """Free the object's file (``counted=False``: an orphan the sweep found, never in
+        ``used``/``objects``)."""
         shard, name = self._shard(oid)
         self.grants.revoke(oid, name)
         def rm() -> int:
@@ -333,7 +338,7 @@ class NvmeTier(Tier):
             except FileNotFoundError:
                 return -1
         size = await trio.to_thread.run_sync(rm, limiter=self._limiter)
-        if size >= 0:
+        if size >= 0 and counted:
             self.used -= self.footprint(size)
             self.objects -= 1
 

@@ -130,7 +130,7 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
                          and bytes(obj.place.get(tier.name, b"")) != bytes(loc))
                 if obj is None or stray:
                     self.index.commit()     # a record dropped in memory is gone from LMDB too
-                    if getattr(tier, "totals_from_records", False):
+                    if tier.totals_from_records:
                         await tier.delete(oid, loc, counted=False)     # not in its totals
                     else:
                         await tier.delete(oid, loc)

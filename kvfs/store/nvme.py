@@ -71,9 +71,7 @@ class _Buffers(threading.local):
 class NvmeTier(Tier):
     name = "nvme"
     volatile = False
-    # used/objects come from the index (its records, or the totals kept with them), never
-    # from the files here: a file no record names (a put cut off by kill -9) is not in them
-    totals_from_records = True
+    totals_from_records = True      # a file no record names (a put cut off by kill -9) is not in them
 
     def __init__(self, capacity: int, root: str | Path, *, threads: int = 4, holder: str | None = None):
         super().__init__(capacity)

@@ -41,6 +41,9 @@ class Tier(abc.ABC):
 
     name: str = "tier"          # "ram", "nvme", "remote": what user.kvfs.tier reports
     volatile: bool = False      # True when contents do not survive a restart
+    # True when used/objects come from the index's records (not from what the tier holds):
+    # an orphan the start's sweep deletes was never counted (delete(..., counted=False))
+    totals_from_records: bool = False
 
     def __init__(self, capacity: int):
         self.capacity = capacity

@@ -116,13 +116,19 @@ class FileHandles:
         if size is not None:
             if not stat.S_ISREG(rec["mode"]):
                 raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec["mode"]) else errno.EINVAL)
-            ws = self.writers.get(ino)
+            ws = await self._live_writer(ino, writing=True)
             if ws is not None:
-                await (await self._staging(ws)).truncate(size)
-                ws.dirty = True
-                ws.touch()
-                if mtime is not None:
-                    ws.mtime = mtime
+                ws.handles += 1                      # held: its writers may release meanwhile
+                try:
+                    await (await self._staging(ws)).truncate(size)
+                    ws.dirty = True
+                    ws.touch()
+                    if mtime is not None:
+                        ws.mtime = mtime
+                    if ws.writers == 0:              # they did: nobody else will seal this
+                        await self._seal(ws)
+                finally:
+                    await self._end(ws)
             else:
                 ws = await self._begin_write(ino, truncate=size == 0)
                 ws.handles += 1
@@ -169,30 +175,53 @@ class FileHandles:
         if stat.S_ISDIR(rec["mode"]):
             raise NamespaceError(errno.EISDIR)
         acc = flags & os.O_ACCMODE
+        ws = await self._live_writer(ino, writing=acc != os.O_RDONLY)
         if acc != os.O_RDONLY:
-            ws = self.writers.get(ino)
-            if ws is None:
+            joined = ws is not None
+            if not joined:
                 ws = await self._begin_write(ino, truncate=bool(flags & os.O_TRUNC))
-            else:
-                await ws.ready.wait()
-                if flags & os.O_TRUNC:
-                    await (await self._staging(ws)).truncate(0)
-                    ws.dirty = True
-                    ws.touch()
-            ws.writers += 1
+            ws.writers += 1              # joined before any wait: the state cannot end now
             ws.handles += 1
+            if joined and flags & os.O_TRUNC:
+                try:
+                    await (await self._staging(ws)).truncate(0)
+                except BaseException:
+                    with trio.CancelScope(shield=True):
+                        ws.writers -= 1
+                        await self._end(ws)
+                    raise
+                ws.dirty = True
+                ws.touch()
             return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws))
-        ws = self.writers.get(ino)
         if ws is not None:
-            await ws.ready.wait()
             ws.handles += 1
             return self._new_fh(Handle(ino, ws=ws))
+        rec = self.ns.inode(ino)         # again: a seal may have installed a new version meanwhile
         obj = self.store.objs.get(rec.get("oid"))
         if obj is None:
             raise NamespaceError(errno.ENOENT)
         obj.refs += 1
         self.store.note_open(obj)
         return self._new_fh(Handle(ino, obj=obj))
+
+    async def _live_writer(self, ino: int, writing: bool) -> WriteState | None:
+        """The write state of ``ino`` a new handle joins (once it is ready), or None. Checked
+        again after every wait (a release may end the state meanwhile: a handle must never join
+        an ended one, its buffer and base are gone). A state whose last writer's release is
+        sealing it (a writer that never flushed, or whose flush could not seal because another
+        writer was open) has no writers: a reader joins it at once and reads the version being
+        sealed, a writer (or a truncate) waits until it is gone and starts the next version,
+        so that reader keeps its version whichever of them the daemon runs first."""
+        while True:
+            ws = self.writers.get(ino)
+            if ws is None:
+                return None
+            if not ws.ready.is_set():
+                await ws.ready.wait()
+            elif writing and ws.writers == 0:
+                await self.releases_done()
+            else:
+                return ws
 
     async def _begin_write(self, ino: int, truncate: bool) -> WriteState:
         rec = self.ns.inode(ino)
@@ -277,10 +306,23 @@ class FileHandles:
 
     async def release(self, fh: int) -> None:
         self._releasing += 1            # still counted in open_handles until its seal is done
+        self._release_seq += 1
+        seq = self._release_seq
+        self._releases_live.add(seq)
         try:
             await self._release(self.handles.pop(fh))
         finally:
             self._releasing -= 1
+            self._releases_live.discard(seq)
+            ended, self._release_ended = self._release_ended, trio.Event()
+            ended.set()
+
+    async def releases_done(self) -> None:
+        """Wait until every release begun before this call has ended (its seal included);
+        releases begun later are not waited for."""
+        upto = self._release_seq
+        while self._releases_live and min(self._releases_live) <= upto:
+            await self._release_ended.wait()
 
     async def _release(self, h: Handle) -> None:
         n = self.open_count.get(h.ino, 1) - 1
@@ -358,19 +400,26 @@ class FileHandles:
                 kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")}
             old, installed = self.ns.install(ws.ino, obj, kvrec, mtime=ws.mtime)
             ws.dirty = False
-            if old is not None:
-                self.telemetry.events.emit("removed", old, None, path=key, kv=rec.get("kv"))
-                await self.store.release_space(old)
             if not installed:
                 await self.store.release_space(obj)
                 return
             obj.refs += 1
-            if ws.base is not None:
-                ws.base.refs -= 1
-                await self.store.release_space(ws.base)
-            ws.base = obj
+            prev, ws.base = ws.base, obj     # before any wait: readers of the state read obj now
+            if self.on_renamed is not None and self.ns.path_of(ws.ino) != key:
+                # renamed while sealing (a rename does not wait for the seal): a copy already on
+                # a shared volume was published under the old name
+                now = self.index.get_inode(ws.ino)
+                if now is not None:
+                    await self.on_renamed(now["parent"], now["name"])
+            path = self.ns.path_of(ws.ino)
+            if old is not None:
+                self.telemetry.events.emit("removed", old, None, path=path, kv=rec.get("kv"))
+                await self.store.release_space(old)
+            if prev is not None:
+                prev.refs -= 1
+                await self.store.release_space(prev)
             self.telemetry.latency["seal"].observe(time.perf_counter() - t0)
-            self.telemetry.events.emit("stored", obj, self.store.top_tier(obj), path=key, kv=kvrec or {})
+            self.telemetry.events.emit("stored", obj, self.store.top_tier(obj), path=path, kv=kvrec or {})
         finally:
             ws.sealing = None
             done.set()

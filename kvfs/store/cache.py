@@ -13,8 +13,6 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-import trio
-
 from kvfs.store.commit import Commits
 from kvfs.store.cred import ROOT, Cred  # noqa: F401  (re-exported: fs imports them from here)
 from kvfs.store.files import CREATE_MTIME_SLACK, FileHandles, Handle, WriteState  # noqa: F401
@@ -52,9 +50,6 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
         self._lease_entries: dict[int, tuple[str, bytes, str]] = {}    # see lease_entry
         self._released: list[Obj] = []       # objects of leases dropped in sync code
         self._releasing = 0                  # releases in progress (a seal may be running)
-        self._release_seq = 0                # releases begun; those still running by number:
-        self._releases_live: set[int] = set()    # see releases_done
-        self._release_ended = trio.Event()
         self.telemetry = store.telemetry
         self.telemetry.events.describe = self._describe
 

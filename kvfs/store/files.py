@@ -39,6 +39,7 @@ class WriteState:
     dirty: bool = False
     sealing: trio.Event | None = None   # set while the buffer is being sealed: writes wait
     ready: trio.Event = dataclasses.field(default_factory=trio.Event)
+    gone: trio.Event = dataclasses.field(default_factory=trio.Event)    # out of Cache.writers
     serial: int = dataclasses.field(default_factory=itertools.count(1).__next__)
     # the mtime reported while writing and recorded by the seal (None: the seal's time): of the
     # last write, or one set by utimens after it. A file created and written within
@@ -219,7 +220,7 @@ class FileHandles:
             if not ws.ready.is_set():
                 await ws.ready.wait()
             elif writing and ws.writers == 0:
-                await self.releases_done()
+                await ws.gone.wait()
             else:
                 return ws
 
@@ -306,23 +307,10 @@ class FileHandles:
 
     async def release(self, fh: int) -> None:
         self._releasing += 1            # still counted in open_handles until its seal is done
-        self._release_seq += 1
-        seq = self._release_seq
-        self._releases_live.add(seq)
         try:
             await self._release(self.handles.pop(fh))
         finally:
             self._releasing -= 1
-            self._releases_live.discard(seq)
-            ended, self._release_ended = self._release_ended, trio.Event()
-            ended.set()
-
-    async def releases_done(self) -> None:
-        """Wait until every release begun before this call has ended (its seal included);
-        releases begun later are not waited for."""
-        upto = self._release_seq
-        while self._releases_live and min(self._releases_live) <= upto:
-            await self._release_ended.wait()
 
     async def _release(self, h: Handle) -> None:
         n = self.open_count.get(h.ino, 1) - 1
@@ -361,6 +349,7 @@ class FileHandles:
         ws.handles -= 1
         if ws.writers == 0 and self.writers.get(ws.ino) is ws:
             del self.writers[ws.ino]
+            ws.gone.set()
         if ws.handles == 0:
             if ws.staging is not None:
                 ws.staging.discard()

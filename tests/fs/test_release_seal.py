@@ -118,3 +118,26 @@ async def test_a_rename_during_the_release_seal_is_the_path_the_stored_event_nam
     events = [json.loads(line) for line in sub.take(1 << 20).splitlines() if line.strip()]
     stored = [e for e in events if e["event"] == "stored"]
     assert [e["path"] for e in stored] == ["/d/blk"], events
+
+
+async def test_a_writer_opening_while_a_truncate_seals_waits_for_it(ops):
+    # a truncate of a file nobody has open seals a write state that never had a writer
+    data = content(7)
+    ino = await sealed_file(ops, data)
+    got = {}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as n:
+            async def grow():
+                got["rec"] = await ops.cache.setattr(ino, size=SIZE + 4096)
+            n.start_soon(grow)
+            while ino not in ops.cache.writers or ops.cache.writers[ino].sealing is None:
+                await trio.sleep(0)
+            w = await ops.open(ino, os.O_RDWR, CTX)      # waits until the truncate's seal is done
+            assert ino in ops.cache.writers and ops.cache.writers[ino].writers == 1
+    assert got["rec"]["size"] == SIZE + 4096
+    await ops.write(w.fh, 0, b"Y")
+    await ops.flush(w.fh)
+    await ops.release(w.fh)
+    r = await ops.open(ino, os.O_RDONLY, CTX)
+    assert await read_all(ops, r.fh) == b"Y" + data[1:] + bytes(4096)
+    await ops.release(r.fh)

@@ -192,6 +192,7 @@ def bench(args) -> dict:
                 names = RUNTIMES[rt][1]
                 extra = {"shm_dir": str(args.shm_dir)} if args.shm_dir else {}
                 with BenchMount(root / f"m{rt}{layers}", ram=ram, nvme_size="8GiB", promote_hits=None, **extra) as m:
+                    res["meta"]["shm_dir"] = _ram_desc(m.path)
                     dirs = {names[0]: plain, names[1]: m.path / f"{rt}-own", names[2]: m.path / f"{rt}-kvfs"}
                     for d in dirs.values():
                         d.mkdir(exist_ok=True)
@@ -207,6 +208,16 @@ def bench(args) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return res
+
+
+def _ram_desc(mount: Path) -> str:
+    """Where the mounted daemon's RAM tier is: ``shm_dir``, or the daemon's own huge-page
+    tmpfs inside it (kvfs.store.hugefs), with its ``huge=`` option."""
+    ram_dir = Path(json.loads((mount / ".kvfs" / "stats").read_text())["ram_dir"])
+    top = ram_dir.parent
+    if ".hugefs-" in top.name:
+        return f"a tmpfs the daemon mounted in {top.parent} ({_shm_desc(top).rsplit(' ', 1)[1][1:-1]})"
+    return _shm_desc(top)
 
 
 def _shm_desc(shm_dir: Path | None) -> str:

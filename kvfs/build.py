@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 def build_tiers(cfg: Config, index: Index, holder: str | None = None) -> list:
     """RAM, local NVMe and (when configured) the remote tier, top to bottom."""
-    tiers = [RamTier(cfg.ram_bytes(), cfg.shm_dir, index.instance_id, mapped_min=cfg.ram_mapped_min),
+    tiers = [RamTier(cfg.ram_bytes(), cfg.shm_dir, index.instance_id, mapped_min=cfg.ram_mapped_min,
+                     own_fs=cfg.ram_hugefs),
              NvmeTier(cfg.nvme_bytes(), cfg.nvme_dir, holder=holder)]
     if cfg.remote:
         from kvfs.remote import make_remote_tier

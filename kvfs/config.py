@@ -79,6 +79,7 @@ class Config:
     promote_window: float = 30.0       # seconds
     chunk_size: int = 1 << 20          # checksum and read granularity of lower tiers
     shm_dir: str = "/dev/shm"          # the RAM tier lives in shared memory here
+    ram_hugefs: bool = True            # the RAM tier on a huge-page tmpfs the daemon mounts in shm_dir (root)
     metrics: str = ""                  # HOST:PORT of the Prometheus endpoint ("" = off)
     admit_after: int | dict = 1        # uses before a tier takes an object: N, or {tier = N}
     read_deadline: float = 2.0         # seconds a read may wait on a lower tier (0 = no limit)
@@ -169,6 +170,8 @@ class Config:
             raise ConfigError("read_deadline must be a number of seconds in [0, 3600] (0: no deadline)")
         if not isinstance(self.ram_mapped_min, int) or not ALIGN <= self.ram_mapped_min <= 1 << 30:
             raise ConfigError(f"ram_mapped_min must be a whole number of bytes from {ALIGN} to 1 GiB")
+        if not isinstance(self.ram_hugefs, bool):
+            raise ConfigError("ram_hugefs must be true or false")
         self.check_shm_dir()
 
     def admission(self) -> dict[str, int]:

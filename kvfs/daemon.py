@@ -26,6 +26,7 @@ from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY
 from kvfs.store.cache import Cache
 from kvfs.store.index import Index
 from kvfs.store.names import NameTable, build_in_background, dirent_count
+from kvfs.store.ram import filesystem_of
 from kvfs.store import safedir
 
 log = logging.getLogger(__name__)
@@ -177,8 +178,9 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 nursery.start_soon(_on_signals, cache.telemetry.events)
                 log.info("mounted %s in %.2fs (%s)", mountpoint, time.monotonic() - started,
                          ", ".join(f"{t.name} {t.capacity}" for t in tiers))
-                huge = cfg.check_shm_dir().get("huge", "never")
-                log.info("ram tier in %s (tmpfs, huge pages: %s)", tiers[0].dir, huge)
+                huge = filesystem_of(tiers[0].dir)[2].get("huge", "never")
+                log.info("ram tier in %s (tmpfs%s, huge pages: %s)", tiers[0].dir,
+                         " of its own" if tiers[0].mounted else "", huge)
                 ready.send(f"READY {os.getpid()}")
                 await pyfuse3.main()
                 unmounted = True

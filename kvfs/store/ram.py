@@ -27,7 +27,7 @@ from typing import AsyncIterator, Iterator
 import trio
 
 from kvfs.errors import NoSuchObject, TierFull
-from kvfs.store import names, safedir
+from kvfs.store import hugefs, names, safedir
 from kvfs.store.ownerlinks import OwnerLinks, can_grant
 from kvfs.store.safedir import Dir
 from kvfs.store.tier import ObjectInfo, Tier
@@ -61,10 +61,15 @@ class RamTier(Tier):
     name = "ram"
     volatile = True
 
-    def __init__(self, capacity: int, shm_dir: str | Path, instance_id: str, *, mapped_min: int = MAPPED_MIN):
+    def __init__(self, capacity: int, shm_dir: str | Path, instance_id: str, *, mapped_min: int = MAPPED_MIN,
+                 own_fs: bool = False):
         super().__init__(capacity)
         self.mapped_min = mapped_min        # smaller objects live in the daemon (config ram_mapped_min)
-        self.shm_dir = Path(shm_dir)
+        self.shm_dir = Path(shm_dir)        # where the tier's directories are made (see open)
+        self.instance_id = instance_id
+        self.own_fs = own_fs                # mount a huge-page tmpfs of our own (config ram_hugefs)
+        self.mounted: Path | None = None    # that tmpfs, while mounted
+        self._mount_fd = -1                 # its root, locked (kvfs.store.hugefs.sweep)
         self.prefix = f"kvfs-{instance_id}-"
         self.home: Dir | None = None        # the tier's directory (objects)
         self.staging: Dir | None = None     # its staging/ subdirectory (write buffers)
@@ -109,6 +114,14 @@ class RamTier(Tier):
         # whatever a crashed daemon of this instance left is volatile and gone by definition
         safedir.check_shared_parent(self.shm_dir, "shm_dir")
         safedir.remove_stale_dirs(self.shm_dir, self.prefix, before=names.retire)   # its readers stop
+        if self.own_fs:
+            hugefs.sweep(self.shm_dir, self.instance_id, self.prefix)
+            if filesystem_of(self.shm_dir)[2].get("huge", "never") == "never":
+                try:
+                    self.mounted, self._mount_fd = hugefs.mount(self.shm_dir, self.instance_id, self.capacity)
+                    self.shm_dir = self.mounted
+                except OSError as e:
+                    log.info("RAM tier without a huge-page tmpfs of its own (%s): in %s", e, self.shm_dir)
         self._make_dir()
 
     async def close(self) -> None:
@@ -127,6 +140,12 @@ class RamTier(Tier):
             log.warning("could not remove the RAM tier directory %s: %s", self.dir, e)
         finally:
             self._close_dirs()
+            if self.mounted is not None:
+                try:
+                    hugefs.unmount(self.mounted, self._mount_fd)
+                except OSError as e:
+                    log.warning("could not unmount the RAM tier's tmpfs %s: %s", self.mounted, e)
+                self.mounted = None
 
     def _install(self, oid: int, fd: int, size: int) -> None:
         if size < self.mapped_min:
@@ -370,7 +389,12 @@ class Staging:
                 return mem[offset:offset + length]
             return bytes(memoryview(mem)[offset:offset + length])    # a copy: the buffer may change
         if self.spilled:
-            return await trio.to_thread.run_sync(os.pread, self.fd, length, offset)
+            # its own descriptor: a seal may discard (close) the buffer while the thread reads
+            fd = os.dup(self.fd)
+            try:
+                return await trio.to_thread.run_sync(os.pread, fd, length, offset)
+            finally:
+                os.close(fd)
         return os.pread(self.fd, length, offset)
 
     async def truncate(self, size: int) -> None:

@@ -129,7 +129,8 @@ class FileHandles:
                     if ws.writers == 0:              # they did: nobody else will seal this
                         await self._seal(ws)
                 finally:
-                    await self._end(ws)
+                    with trio.CancelScope(shield=True):
+                        await self._end(ws)
             else:
                 ws = await self._begin_write(ino, truncate=size == 0)
                 ws.handles += 1

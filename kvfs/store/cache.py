@@ -35,6 +35,7 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
         self.index = index
         self.store = store
         self.ns = Namespace(index, store)
+        self.ns.is_open = self.is_open
         self.spill_dir = spill_dir
         self.handles: dict[int, Handle] = {}
         self.writers: dict[int, WriteState] = {}

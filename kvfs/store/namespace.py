@@ -11,6 +11,7 @@ import logging
 import os
 import stat
 import time
+from typing import Callable
 
 from kvfs.errors import NamespaceError
 from kvfs.protocol import CONTROL_NAME_B as CONTROL_NAME
@@ -70,6 +71,7 @@ class Namespace:
         # sealed file?" without reading and unpickling inode records (batched prefix lookups)
         self.sealed = SealedMap(self)
         self.orphans: dict[int, dict] = {}      # unlinked inodes still open
+        self.is_open: Callable[[int], bool] = lambda ino: False     # set by the cache
         # regular files made in this session and not sealed yet (dropped at a clean unmount,
         # as recovery would drop them: the next mount need not look for them)
         self.unsealed: set[int] = set()
@@ -431,6 +433,11 @@ class Namespace:
             txn.del_inode(obj.ino)
             self._kv_remove(rec)
             self.sealed.pop(obj.ino, None)
+            if self.is_open(obj.ino):
+                # a handle on another version of this inode (a reader of an older one): its
+                # descriptor goes on as after an unlink
+                rec["nlink"] = 0
+                self.orphans[obj.ino] = rec
             self.on_name_removed(rec["parent"], rec["name"], obj.ino)
 
     # ---- xattrs stored with the file -----------------------------------------

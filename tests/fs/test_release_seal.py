@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import types
 
+import pyfuse3
 import pytest
 import trio
 
@@ -141,3 +142,25 @@ async def test_a_writer_opening_while_a_truncate_seals_waits_for_it(ops):
     r = await ops.open(ino, os.O_RDONLY, CTX)
     assert await read_all(ops, r.fh) == b"Y" + data[1:] + bytes(4096)
     await ops.release(r.fh)
+
+
+async def test_a_reader_of_an_old_version_keeps_its_inode_when_the_current_version_is_evicted(ops):
+    # the eviction of a name's current version (no handle on it) while a reader still holds
+    # an older version of the same inode: the reader's descriptor goes on like after an
+    # unlink (fstat answers, reads give its version), the name is gone
+    v1, v2 = content(8), content(9)
+    ino = await sealed_file(ops, v1)
+    r = await ops.open(ino, os.O_RDONLY, CTX)             # v1
+    w = await ops.open(ino, os.O_RDWR, CTX)
+    await ops.write(w.fh, 0, v2)
+    await ops.flush(w.fh)
+    await ops.release(w.fh)                               # v2 installed; r keeps v1
+    current = ops.cache.ns.sealed.get(ino)
+    assert current is not None and current.refs == 0
+    await ops.cache.store.evict(current)
+    assert (await ops.getattr(ino, CTX)).st_ino == ino   # not ENOENT
+    assert await read_all(ops, r.fh) == v1
+    with pytest.raises(pyfuse3.FUSEError):
+        await ops.open(ino, os.O_RDONLY, CTX)             # the name's file is gone
+    await ops.release(r.fh)
+    assert ino not in ops.cache.ns.orphans

@@ -230,10 +230,12 @@ class Worker:
         return [h for h in self.handles if h.rino == rino and h.acc == os.O_RDONLY and not h.frozen]
 
     def evicted(self, n: str) -> bool:
-        """kvfs lost closed file ``n`` (ENOENT): drop it from the reference. False if it was
-        open (then the ENOENT is a mismatch)."""
+        """kvfs lost closed file ``n`` (ENOENT): drop it from the reference. False if its
+        current version was open (then the ENOENT is a mismatch); readers frozen on an older
+        version hold that version, not the name's current one, which kvfs may evict (their
+        descriptors go on as after an unlink)."""
         rino = self.rino_of(n)
-        if rino is None or self.open_on(rino):
+        if rino is None or any(not h.frozen for h in self.open_on(rino)):
             return False
         os.unlink(self.rp(n))
         self.kino.pop(n, None)

@@ -13,6 +13,7 @@ GB/s medians (min-max) and the per-round ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -55,6 +56,24 @@ def _plain_set(d: Path, tag: str, pages: list) -> float:
     return sum(len(p) for p in pages) / (time.perf_counter() - t0) / 1e9
 
 
+def _measure(label: str, pages: list, stores: dict, plain: Path, rounds: int) -> dict[str, list[float]]:
+    """Per round, in a rotated order: each kvfs mount's ``write_many`` and the plain files."""
+    targets = ["hugefs", "dev_shm", "plain"]
+    rates: dict[str, list[float]] = {t: [] for t in targets}
+    for rnd in range(rounds):
+        for t in targets[rnd % 3:] + targets[:rnd % 3]:
+            tag = f"{label.replace(' ', '')}-r{rnd}"
+            rates[t].append(_plain_set(plain, tag, pages) if t == "plain" else _kvfs_set(stores[t], tag, pages))
+    med = {t: statistics.median(v) for t, v in rates.items()}
+    ratio = [h / s for h, s in zip(rates["hugefs"], rates["dev_shm"])]
+    print(f"{label}: " + "  ".join(f"{t} {med[t]:.2f} GB/s ({min(rates[t]):.2f}-{max(rates[t]):.2f})"
+                                   for t in targets)
+          + f"  hugefs/dev_shm {statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})"
+          + f"  hugefs/plain {med['hugefs'] / med['plain']:.2f}x  dev_shm/plain {med['dev_shm'] / med['plain']:.2f}x",
+          flush=True)
+    return rates
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pages", type=int, default=300)
@@ -69,38 +88,15 @@ def main(argv=None) -> int:
     plain.mkdir()
     res: dict = {"load": os.getloadavg(), "pages": a.pages, "rounds": a.rounds}
     try:
-        stores = {}
-        for name, m in mounts.items():
-            m.mount()
-            stores[name] = PageStore(m.path, "pages")
-            ram_dir = json.loads((m.path / ".kvfs" / "stats").read_text())["ram_dir"]
-            res[f"{name}_ram_dir"] = ram_dir
-        targets = ["hugefs", "dev_shm", "plain"]
-        for label, size in SIZES.items():
-            pages = _pages(a.pages, size)
-            rates: dict[str, list[float]] = {t: [] for t in targets}
-            for rnd in range(a.rounds):
-                for t in targets[rnd % 3:] + targets[:rnd % 3]:
-                    tag = f"{label.replace(' ', '')}-r{rnd}"
-                    rates[t].append(_plain_set(plain, tag, pages) if t == "plain"
-                                    else _kvfs_set(stores[t], tag, pages))
-            res[label] = rates
-            med = {t: statistics.median(v) for t, v in rates.items()}
-            ratio = [h / s for h, s in zip(rates["hugefs"], rates["dev_shm"])]
-            print(f"{label}: " + "  ".join(f"{t} {med[t]:.2f} GB/s ({min(rates[t]):.2f}-{max(rates[t]):.2f})"
-                                           for t in targets)
-                  + f"  hugefs/dev_shm {statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})"
-                  + f"  hugefs/plain {med['hugefs'] / med['plain']:.2f}x  dev_shm/plain {med['dev_shm'] / med['plain']:.2f}x",
-                  flush=True)
+        with contextlib.ExitStack() as stack:
+            stores = {}
+            for name, m in mounts.items():
+                stack.enter_context(m)                 # mounted now, unmounted on the way out
+                stores[name] = stack.enter_context(contextlib.closing(PageStore(m.path, "pages")))
+                res[f"{name}_ram_dir"] = json.loads((m.path / ".kvfs" / "stats").read_text())["ram_dir"]
+            for label, size in SIZES.items():
+                res[label] = _measure(label, _pages(a.pages, size), stores, plain, a.rounds)
     finally:
-        for s in stores.values():
-            s.close()
-        for m in mounts.values():
-            try:
-                if m.pid is not None:
-                    m.umount()
-            finally:
-                m.cleanup()
         shutil.rmtree(root, ignore_errors=True)
     print(f"load at start {res['load'][0]:.1f}, at end {os.getloadavg()[0]:.1f}")
     if a.json:

@@ -173,11 +173,11 @@ class FileHandles:
         return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws)), ino, rec
 
     async def open(self, ino: int, flags: int) -> int:
-        rec = self.ns.inode(ino)
-        if stat.S_ISDIR(rec["mode"]):
-            raise NamespaceError(errno.EISDIR)
         acc = flags & os.O_ACCMODE
         ws = await self._live_writer(ino, writing=acc != os.O_RDONLY)
+        rec = self.ns.inode(ino)         # after any wait: a seal may have installed a new version
+        if stat.S_ISDIR(rec["mode"]):
+            raise NamespaceError(errno.EISDIR)
         if acc != os.O_RDONLY:
             joined = ws is not None
             if not joined:
@@ -198,7 +198,6 @@ class FileHandles:
         if ws is not None:
             ws.handles += 1
             return self._new_fh(Handle(ino, ws=ws))
-        rec = self.ns.inode(ino)         # again: a seal may have installed a new version meanwhile
         obj = self.store.objs.get(rec.get("oid"))
         if obj is None:
             raise NamespaceError(errno.ENOENT)

@@ -5,11 +5,17 @@ offsets, and names them all in one request; the daemon copies them into its stor
 publishes each file as close+rename would. Two FUSE round trips per batch (write the
 request, read the answer) instead of create, write(s), flush, release and rename per file.
 
-Not thread-safe: one client per thread (its memfd is reused from batch to batch; the daemon
+A batch larger than ``2 * PIPELINE_BYTES`` goes as several requests on two descriptors of
+the control file, each with its memfd: while the daemon copies one part, this thread writes
+the next into the other memfd (a helper thread of the client waits for the answers; every
+answer is in before ``commit`` returns).
+
+Not thread-safe: one client per thread (its memfds are reused from batch to batch; the daemon
 has its own copy once ``commit`` returns).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import logging
@@ -21,6 +27,7 @@ from kvfs.kv.blockio import write_all
 log = logging.getLogger(__name__)
 
 BATCH_BYTES = 256 << 20      # a larger batch goes as several requests
+PIPELINE_BYTES = 32 << 20    # parts of a batch over twice this: copied while the last is served
 _ANSWER_CHUNK = 1 << 20
 _IOV = 1024                  # buffers per pwritev (IOV_MAX)
 
@@ -51,17 +58,18 @@ class CommitClient:
     them (ENOTCONN) instead of letting them land under the bare mount point."""
 
     def __init__(self, mount_root: str):
-        rel = os.path.join(protocol.CONTROL_NAME, protocol.COMMIT_FILE)
+        self._rel = os.path.join(protocol.CONTROL_NAME, protocol.COMMIT_FILE)
         self.root = os.open(mount_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            self.ctl = os.open(rel, os.O_RDWR | os.O_CLOEXEC, dir_fd=self.root)
+            self.ctl = os.open(self._rel, os.O_RDWR | os.O_CLOEXEC, dir_fd=self.root)
         except BaseException as e:
             os.close(self.root)
             if isinstance(e, FileNotFoundError):
-                raise CommitUnavailable(errno.ENOTSUP, f"{mount_root}/{rel} does not exist (older kvfs)") from None
+                raise CommitUnavailable(errno.ENOTSUP, f"{mount_root}/{self._rel} does not exist (older kvfs)") from None
             raise
         self.memfd = os.memfd_create("kvfs-commit", os.MFD_CLOEXEC)
-        self._size = 0
+        self._lanes = [_Lane(self.ctl, self.memfd)]
+        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
         self._mkdir = True              # the daemon makes missing directories (\0mkdir)
 
     @classmethod
@@ -73,13 +81,17 @@ class CommitClient:
             return None
 
     def close(self) -> None:
-        for fd in (self.ctl, self.memfd, self.root):
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)
+            self._waiter = None
+        for fd in [fd for lane in self._lanes[1:] for fd in (lane.ctl, lane.memfd)] + [self.ctl, self.memfd, self.root]:
             if fd >= 0:
                 try:
                     os.close(fd)        # the descriptor is closed even when this fails
                 except OSError as e:    # ENOTCONN: the mount is gone
                     log.debug("closing a commit descriptor: %s", e)
         self.ctl = self.memfd = self.root = -1
+        self._lanes = []
 
     def makedirs(self, rel: str) -> None:
         """``mkdir -p`` of ``rel`` (relative to the mount root) through the root's descriptor:
@@ -108,16 +120,44 @@ class CommitClient:
         EEXIST: ``noreplace`` and the file exists, kept as it was). ``dirmode``: missing
         directories are made by the daemon with these bits (else: ENOENT for the item).
         Raises OSError when the request as a whole failed (daemon gone, refused)."""
-        out: list[int] = []
-        start, size = 0, 0
+        parts, start, size = [], 0, 0
+        total = sum(memoryview(b).nbytes for _, bufs in items for b in bufs)
+        limit = PIPELINE_BYTES if total > 2 * PIPELINE_BYTES else BATCH_BYTES
         for i, (_, bufs) in enumerate(items):
             n = sum(memoryview(b).nbytes for b in bufs)
-            if size and size + n > BATCH_BYTES:
-                out += self._commit(base, items[start:i], mode, noreplace, dirmode)
+            if size and size + n > limit:
+                parts.append(items[start:i])
                 start, size = i, 0
             size += n
         if start < len(items):
-            out += self._commit(base, items[start:], mode, noreplace, dirmode)
+            parts.append(items[start:])
+        if len(parts) < 2:
+            return self._commit(base, items, mode, noreplace, dirmode) if items else []
+        return self._pipelined(base, parts, mode, noreplace, dirmode)
+
+    def _pipelined(self, base: str, parts: list, mode: int | None, noreplace: bool,
+                   dirmode: int | None) -> list[int]:
+        """Each part in its own request, alternating between two lanes: part k+1 is written to
+        its memfd while the daemon serves part k (its answer awaited by the helper thread)."""
+        if len(self._lanes) < 2:
+            ctl = os.open(self._rel, os.O_RDWR | os.O_CLOEXEC, dir_fd=self.root)
+            self._lanes.append(_Lane(ctl, os.memfd_create("kvfs-commit", os.MFD_CLOEXEC)))
+        if self._waiter is None:
+            self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfs-commit-answer")
+        out: list[int] = []
+        inflight: list = []         # futures of the answers, oldest first
+        try:
+            for k, part in enumerate(parts):
+                lane = self._lanes[k % 2]           # its last request's answer is in (below)
+                self._send(lane, base, part, mode, noreplace, dirmode)
+                inflight.append(self._waiter.submit(self._answer, lane, len(part)))
+                if len(inflight) == 2:
+                    out += inflight.pop(0).result()
+            while inflight:
+                out += inflight.pop(0).result()
+        finally:
+            for f in inflight:      # a failed part: the others are awaited (their memfds in use)
+                concurrent.futures.wait([f])
         return out
 
     def commit_into(self, base: str, items: list[tuple[str, list]], noreplace: bool = False) -> list[int]:
@@ -143,6 +183,13 @@ class CommitClient:
 
     def _commit(self, base: str, items: list[tuple[str, list]], mode: int | None, noreplace: bool,
                 dirmode: int | None = None) -> list[int]:
+        lane = self._lanes[0]
+        self._send(lane, base, items, mode, noreplace, dirmode)
+        return self._answer(lane, len(items))
+
+    def _send(self, lane: "_Lane", base: str, items: list[tuple[str, list]], mode: int | None,
+              noreplace: bool, dirmode: int | None) -> None:
+        """Copy the items' bytes into the lane's memfd, back to back, and write the request."""
         entries, views, off = [], [], 0
         for name, bufs in items:
             vs = _views(bufs)
@@ -150,36 +197,40 @@ class CommitClient:
             entries.append((off, n, name))
             views += vs
             off += n
-        if off > self._size:
-            os.ftruncate(self.memfd, off)
-            self._size = off
+        if off > lane.size:
+            os.ftruncate(lane.memfd, off)
+            lane.size = off
         at = 0
         for k in range(0, len(views), _IOV):        # the entries lie back to back: few pwritev
-            at += write_all(self.memfd, views[k:k + _IOV], at)
-        req = protocol.commit_request(base, self.memfd, entries, mode, noreplace, dirmode)
-        self._send(req)
-        answer = self._receive()
-        try:
-            results = json.loads(answer)["results"]
-        except (ValueError, KeyError, TypeError):
-            raise OSError(errno.EPROTO, f"bad commit answer {answer[:200]!r}") from None
-        if len(results) != len(items) or not all(isinstance(r, int) for r in results):
-            raise OSError(errno.EPROTO, "commit answer does not match the request")
-        return results
-
-    def _send(self, req: bytes) -> None:
+            at += write_all(lane.memfd, views[k:k + _IOV], at)
+        req = protocol.commit_request(base, lane.memfd, entries, mode, noreplace, dirmode)
         done = 0
         while done < len(req):
-            done += os.pwrite(self.ctl, req[done:done + (1 << 20)], done)
+            done += os.pwrite(lane.ctl, req[done:done + (1 << 20)], done)
 
-    def _receive(self) -> bytes:
+    def _answer(self, lane: "_Lane", count: int) -> list[int]:
+        """Read the answer to the lane's request (the daemon serves it now): one errno per item."""
         parts, off = [], 0
         while True:
-            b = os.pread(self.ctl, _ANSWER_CHUNK, off)
+            b = os.pread(lane.ctl, _ANSWER_CHUNK, off)
             if not b:
                 break
             parts.append(b)
             off += len(b)
             if b.endswith(b"\n"):
                 break
-        return b"".join(parts)
+        answer = b"".join(parts)
+        try:
+            results = json.loads(answer)["results"]
+        except (ValueError, KeyError, TypeError):
+            raise OSError(errno.EPROTO, f"bad commit answer {answer[:200]!r}") from None
+        if len(results) != count or not all(isinstance(r, int) for r in results):
+            raise OSError(errno.EPROTO, "commit answer does not match the request")
+        return results
+
+
+class _Lane:
+    """A descriptor of the control file and the memfd its requests name."""
+
+    def __init__(self, ctl: int, memfd: int):
+        self.ctl, self.memfd, self.size = ctl, memfd, 0

@@ -45,6 +45,7 @@ import trio
 
 from kvfs.errors import NamespaceError
 from kvfs.protocol import CONTROL_NAME_B
+from kvfs.store import checksum
 from kvfs.store.cred import Cred
 from kvfs.store.index import ROOT_INO
 from kvfs.store.sniff import peek_block_header
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 TMP_PREFIX = b".kvfs-commit."
 NAME_MAX = 255
 _COPY_CHUNK = 64 << 20
+_PIECE = 256 << 10         # a checksummed copy's piece: read, summed and written while in cache
 GROUP_BYTES = 64 << 20     # entries whose copies go in one worker-thread call ...
 GROUP_ENTRIES = 32         # ... at most (the RAM tier keeps 64 spare staging files: more
                            # buffers at once would create and unlink files)
@@ -211,6 +213,31 @@ def _copy(src: int, dst: int, offset: int, length: int) -> int:
     return done
 
 
+_piece = threading.local()
+
+
+def _copy_summed(src: int, dst: int, offset: int, length: int, chunk: int) -> tuple[int, tuple]:
+    """:func:`_copy` that also checksums what it copies, in one pass: each piece is read into
+    this thread's buffer, summed while it is in the CPU cache, and written from that same
+    buffer, so the sums are of exactly the bytes stored (the caller may change its source
+    meanwhile). Returns (bytes copied, ``checksum.summarize`` of them)."""
+    buf = getattr(_piece, "buf", None)
+    if buf is None:
+        buf = _piece.buf = memoryview(bytearray(_PIECE))
+    summer = checksum.Summer(chunk)
+    done = 0
+    while done < length:
+        n = os.preadv(src, [buf[:min(_PIECE, length - done)]], offset + done)
+        if n == 0:
+            break
+        summer.update(buf[:n])
+        w = 0
+        while w < n:
+            w += os.pwrite(dst, buf[w:n], done + w)
+        done += n
+    return done, summer.result()
+
+
 class Commits:
     """``Cache``'s batched commit (see the module docstring)."""
 
@@ -312,7 +339,11 @@ class Commits:
                     raise
                 except Exception as exc:        # noqa: BLE001 -- each entry fails on its own
                     made.append(exc)
-            jobs = [(m.entry.src, self._copy_target(m), m.entry.offset, m.entry.length)
+            # checksummed by the copy where nobody else can reach the buffer before its seal
+            # (published directly); a temp file is sealed, and summed, as any close would
+            chunk = self.store.chunk_size
+            jobs = [(m.entry.src, self._copy_target(m), m.entry.offset, m.entry.length,
+                     chunk if m.fh is None else None)
                     for m in made if isinstance(m, _Pending) and m.entry.length]
         except BaseException:               # cancelled, or a buffer that could not be mapped
             for m in made:
@@ -397,9 +428,10 @@ class Commits:
         their bytes through a write handle (then: temp file, seal, rename)."""
         return quotas is None or not quotas.limits
 
-    async def _publish(self, m: "_Pending", noreplace: bool) -> tuple[int, bytes]:
+    async def _publish(self, m: "_Pending", noreplace: bool, summary: tuple | None = None) -> tuple[int, bytes]:
         """Seal the entry's buffer into an object and install it under its final name in one
-        index transaction (Namespace.publish): no temp inode, no rename, one group commit."""
+        index transaction (Namespace.publish): no temp inode, no rename, one group commit.
+        ``summary``: the buffer's checksums, taken by the copy that filled it."""
         staging, m.staging = m.staging, None
         ram = self.store.ram
         if ram.used > ram.capacity and not staging.spilled:     # as a write would (_written)
@@ -411,7 +443,7 @@ class Commits:
         try:
             kv = await peek_block_header(staging)
             key = self.ns.path_of(m.parent).rstrip("/") + "/" + m.name.decode("utf-8", "surrogateescape")
-            obj = await self.store.create(self.index.new_id(b"ino"), staging, key, 1)
+            obj = await self.store.create(self.index.new_id(b"ino"), staging, key, 1, summary)
         finally:
             staging.discard()               # what the object did not adopt
         kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")} if kv else None
@@ -446,6 +478,9 @@ class Commits:
         """Account the copied bytes, seal as the last close would, rename over the name."""
         if isinstance(got, BaseException):
             raise got
+        summary = None
+        if isinstance(got, tuple):          # the copy's checksums of what it stored
+            got, summary = got
         staging = m.staging
         if isinstance(got, bytes):          # a small buffer kept in memory
             await staging.write(0, got)
@@ -455,7 +490,7 @@ class Commits:
         if got != m.entry.length:
             raise _err(errno.EINVAL, f"the source holds {got} of the {m.entry.length} bytes named")
         if m.fh is None:
-            return await self._publish(m, noreplace)
+            return await self._publish(m, noreplace, summary)
         await self._written(self.handles[m.fh].ws, staging)
         await self.flush(m.fh)              # the seal: as the last close would
         await self.release(m.fh)
@@ -538,13 +573,20 @@ async def _copied(box: dict) -> list:
     return box["copied"]
 
 
-def _copy_all(jobs: list[tuple[int, int | None, int, int]]) -> list:
-    """Each ``(src, dst, offset, length)`` copied (worker thread): bytes copied, the bytes
-    read when ``dst`` is None, or the error."""
+def _copy_all(jobs: list[tuple[int, int | None, int, int, int | None]]) -> list:
+    """Each ``(src, dst, offset, length, chunk)`` copied (worker thread): bytes copied, the
+    bytes read when ``dst`` is None, or the error; with a ``chunk`` size, a pair of that and
+    the checksums of the copy (``checksum.summarize``), taken while the bytes are in cache."""
     out: list = []
-    for src, dst, off, n in jobs:
+    for src, dst, off, n, chunk in jobs:
         try:
-            out.append(_read(src, off, n) if dst is None else _copy(src, dst, off, n))
+            if dst is None:
+                data = _read(src, off, n)
+                out.append(data if chunk is None else (data, checksum.summarize(memoryview(data), chunk)))
+            elif chunk is None:
+                out.append(_copy(src, dst, off, n))
+            else:
+                out.append(_copy_summed(src, dst, off, n, chunk))
         except OSError as e:
             out.append(e)
     return out

@@ -209,15 +209,36 @@ class ObjectStore(Policy, Moves):
             self.lru[name].add(obj)
 
     # ---- creating and dropping ----------------------------------------------
-    async def create(self, ino: int, staging: Staging, key: str, gen: int) -> Obj:
+    async def create(self, ino: int, staging: Staging, key: str, gen: int, summary: tuple | None = None) -> Obj:
         """Seal a write buffer into a new object placed on the highest tier with room.
 
+        ``summary``: ``checksum.summarize`` of the buffer, when the daemon took it while
+        filling the buffer (kvfs.store.commit) and nothing could change the buffer since.
         The caller records it in the index (``obj.record()``) in the same
         transaction that points the inode at it.
         """
         size = staging.size
+        if summary is not None and not staging.spilled:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            obj = Obj(self.index.new_id(b"oid"), size, summary[0], self.chunk_size, summary[1], {}, ino, key, gen,
+                      atime=time.time())
+        else:
+            obj = await self._summed(ino, staging, key, gen, summary)
+        if size and not staging.spilled:
+            obj.place[self.ram.name] = self.ram.adopt(obj.info(), staging)
+            self.counters[self.ram.name].bytes_written += size
+        self._adopt(obj)
+        self.kick()
+        return obj
+
+    async def _summed(self, ino: int, staging: Staging, key: str, gen: int, summary: tuple | None) -> Obj:
+        """The new object of ``staging``, checksummed here unless ``summary`` (a spilled buffer
+        is also put on the tier it spilled to, from the same view)."""
+        size = staging.size
         with staging.mapped() as view:
-            if size <= INLINE_HASH and not staging.spilled:    # a thread hop costs more than this hash
+            if summary is not None:
+                whole, sums = summary
+            elif size <= INLINE_HASH and not staging.spilled:    # a thread hop costs more than this hash
                 # a cancellation point only: a full checkpoint (a pass of trio's scheduler and
                 # an epoll_wait) cost 14-23 us here, more than hashing 32 KiB
                 await trio.lowlevel.checkpoint_if_cancelled()
@@ -230,11 +251,6 @@ class ObjectStore(Policy, Moves):
                 tier = await self._room_below(0, size)
                 obj.place[tier.name] = await self._put(self.tiers.index(tier), obj, view)
                 self.counters[tier.name].bytes_written += size
-        if size and not staging.spilled:
-            obj.place[self.ram.name] = self.ram.adopt(obj.info(), staging)
-            self.counters[self.ram.name].bytes_written += size
-        self._adopt(obj)
-        self.kick()
         return obj
 
     async def _room_below(self, above: int, size: int) -> Tier:

@@ -34,10 +34,10 @@ import threading
 import time
 
 from kvfs.kv.block import ChecksumMismatch
-from kvfs.kv.commit import CommitClient
 from kvfs.kv.getbatch import EBADMSG, GetClient
-from kvfs.kv.blockio import Backing, LeaseClient, VerifiedObjects, preadv_full, write_all
+from kvfs.kv.blockio import Backing, LeaseClient, VerifiedObjects, preadv_full
 from kvfs.integrations.leased import Ahead, ahead_of, read_leased
+from kvfs.integrations.pagewrite import PageWrites
 from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_under
 from kvfs.kv.names import REVALIDATE, NameView
 from kvfs.integrations.pagetypes import (PIECE, Counters, LeaseHold, NotOnKvfs, PageSizeError,  # noqa: F401
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 _LOG_EVERY = 30.0          # seconds between repeated warnings of one kind
 
 
-class PageStore:
+class PageStore(PageWrites):
     """Raw page files in ``<root>/<subdir>`` (``root`` inside a kvfs mount)."""
 
     def __init__(self, root: str | os.PathLike, subdir: str = "", *, require_kvfs: bool = True,
@@ -204,9 +204,14 @@ class PageStore:
         if not names:
             return 0
         probed = self._names
-        if self._table_absent(names[0]):       # no round trip, no lock
+        k = self._table_prefix(names)          # no round trip, no lock
+        if k == 0:
             self._counts.add(lookups=1, lookup_misses=len(names), table_misses=1)
             return 0
+        if k is not None:
+            self._counts.add(lookups=1, lookup_hits=k, lookup_misses=len(names) - k, table_hits=k,
+                             table_misses=int(k < len(names)))
+            return k
         try:
             with self._call():
                 k = self._prefix(names, probed)
@@ -225,6 +230,25 @@ class PageStore:
             if len(names) == 1:
                 return 1
         return lk.prefix_rel(names)
+
+    def _table_prefix(self, names: list[str]) -> int | None:
+        """How many leading ``names`` the name table lists (it answers as a lookup would, but
+        from shared memory: a page it lists that is removed meanwhile is a miss of the read
+        that follows, as after any lookup); None: it cannot tell for one of them (no table,
+        a daemon that stopped answering, an inode due for its ``stat``): ask the daemon."""
+        view = self._names
+        if view is None or (self._inflight and self._stalled()):
+            return None
+        for i, name in enumerate(names):
+            st = view.state_in(self.dir, name)
+            if st is not True:
+                return None if st is None else i
+        try:        # "present" only while the directory is on this mount (not lazily unmounted)
+            if self._dir_stat(self.dir).st_dev != self._dev:
+                return None
+        except OSError:
+            return None
+        return len(names)
 
     def _table_absent(self, name: str) -> bool:
         """The name table says page ``name`` is absent. No system call in the steady state: the
@@ -479,99 +503,6 @@ class PageStore:
         return size
 
     # -- writes ---------------------------------------------------------------------------
-    def write_many(self, names: list[str], bufs_of) -> list[bool]:
-        """Store pages ``names`` (``bufs_of(i)``: page i's buffers), skipping the leading ones
-        present; the rest by commit or through the mount. True per page stored or present."""
-        n = len(names)
-        if not n:
-            return []
-        ok = [False] * n
-        present = self.prefix(names)
-        written = nbytes = failed = 0
-        for i in range(present):
-            ok[i] = True
-        todo = list(range(present, n))
-        memo: dict[int, list] = {}
-
-        def bufs_at(i: int) -> list:
-            if i not in memo:
-                memo[i] = bufs_of(i)
-            return memo[i]
-        try:
-            with self._call() as progress:
-                todo = self._commit(names, bufs_at, todo, ok)
-                for i in todo:
-                    self._write(names[i], bufs_at(i))
-                    ok[i] = True
-                    progress()
-        except Exception as e:         # noqa: BLE001 -- a failed store is reported, not raised
-            self._failed("write", e, sum(1 for i in range(present, n) if not ok[i]))
-        for i in range(present, n):
-            if ok[i]:
-                written += 1
-                nbytes += sum(memoryview(b).nbytes for b in bufs_at(i))
-            else:
-                failed += 1
-        self._count(sets=n, written=written, skipped=present, set_failures=failed, bytes_written=nbytes)
-        return ok
-
-    def _commit(self, names: list[str], bufs_of, todo: list[int], ok: list[bool]) -> list[int]:
-        """Publish pages ``todo`` by commit (this thread's client); returns those left for the mount."""
-        st = self._local
-        if not todo or not self._connect().one_call or not self.use_commit:
-            return todo
-        if getattr(st, "commit_epoch", -1) != self._epoch:
-            st.committer, st.commit_epoch = CommitClient.open(self._mount_root), self._epoch
-            if st.committer is not None:
-                with self._lock:
-                    self._leases.append(st.committer)     # closed with the lease descriptors
-        if st.committer is None:
-            return todo
-        try:
-            results = st.committer.commit_into(os.path.relpath(self.dir, self._mount_root),
-                                                 [(names[i], bufs_of(i)) for i in todo], noreplace=True)
-        except OSError as e:
-            if e.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.ENODEV):
-                raise                       # the daemon is gone: these pages fail
-            log.warning("kvfs commit refused (%s): %s writes through the mount from now on", e, self.dir)
-            self.use_commit = False
-            return todo
-        left = []
-        for i, r in zip(todo, results):
-            if r in (0, errno.EEXIST):      # stored, or present already (a page never changes)
-                ok[i] = True
-            else:
-                self._count(commit_refused=1)
-                log.debug("commit of %s refused (%s): through the mount", names[i], os.strerror(r))
-                left.append(i)
-        return left
-
-    def _write(self, name: str, bufs: list) -> int:
-        if self.require_kvfs:
-            self._connect()             # never write under an unmounted mount point
-        final = os.path.join(self.dir, name)
-        sub, base = os.path.split(final)
-        tmp = os.path.join(sub, f".{base}.{os.urandom(6).hex()}.tmp")
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileNotFoundError:
-            if sub == self.dir:
-                raise
-            self.makedirs(sub)                # names with subdirectories (vLLM's fs layout)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            total = write_all(fd, bufs)
-            os.close(fd)
-            fd = -1
-            os.rename(tmp, final)
-        except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return total
-
     # -- maintenance ----------------------------------------------------------------------
     def remove_all(self) -> int:
         """Delete every page file of this directory; returns how many."""

@@ -46,6 +46,7 @@ class PageStoreStats:
     batch_reads: int = 0     # pages without a fast path read by one .kvfs/get per batch
     table_misses: int = 0    # misses the name table answered (kvfs.kv.names: no round trip)
     table_stats: int = 0     # stats of a directory for the table (0 per miss once its inode is cached)
+    table_hits: int = 0      # pages the name table listed (existence answered with no round trip)
 
 
 @dataclasses.dataclass

@@ -106,15 +106,22 @@ class NameView:
         """True: the entry ``name`` of directory ``parent_ino`` does not exist (now). False:
         ask the filesystem. Never raises. ``nonblocking``: nothing that may wait on the daemon
         (a table not discovered yet: False)."""
+        return self.state(parent_ino, name, nonblocking) is False
+
+    def state(self, parent_ino: int, name: bytes, nonblocking: bool = False) -> bool | None:
+        """What the table says of the entry ``name`` of ``parent_ino``: False absent (then it
+        is), True listed (it exists, unless a removal is being applied or two names share a
+        hash: a reader of it must still treat ENOENT as a miss), None not known (ask the
+        filesystem). Never raises."""
         if self._off:
-            return False
+            return None
         try:
-            return self._absent(names_hash(parent_ino, name), nonblocking)
+            return self._probe(names_hash(parent_ino, name), nonblocking)
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.info("name table of %s not usable (%s: %s): using lookups", self.mount_root, type(e).__name__, e)
             self._off = True
             self._close_map()
-            return False
+            return None
 
     def absent_in(self, directory: str, name: str, parent: int | None = None, nonblocking: bool = False) -> bool:
         """``absent`` for the file ``name`` under ``directory`` (a path inside the mount; its
@@ -123,29 +130,34 @@ class NameView:
         inodes of the directories come from the cache the table vouches for, else ``stat``
         (``nonblocking``: no ``stat``, nothing else that may wait on the daemon: an inode not
         cached or due for its ``stat``, or a table not discovered yet, answers False)."""
+        return self.state_in(directory, name, parent, nonblocking) is False
+
+    def state_in(self, directory: str, name: str, parent: int | None = None,
+                 nonblocking: bool = False) -> bool | None:
+        """``state`` of the file ``name`` under ``directory`` (see :meth:`absent_in`): False
+        absent, True listed (with every directory on the way), None not known."""
         if self._off:
-            return False
+            return None
         mark = self._mark()
         nb = nonblocking
         try:
-            if "/" not in name:             # the common case: one probe
-                if parent is None:
-                    parent = self._ino(directory, mark, nb)
-                return self.absent(parent, name.encode("utf-8", "surrogateescape"), nb) and self._held(mark)
-            parts = name.split("/")
-            path = directory
             if parent is None:
-                parent = self._ino(path, mark, nb)
-            for part in parts[:-1]:
-                if not part or part == "." or part == "..":
-                    return False        # not a plain relative path: ask the filesystem
-                if self.absent(parent, os.fsencode(part), nb):
-                    return self._held(mark)
-                path = os.path.join(path, part)
-                parent = self._ino(path, mark, nb)
+                parent = self._ino(directory, mark, nb)
+            if "/" in name:
+                path = directory
+                *dirs, name = name.split("/")
+                for part in dirs:
+                    if not part or part == "." or part == "..":
+                        return None     # not a plain relative path: ask the filesystem
+                    st = self.state(parent, os.fsencode(part), nb)
+                    if st is not True:
+                        return st if st is None or self._held(mark) else None
+                    path = os.path.join(path, part)
+                    parent = self._ino(path, mark, nb)
+            st = self.state(parent, name.encode("utf-8", "surrogateescape"), nb)
         except OSError:
-            return False                # the ordinary path answers (and counts) it
-        return self.absent(parent, os.fsencode(parts[-1]), nb) and self._held(mark)
+            return None                 # the ordinary path answers (and counts) it
+        return st if st is None or self._held(mark) else None
 
     def _mark(self) -> int | None:
         """H_DIRS now if the table vouches for cached inodes (mapped, version 2), else None."""
@@ -182,20 +194,21 @@ class NameView:
             self._inos[path] = (st.st_ino, mark, now)
         return st.st_ino
 
-    def _absent(self, h: int, nonblocking: bool = False) -> bool:
+    def _probe(self, h: int, nonblocking: bool = False) -> bool | None:
+        """Is hash ``h`` in the table (True), not in it (False), or not known (None)?"""
         for _ in range(_REMAPS):
             w = self._w
             if w is None:
                 if self.path is None:
                     if nonblocking or time.monotonic() < self._retry_at:    # _discover reads .kvfs
-                        return False
+                        return None
                     if not self._discover():    # none yet (built after the mount): ask later
                         self._retry_at = time.monotonic() + RETRY
-                        return False
+                        return None
                 w = self._open()
                 if w is None:
                     self._off = True
-                    return False
+                    return None
             gen = w[H_GENERATION]
             if gen != NAMES_STALE:
                 mask = w[H_CAPACITY] - 1
@@ -206,9 +219,9 @@ class NameView:
                         break
                     i = (i + 1) & mask
                 if w[H_GENERATION] == gen and (v == h or v == NAMES_EMPTY):
-                    return v != h
+                    return v == h
             self._close_map()           # replaced (grown) while we looked: map the new one
-        return False
+        return None
 
     def reset(self) -> None:
         """Forget the table (the mount may have changed): the next call discovers it again."""

@@ -260,7 +260,8 @@ def test_stopped_daemon_times_out_to_misses(sg, kvfs_mount, opened):
     blocked: dict = {}
     os.kill(m.pid, signal.SIGSTOP)
     try:
-        t = threading.Thread(target=lambda: blocked.setdefault("hits", backend.batch_exists(keys)))
+        # a read asks the daemon (a hit's existence is answered from the name table)
+        t = threading.Thread(target=lambda: blocked.setdefault("hits", ctl.prefetch("r0", keys, _indices(pool, 2, 2))))
         t.start()
         wait_for(lambda: any(time.monotonic() - t0 > 0.2 for t0 in list(store._inflight.values())), 60,
                  "a request to wait past the stall timeout")

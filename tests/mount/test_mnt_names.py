@@ -144,6 +144,33 @@ def test_page_store_misses_from_the_table_across_restarts(kvfs_mount):
     store.close()
 
 
+def test_page_store_hits_from_the_table_and_what_goes_is_no_longer_one(kvfs_mount):
+    """Pages the table lists are counted present with no lookup request (one stat of the page
+    directory per call, which a lazy unmount would fail); a page unlinked, or evicted, ends
+    the prefix at once."""
+    m = kvfs_mount(ram="8MiB", nvme_size="8MiB")
+    table_ready(m)
+    store = PageStore(m.path, "pages")
+    names = [f"p{i:02d}" for i in range(20)]
+    page = content("page", 64 << 10)
+    assert store.write_many(names, lambda i: [page]) == [True] * 20
+    assert store.prefix(names) == 20
+    before = store.statistics()
+    assert store.prefix(names) == 20 and store.prefix(names[:3]) == 3
+    after = store.statistics()
+    assert after.table_hits - before.table_hits == 23 and after.lookup_hits - before.lookup_hits == 23
+    os.unlink(m.path / "pages" / "p05")
+    assert store.prefix(names) == 5
+    # fill the cache past its size: the oldest pages are evicted, and are then misses
+    more = [f"q{i:03d}" for i in range(400)]
+    assert all(store.write_many(more, lambda i: [page]))
+    settled(m)
+    gone = [n for n in names[:5] if not opens(m.path / "pages" / n)]
+    assert gone, "nothing was evicted"
+    assert store.prefix(names[:5]) == names[:5].index(gone[0])
+    store.close()
+
+
 def test_missing_subdirectories_are_absent_without_a_lookup(kvfs_mount):
     """vLLM's names (``abc/de_g0/<hash>.bin``): a new hash's subdirectory is usually missing
     too; the table answers for it (the kernel never sees a LOOKUP of it)."""

@@ -199,12 +199,17 @@ class PageStore(PageWrites):
         return self._counts.snapshot()
 
     # -- existence ------------------------------------------------------------------------
-    def prefix(self, names: list[str]) -> int:
-        """How many leading ``names`` exist as page files (0 on any failure)."""
+    def prefix(self, names: list[str], table_hits: bool = True) -> int:
+        """How many leading ``names`` exist as page files (0 on any failure). ``table_hits``
+        False: pages the name table lists are still confirmed by one lookup request (its wait
+        holds no GIL; probing many names holds it, against a scheduler thread that needs it)."""
         if not names:
             return 0
         probed = self._names
-        k = self._table_prefix(names)          # no round trip, no lock
+        if table_hits:                          # no round trip, no lock
+            k = self._table_prefix(names)
+        else:
+            k = 0 if self._table_absent(names[0]) else None
         if k == 0:
             self._counts.add(lookups=1, lookup_misses=len(names), table_misses=1)
             return 0

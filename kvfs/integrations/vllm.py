@@ -83,7 +83,9 @@ class _KvfsLookup(AsyncLookupManager):
         return states is None or key not in states
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
-        k = self._tier.store.prefix([self._tier.name(key) for key in keys])
+        # one lookup request: its wait releases the GIL that vLLM's scheduler thread needs
+        # (probing the name table for every key would hold it for the whole batch)
+        k = self._tier.store.prefix([self._tier.name(key) for key in keys], table_hits=False)
         return [i < k for i in range(len(keys))]
 
 

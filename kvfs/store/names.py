@@ -12,8 +12,8 @@ Ordering is what makes "absent" safe: every index transaction's changes pass thr
 become visible to lookups and removes the entries it deletes *after*. A name absent from the
 table is therefore absent from the namespace at that instant. "Present" may be stale (a
 removal not yet applied, a hash collision, a transaction that failed after the add): the
-client confirms it by the ordinary lookup, so a false "present" costs a round trip, never a
-wrong answer. Two distinct live entries with one 64-bit hash (chance ~n²/2^65) would let the
+client confirms it by the ordinary lookup, or reads the entry by name afterwards and takes
+one that is not there as a miss (kvfs.integrations.pages): never a wrong answer. Two distinct live entries with one 64-bit hash (chance ~n²/2^65) would let the
 removal of one hide the other: a false miss (the runtime recomputes), not a wrong read.
 
 Growing (or clearing tombstones) writes a new file, renames it over the old name, and only

@@ -380,7 +380,7 @@ class FileHandles:
         t0 = time.perf_counter()
         try:
             kv = await peek_block_header(staging)
-            key = self.ns.path_of(ws.ino)
+            key, renames = self.ns.path_of(ws.ino), self.ns.renames
             obj = await self.store.create(ws.ino, staging, key, rec.get("gen", 0) + 1)
             ws.staging = None
             staging.discard()                # what adopt did not take (a spilled file, empty)
@@ -394,13 +394,14 @@ class FileHandles:
                 return
             obj.refs += 1
             prev, ws.base = ws.base, obj     # before any wait: readers of the state read obj now
-            if self.on_renamed is not None and self.ns.path_of(ws.ino) != key:
+            path = key if self.ns.renames == renames else self.ns.path_of(ws.ino)
+            if self.on_renamed is not None and path != key:
                 # renamed while sealing (a rename does not wait for the seal): a copy already on
                 # a shared volume was published under the old name
                 now = self.index.get_inode(ws.ino)
                 if now is not None:
                     await self.on_renamed(now["parent"], now["name"])
-            path = self.ns.path_of(ws.ino)
+                path = self.ns.path_of(ws.ino)
             if old is not None:
                 self.telemetry.events.emit("removed", old, None, path=path, kv=rec.get("kv"))
                 await self.store.release_space(old)

@@ -348,61 +348,11 @@ class Index:
         return rec
 
     def lookup(self, parent: int, name: bytes) -> int | None:
+        names = self.names
+        if names is not None and names.absent(parent, name):    # no LMDB read for a miss
+            return None
         raw = self._get(DIRENTS, k64(parent) + name)
         return _U64x2.unpack(raw)[0] if raw is not None else None
-
-    def resolve_prefix(self, base: list[bytes], paths: list[bytes], sealed: dict) -> list:
-        """Resolve ``paths`` (``/``-separated, relative to the directory ``base``, a list of
-        components from the root) in order, in one read txn, and map each inode through
-        ``sealed`` (ino -> object) until the first that is missing, not in ``sealed``, or
-        whose object is ``dead``. Returns the objects of the leading paths.
-
-        Directories met on the way are resolved once per call (chains of KV blocks share a
-        namespace directory and 256 shard directories).
-        """
-        out: list = []
-        dirs: dict[bytes, int | None] = {}
-        self.commit()
-        with self.env.begin() as txn:
-            get = txn.get
-            ino: int | None = ROOT_INO
-            for c in base:
-                raw = get(k64(ino) + c, db=self.dirents)
-                if raw is None:
-                    return out
-                ino = _U64x2.unpack(raw)[0]
-            base_key = k64(ino)
-            dirents = self.dirents
-            unpack = _U64.unpack_from
-            for p in paths:
-                cut = p.rfind(b"/")
-                if cut < 0:
-                    parent_key, name = base_key, p
-                else:
-                    d = p[:cut]
-                    parent_key = dirs.get(d, b"")
-                    if parent_key == b"":
-                        parent_key = base_key
-                        for c in d.split(b"/"):
-                            if not c or c == b".":
-                                continue
-                            raw = get(parent_key + c, None, dirents)
-                            if raw is None:
-                                parent_key = None
-                                break
-                            parent_key = raw[:8]
-                        dirs[d] = parent_key
-                    if parent_key is None:
-                        break
-                    name = p[cut + 1:]
-                raw = get(parent_key + name, None, dirents)
-                if raw is None:
-                    break
-                v = sealed.get(unpack(raw)[0])
-                if v is None or v.dead:
-                    break
-                out.append(v)
-        return out
 
     def readdir(self, parent: int, after_eid: int) -> Iterator[tuple[int, bytes, int]]:
         """Yield (eid, name, child ino) in eid order, starting after ``after_eid``."""
@@ -533,13 +483,25 @@ class Txn:
         if not self.dirs and self.ix.names is not None:
             self.dirs = (rec := self._rec(ino, k64(ino))) is None or rec["mode"] & 0o170000 != 0o100000
 
+    def _dirent(self, parent: int, name: bytes) -> bytes | None:
+        """The entry as this operation sees it; the name table answers a name absent from it
+        and from this operation's own changes (those join the table when the operation ends)."""
+        key = k64(parent) + name
+        v = self.w.get((DIRENTS, key), _MISS)
+        if v is not _MISS:
+            return None if v is _DEL else v
+        names = self.ix.names
+        if names is not None and names.absent(parent, name):
+            return None
+        return self.ix._get(DIRENTS, key)
+
     def lookup(self, parent: int, name: bytes) -> int | None:
-        raw = self._get(DIRENTS, k64(parent) + name)
+        raw = self._dirent(parent, name)
         return _U64x2.unpack(raw)[0] if raw is not None else None
 
     def link(self, parent: int, name: bytes, child: int, new: bool = False) -> None:
         p = k64(parent)
-        old = None if new else self._get(DIRENTS, p + name)    # new: the caller knows it is free
+        old = None if new else self._dirent(parent, name)    # new: the caller knows it is free
         if old is not None:
             was, oeid = _U64x2.unpack(old)
             if was != child:

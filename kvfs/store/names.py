@@ -103,6 +103,17 @@ class _Mapped:
         self.live += 1
         w[H_LIVE] = self.live
 
+    def has(self, h: int) -> bool:
+        w, mask = self.words, self.mask
+        i = h & mask
+        while True:
+            v = w[NAMES_HEADER + i]
+            if v == h:
+                return True
+            if v == NAMES_EMPTY:
+                return False
+            i = (i + 1) & mask
+
     def remove(self, h: int) -> None:
         w, mask = self.words, self.mask
         i = h & mask
@@ -174,6 +185,12 @@ class NameTable:
         if self.t is not None and self._gone is not None:
             self._gone = None
             log.info("name table %s: %d names, %d slots", self.path, self.t.live, self.t.capacity)
+
+    def absent(self, parent: int, name: bytes) -> bool:
+        """True: directory ``parent`` has no entry ``name`` (exact, as for readers: an entry is
+        added before it is visible); False: it may have one, or there is no complete table."""
+        t = self.t
+        return t is not None and self._gone is None and not t.has(names_hash(parent, name))
 
     @property
     def building(self) -> bool:

@@ -71,6 +71,9 @@ class Namespace:
         # sealed file?" without reading and unpickling inode records (batched prefix lookups)
         self.sealed = SealedMap(self)
         self.orphans: dict[int, dict] = {}      # unlinked inodes still open
+        self.renames = 0        # renames so far: a path taken before an await holds if unchanged
+        self.dir_renames = 0    # renames of directories: what top_of remembers holds if unchanged
+        self._tops: dict[int, tuple[int, str]] = {}
         self.is_open: Callable[[int], bool] = lambda ino: False     # set by the cache
         # regular files made in this session and not sealed yet (dropped at a clean unmount,
         # as recovery would drop them: the next mount need not look for them)
@@ -204,8 +207,15 @@ class Namespace:
     def top_of(self, ino: int) -> str:
         """The namespace of what lies in directory ``ino``: its top-level directory's name
         (``/`` for the root; what kvfs.telemetry.namespace_of gives for a path under it)."""
+        hit = self._tops.get(ino)           # ids are never reused: only a directory rename moves it
+        if hit is not None and hit[0] == self.dir_renames:
+            return hit[1]
         names = self._names_up(ino)
-        return names[-1].decode("utf-8", "surrogateescape") if names else "/"
+        top = names[-1].decode("utf-8", "surrogateescape") if names else "/"
+        if len(self._tops) >= 4096:
+            self._tops.clear()
+        self._tops[ino] = (self.dir_renames, top)
+        return top
 
     def path_of(self, ino: int) -> str:
         return "/" + "/".join(n.decode("utf-8", "surrogateescape") for n in reversed(self._names_up(ino)))
@@ -304,6 +314,7 @@ class Namespace:
         if new_parent == ROOT_INO and new == CONTROL_NAME:
             raise _err(errno.EPERM)
         dropped = None
+        self.renames += 1
         with self.index.write() as txn:
             ino = txn.lookup(old_parent, old)
             if ino is None:
@@ -315,6 +326,7 @@ class Namespace:
             if not stat.S_ISDIR(prec["mode"]):
                 raise _err(errno.ENOTDIR)
             if stat.S_ISDIR(rec["mode"]):
+                self.dir_renames += 1
                 p = new_parent
                 while True:                  # no moving a directory under itself
                     if p == ino:

@@ -103,30 +103,28 @@ class _Mapped:
         self.live += 1
         w[H_LIVE] = self.live
 
-    def has(self, h: int) -> bool:
+    def _find(self, h: int) -> int:
+        """The slot holding ``h``, or -1."""
         w, mask = self.words, self.mask
         i = h & mask
         while True:
             v = w[NAMES_HEADER + i]
             if v == h:
-                return True
+                return i
             if v == NAMES_EMPTY:
-                return False
+                return -1
             i = (i + 1) & mask
 
+    def has(self, h: int) -> bool:
+        return self._find(h) >= 0
+
     def remove(self, h: int) -> None:
-        w, mask = self.words, self.mask
-        i = h & mask
-        while True:
-            v = w[NAMES_HEADER + i]
-            if v == h:
-                w[NAMES_HEADER + i] = NAMES_TOMB
-                self.live -= 1
-                w[H_LIVE] = self.live
-                return
-            if v == NAMES_EMPTY:
-                return
-            i = (i + 1) & mask
+        i = self._find(h)
+        if i >= 0:
+            w = self.words
+            w[NAMES_HEADER + i] = NAMES_TOMB
+            self.live -= 1
+            w[H_LIVE] = self.live
 
     def values(self):
         w = self.words

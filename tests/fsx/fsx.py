@@ -240,6 +240,8 @@ class Worker:
         os.unlink(self.rp(n))
         self.kino.pop(n, None)
         self.counts["evicted"] += 1
+        if self.cfg.history:
+            self.trace.append(f"#{self.op_no} [{self.cur_kind}] kvfs ENOENT for closed {n}: taken as evicted")
         return True
 
     def content(self, fd: int) -> bytes:
@@ -361,11 +363,15 @@ class Worker:
             return True
         if rk[0]:
             kino = os.fstat(rk[1]).st_ino
-            if n in self.kino and self.kino[n] != kino and rino is not None and not self.open_on(rino):
-                # evicted and recreated by O_CREAT between two looks: the reference follows
+            if n in self.kino and self.kino[n] != kino and rino is not None \
+                    and not any(not h.frozen for h in self.open_on(rino)):
+                # evicted and recreated by O_CREAT between two looks: the reference follows (as
+                # in evicted(), readers frozen on an older version do not hold the current one)
                 os.unlink(self.rp(n))
                 self.counts["evicted"] += 1
                 rino = None
+                if self.cfg.history:
+                    self.trace.append(f"#{self.op_no} open({n}) found inode {kino}, not {self.kino[n]}: taken as evicted and recreated")
             self.kino[n] = kino
         rr = _call(os.open, self.rp(n), rflags, 0o644)
         norm = (lambda r: (r[0], None if r[0] else r[1]))      # descriptors differ, not a mismatch

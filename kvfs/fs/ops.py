@@ -259,20 +259,28 @@ class KvfsOperations(pyfuse3.Operations):
     async def getattr(self, inode, ctx=None):
         if control.is_control(inode):
             return control.attrs(inode)
-        return _entry(inode, self.cache.getattr(inode))
+        try:
+            return _entry(inode, self.cache.getattr(inode))
+        except NamespaceError as e:
+            raise self._stale(inode, e) from None
 
     @translate
     async def setattr(self, inode, attr, fields, fh, ctx):
         if control.is_control(inode):
             raise pyfuse3.FUSEError(errno.EPERM)
-        rec = await self.cache.setattr(
-            inode,
-            size=attr.st_size if fields.update_size else None,
-            mode=attr.st_mode if fields.update_mode else None,
-            uid=attr.st_uid if fields.update_uid else None,
-            gid=attr.st_gid if fields.update_gid else None,
-            atime=attr.st_atime_ns if fields.update_atime else None,
-            mtime=attr.st_mtime_ns if fields.update_mtime else None)
+        if fh is None and inode in self.cache.ns.evicted:     # by a name (see _stale)
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        try:
+            rec = await self.cache.setattr(
+                inode,
+                size=attr.st_size if fields.update_size else None,
+                mode=attr.st_mode if fields.update_mode else None,
+                uid=attr.st_uid if fields.update_uid else None,
+                gid=attr.st_gid if fields.update_gid else None,
+                atime=attr.st_atime_ns if fields.update_atime else None,
+                mtime=attr.st_mtime_ns if fields.update_mtime else None)
+        except NamespaceError as e:
+            raise self._stale(inode, e) from None
         return _entry(inode, rec)
 
     async def forget(self, inode_list):
@@ -355,16 +363,25 @@ class KvfsOperations(pyfuse3.Operations):
             self._next_ctl += 1
             self._ctl[fh] = self.control.open(inode, flags, control.caller(ctx), ctx.pid)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
+        if inode in self.cache.ns.evicted:      # only descriptors opened before reach it
+            raise pyfuse3.FUSEError(errno.ESTALE)
         try:
             fh = await self.cache.open(inode, flags)
         except NamespaceError as e:
-            if e.errno == errno.ENOENT and self.cache.dropped(inode):
-                # the daemon dropped this inode (eviction) while the kernel still had its name:
-                # ESTALE makes the kernel look the name up again and retry, so open(O_CREAT)
-                # creates the file instead of failing with ENOENT
-                raise pyfuse3.FUSEError(errno.ESTALE) from None
-            raise
+            raise self._stale(inode, e) from None
         return self._file_info(fh, inode, flags)
+
+    def _stale(self, inode: int, e: NamespaceError) -> Exception:
+        """What to answer a request by a name for an inode that is not there. The daemon drops
+        inodes by itself (eviction), and the kernel holds their names until its notification
+        lands: ESTALE then, so that the kernel looks the name up again (ENOENT, and the name
+        goes; open(O_CREAT) creates the file) instead of answering ENOENT and keeping the
+        name, whose cached attributes a later stat(2) would still show. An evicted inode kept
+        for a reader of an older version is answered so too (``ns.evicted``): a write open
+        would have started an empty buffer on an unlinked inode."""
+        if e.errno == errno.ENOENT and self.cache.dropped(inode):
+            return pyfuse3.FUSEError(errno.ESTALE)
+        return e
 
     def _file_info(self, fh: int, ino: int, flags: int = 0) -> pyfuse3.FileInfo:
         """keep_cache when the cached pages hold this handle's version (sealed objects never

@@ -166,8 +166,9 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
                 yield eid, name, ino, rec
 
     def dropped(self, ino: int) -> bool:
-        """The daemon removed inode ``ino`` (eviction) though the kernel may still name it."""
-        return self.index.get_inode(ino) is None and ino not in self.ns.orphans
+        """The daemon removed inode ``ino`` (eviction) though the kernel may still name it
+        (an evicted inode kept for the descriptors of a reader of an older version too)."""
+        return ino in self.ns.evicted or (self.index.get_inode(ino) is None and ino not in self.ns.orphans)
 
     def inode_count(self) -> int:
         return self.index.counts()["inodes"]

@@ -319,6 +319,7 @@ class FileHandles:
         else:
             self.open_count.pop(h.ino, None)
             self.ns.orphans.pop(h.ino, None)
+            self.ns.evicted.discard(h.ino)
         if h.ws is not None:
             ws = h.ws
             if h.write:

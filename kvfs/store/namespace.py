@@ -71,6 +71,9 @@ class Namespace:
         # sealed file?" without reading and unpickling inode records (batched prefix lookups)
         self.sealed = SealedMap(self)
         self.orphans: dict[int, dict] = {}      # unlinked inodes still open
+        # orphans whose name the daemon removed by itself (an eviction while a reader held an
+        # older version): the kernel may still hold the name until its notification lands
+        self.evicted: set[int] = set()
         self.renames = 0        # renames so far: a path taken before an await holds if unchanged
         self.dir_renames = 0    # renames of directories: what top_of remembers holds if unchanged
         self._tops: dict[int, tuple[int, str]] = {}
@@ -450,6 +453,7 @@ class Namespace:
                 # descriptor goes on as after an unlink
                 rec["nlink"] = 0
                 self.orphans[obj.ino] = rec
+                self.evicted.add(obj.ino)
             self.on_name_removed(rec["parent"], rec["name"], obj.ino)
 
     # ---- xattrs stored with the file -----------------------------------------

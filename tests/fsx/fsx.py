@@ -189,6 +189,9 @@ class Worker:
         if self.cfg.history:
             import re
             names = set(re.findall(r"\bf\d\d\b", what))
+            for t in reversed(self.trace):      # and the names renamed onto them before
+                if t.startswith("#") and " rename(" in t and names & set(re.findall(r"\bf\d\d\b", t)):
+                    names |= set(re.findall(r"\bf\d\d\b", t))
             past = [t for t in self.trace if names & set(re.findall(r"\bf\d\d\b", t))]
             msg += "\n      history: " + " | ".join(past[-self.cfg.history:])
         self.mismatches.append(msg)
@@ -531,6 +534,10 @@ class Worker:
         file evicted (and made a new one)."""
         try:
             self.kino[n] = os.stat(self.kp(n)).st_ino
+        except FileNotFoundError:           # evicted right after the rename
+            self.kino.pop(n, None)
+            if not self.evicted(n):
+                self.fail(f"stat({n}) after a rename onto it: kvfs ENOENT while its current version is open")
         except OSError:
             self.kino.pop(n, None)
 

@@ -268,7 +268,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         if control.is_control(inode):
             raise pyfuse3.FUSEError(errno.EPERM)
-        if fh is None and inode in self.cache.ns.evicted:     # by a name (see _stale)
+        if fh is None and self.cache.evicted(inode):     # by a name (see _stale)
             raise pyfuse3.FUSEError(errno.ESTALE)
         try:
             rec = await self.cache.setattr(
@@ -363,7 +363,7 @@ class KvfsOperations(pyfuse3.Operations):
             self._next_ctl += 1
             self._ctl[fh] = self.control.open(inode, flags, control.caller(ctx), ctx.pid)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
-        if inode in self.cache.ns.evicted:      # only descriptors opened before reach it
+        if self.cache.evicted(inode):      # only descriptors opened before reach it
             raise pyfuse3.FUSEError(errno.ESTALE)
         try:
             fh = await self.cache.open(inode, flags)

@@ -165,6 +165,11 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
             if rec is not None:
                 yield eid, name, ino, rec
 
+    def evicted(self, ino: int) -> bool:
+        """Inode ``ino`` was evicted with its name and is kept only for descriptors opened
+        before (a reader of an older version): a new request by a name cannot mean it."""
+        return ino in self.ns.evicted
+
     def dropped(self, ino: int) -> bool:
         """The daemon removed inode ``ino`` (eviction) though the kernel may still name it
         (an evicted inode kept for the descriptors of a reader of an older version too)."""

@@ -111,8 +111,11 @@ class CallerProcess:
     def alive(self) -> bool:
         if self.pidfd < 0:
             return False
-        readable, _, _ = select.select([self.pidfd], [], [], 0)
-        return not readable
+        # poll, not select: a daemon holding many objects open has descriptors past select's
+        # 1024 (ValueError there failed every commit with EIO)
+        p = select.poll()
+        p.register(self.pidfd, select.POLLIN)
+        return not p.poll(0)
 
     def close(self) -> None:
         if self.pidfd >= 0:

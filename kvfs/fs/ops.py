@@ -363,8 +363,6 @@ class KvfsOperations(pyfuse3.Operations):
             self._next_ctl += 1
             self._ctl[fh] = self.control.open(inode, flags, control.caller(ctx), ctx.pid)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
-        if self.cache.evicted(inode):      # only descriptors opened before reach it
-            raise pyfuse3.FUSEError(errno.ESTALE)
         try:
             fh = await self.cache.open(inode, flags)
         except NamespaceError as e:

@@ -173,6 +173,8 @@ class FileHandles:
         return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws)), ino, rec
 
     async def open(self, ino: int, flags: int) -> int:
+        if ino in self.ns.evicted:      # kept for the descriptors opened before it went
+            raise NamespaceError(errno.ENOENT)
         acc = flags & os.O_ACCMODE
         ws = await self._live_writer(ino, writing=acc != os.O_RDONLY)
         rec = self.ns.inode(ino)         # after any wait: a seal may have installed a new version

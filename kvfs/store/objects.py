@@ -220,8 +220,7 @@ class ObjectStore(Policy, Moves):
         size = staging.size
         if summary is not None and not staging.spilled:
             await trio.lowlevel.checkpoint_if_cancelled()
-            obj = Obj(self.index.new_id(b"oid"), size, summary[0], self.chunk_size, summary[1], {}, ino, key, gen,
-                      atime=time.time())
+            obj = self._new_obj(ino, size, summary, key, gen)
         else:
             obj = await self._summed(ino, staging, key, gen, summary)
         if size and not staging.spilled:
@@ -230,6 +229,10 @@ class ObjectStore(Policy, Moves):
         self._adopt(obj)
         self.kick()
         return obj
+
+    def _new_obj(self, ino: int, size: int, summary: tuple, key: str, gen: int) -> Obj:
+        return Obj(self.index.new_id(b"oid"), size, summary[0], self.chunk_size, summary[1], {}, ino, key, gen,
+                   atime=time.time())
 
     async def _summed(self, ino: int, staging: Staging, key: str, gen: int, summary: tuple | None) -> Obj:
         """The new object of ``staging``, checksummed here unless ``summary`` (a spilled buffer
@@ -245,8 +248,7 @@ class ObjectStore(Policy, Moves):
                 whole, sums = checksum.summarize(view, self.chunk_size)
             else:
                 whole, sums = await trio.to_thread.run_sync(checksum.summarize, view, self.chunk_size)
-            obj = Obj(self.index.new_id(b"oid"), size, whole, self.chunk_size, sums, {}, ino, key, gen,
-                      atime=time.time())
+            obj = self._new_obj(ino, size, (whole, sums), key, gen)
             if size and staging.spilled:
                 tier = await self._room_below(0, size)
                 obj.place[tier.name] = await self._put(self.tiers.index(tier), obj, view)

@@ -7,8 +7,9 @@ Mounts kvfs (through the CLI, as benchmarks/runtime_patterns.py does) and
 benchmarks/floorfs.py with kvfs's kernel-facing settings, then runs, interleaved and
 repeated, ``open(O_CREAT|O_TRUNC) + one write + close + rename`` of a temp file over a
 fresh name (``--vllm``: vLLM's store, O_CREAT|O_EXCL|O_DIRECT when the probe passes).
-For each target and round: files per second, the daemon's CPU per file (utime + stime
-from /proc/PID/stat) and its read and write system calls per file (/proc/PID/io syscr and
+For each target and round: files per second, the daemon's CPU per file (the run time of
+its threads from /proc/PID/task/*/schedstat, in ns: utime + stime count whole 10 ms ticks)
+and its read and write system calls per file (/proc/PID/io syscr and
 syscw: one read of /dev/fuse per request, one write per reply, plus what the handlers do).
 Prints medians (min-max) and kvfs's ratios to the floor; ``--base TREE`` mounts a second kvfs
 from another checkout (the code before a change) beside them, in the same rotation, and
@@ -32,13 +33,16 @@ if str(REPO) not in sys.path:
 from kvfs.bench import BenchMount, aligned_buffer  # noqa: E402
 from runtime_patterns import O_DIRECT, FloorMount, _odirect_probe, _threads, kvfs_settings  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _usage(pid: int) -> tuple[float, int, int]:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    cpu = (int(fields[11]) + int(fields[12])) / TICK
+    cpu = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):    # run time in ns (utime+stime count 10 ms ticks)
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                cpu += int(f.read().split()[0]) / 1e9
+        except FileNotFoundError:               # a thread that ended meanwhile
+            pass
     io = {}
     with open(f"/proc/{pid}/io") as f:
         for line in f:

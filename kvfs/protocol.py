@@ -175,5 +175,11 @@ NAMES_BUILDING_KEY = "names_building"  # .kvfs/stats: true while the daemon buil
 
 def names_hash(parent_ino: int, name: bytes) -> int:
     """The slot value of the entry ``name`` in directory ``parent_ino`` (never EMPTY/TOMB)."""
-    h = xxhash.xxh3_64_intdigest(parent_ino.to_bytes(8, "big") + name)
+    return names_hash_key(parent_ino.to_bytes(8, "big") + name)
+
+
+def names_hash_key(key: bytes) -> int:
+    """``names_hash`` of the entry whose key is ``key``: the parent inode (8 bytes, big endian)
+    followed by the name, as the index keys directory entries."""
+    h = xxhash.xxh3_64_intdigest(key)
     return h if h > NAMES_TOMB else h + 2

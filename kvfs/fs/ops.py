@@ -42,6 +42,9 @@ def _negative() -> pyfuse3.EntryAttributes:
     return a
 
 
+_NEGATIVE = _negative()    # never changed: pyfuse3 copies the fields into each reply
+
+
 def _entry(ino: int, rec: dict) -> pyfuse3.EntryAttributes:
     a = pyfuse3.EntryAttributes()
     a.st_ino = ino
@@ -245,7 +248,7 @@ class KvfsOperations(pyfuse3.Operations):
                 if ino is None:
                     self._missed(parent_inode)
                     if NEGATIVE_TIMEOUT > 0:
-                        return _negative()
+                        return _NEGATIVE
                     raise pyfuse3.FUSEError(errno.ENOENT)
             finally:
                 self._latency["lookup"].observe(time.perf_counter() - t0)

@@ -272,23 +272,24 @@ class Index:
         finally:
             self._wake = None
 
-    def _apply(self, changes: dict) -> None:
-        """A finished Txn's changes join the pending table."""
-        pending, fresh = self._pending, self._fresh
+    def _apply(self, changes: dict, dirs: bool = False) -> None:
+        """A finished Txn's changes join the pending table; its new names join the name
+        table before that and its removed names leave after (``dirs``: kvfs.store.names)."""
+        names = self.names
+        gone = None if names is None else names.enter(changes, DIRENTS, dirs)
+        pending, fresh, icache = self._pending, self._fresh, self._icache
         pending.update(changes)
-        icache = self._icache
         for k, v in changes.items():
-            if v is _DEL and k in fresh:        # made and removed within this group
+            if k[0] == INODES:
+                if v is _DEL:
+                    icache.pop(_U64.unpack(k[1])[0], None)
+                else:
+                    icache[_U64.unpack(k[1])[0]] = v
+            elif v is _DEL and k in fresh:      # made and removed within this group
                 del pending[k]
                 fresh.discard(k)
-                continue
-            db, key = k
-            if db == INODES:
-                ino = _U64.unpack(key)[0]
-                if v is _DEL:
-                    icache.pop(ino, None)
-                else:
-                    icache[ino] = v
+        if gone:
+            names.leave(gone)
         self._ops += 1
         if self._ops >= GROUP_OPS:
             self.commit()
@@ -431,10 +432,7 @@ class Txn:
         if exc_type is None and self.w:
             if self.d:
                 self.ix.tally.apply(self.d, self.w)
-            if self.ix.names is None:
-                self.ix._apply(self.w)
-            else:                   # new names enter its table before they are visible
-                self.ix.names.apply(self.w, lambda: self.ix._apply(self.w), DIRENTS, self.dirs)
+            self.ix._apply(self.w, self.dirs)   # new names enter the name table before they are visible
 
     def _get(self, db: int, key: bytes):
         v = self.w.get((db, key), _MISS)
@@ -450,15 +448,19 @@ class Txn:
         rec = self.ix.get_inode(ino) if v is _MISS else (None if v is _DEL else v)
         if rec is None:
             return None
-        rec = dict(rec)
-        rec["xattrs"] = dict(rec["xattrs"])
+        rec = rec.copy()
+        rec["xattrs"] = rec["xattrs"].copy()
         return rec
 
-    def put_inode(self, ino: int, rec: dict) -> None:
+    def put_inode(self, ino: int, rec: dict, new: bool = False) -> None:
+        """``new``: ``ino`` was just allocated (no key of it is in LMDB yet)."""
         key = k64(ino)
         if rec["mode"] & 0o170000 == 0o100000:      # keep the set of unsealed files (tally.py)
             if rec.get("oid") is None:
-                self.w[(RECOVER, b"u" + key)] = b""
+                uk = (RECOVER, b"u" + key)
+                self.w[uk] = b""
+                if new:                 # sealed within this group: no LMDB put, no delete
+                    self.ix._fresh.add(uk)
             else:
                 self._sealed(ino, key)
         self.w[(INODES, key)] = rec

@@ -47,7 +47,8 @@ import time
 import trio
 
 from kvfs.protocol import (H_CAPACITY, H_DIRS, H_GENERATION, H_LIVE, H_MAGIC, H_RUN, H_VERSION, NAMES_EMPTY,
-                           NAMES_HEADER, NAMES_MAGIC, NAMES_STALE, NAMES_TOMB, NAMES_VERSION, names_hash)
+                           NAMES_HEADER, NAMES_MAGIC, NAMES_STALE, NAMES_TOMB, NAMES_VERSION, names_hash,
+                           names_hash_key)
 
 log = logging.getLogger(__name__)
 
@@ -217,10 +218,16 @@ class NameTable:
         to a value or a deletion marker; a DIRENTS key is the parent inode (8 bytes, big
         endian) and the name. ``dirs``: the transaction removes (or replaces) an entry that
         was not a regular file: readers' cached directory inodes stop counting first."""
+        gone = self.enter(changes, dirents_db, dirs)
+        commit()
+        self.leave(gone)
+
+    def enter(self, changes: dict, dirents_db: int, dirs: bool = False) -> list[int] | None:
+        """The first half of :meth:`apply`, before the changes are visible: add the new
+        entries (and count ``dirs``); returns what :meth:`leave` removes after."""
         t = self.t
         if t is None:
-            commit()
-            return
+            return None
         if dirs:
             self.dirs += 1
             t.words[H_DIRS] = self.dirs
@@ -229,9 +236,13 @@ class NameTable:
             for (db, key), v in changes.items():
                 if db != dirents_db:
                     continue
-                h = names_hash(int.from_bytes(key[:8], "big"), key[8:])
-                if isinstance(v, bytes):
-                    self._add(h)
+                h = names_hash_key(key)
+                if v.__class__ is bytes:
+                    if t.used + 1 > t.capacity * MAX_LOAD:
+                        self._add(h)
+                        t = self.t
+                    else:
+                        t.add(h)
                     if building is not None:
                         building.discard(h)
                 else:
@@ -239,12 +250,17 @@ class NameTable:
         except OSError as e:            # cannot grow (shared memory full): readers fall back
             log.error("name table %s cannot grow (%s): disabled, clients use lookups", self.path, e)
             self.close()
-        commit()
-        if self.t is not None:
+        return gone
+
+    def leave(self, gone: list[int] | None) -> None:
+        """The second half of :meth:`apply`, once the changes are visible: remove the
+        deleted entries."""
+        if gone and self.t is not None:
+            remove = self.t.remove
             for h in gone:
-                self.t.remove(h)
-            if building is not None:
-                building.update(gone)
+                remove(h)
+            if self._gone is not None:
+                self._gone.update(gone)
 
     def _add(self, h: int) -> None:
         t = self.t

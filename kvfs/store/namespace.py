@@ -221,7 +221,9 @@ class Namespace:
         return top
 
     def path_of(self, ino: int) -> str:
-        return "/" + "/".join(n.decode("utf-8", "surrogateescape") for n in reversed(self._names_up(ino)))
+        names = self._names_up(ino)
+        names.reverse()                 # no byte of a multi-byte UTF-8 sequence is b"/": decode once
+        return "/" + b"/".join(names).decode("utf-8", "surrogateescape")
 
     # ---- namespace changes --------------------------------------------------
     def _check_new(self, txn: Txn, parent: int, name: bytes) -> dict:
@@ -249,7 +251,7 @@ class Namespace:
                        parent=parent, name=name, xattrs={}, **extra)
             if stat.S_ISLNK(mode):
                 rec["size"] = len(extra["target"])
-            txn.put_inode(ino, rec)
+            txn.put_inode(ino, rec, new=True)
             txn.link(parent, name, ino, new=True)
             prec["mtime"] = prec["ctime"] = now
             txn.put_inode(parent, prec)

@@ -15,7 +15,6 @@ re-creates it (objects already mapped keep working; their fast-path paths are go
 """
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import itertools
 import logging
@@ -426,23 +425,10 @@ class Staging:
         if len(data):
             await trio.to_thread.run_sync(os.pwrite, self.fd, data, 0)
 
-    @contextlib.contextmanager
-    def mapped(self) -> Iterator[memoryview]:
-        """The buffer's bytes, read-only, while the block runs (writes must wait meanwhile)."""
-        mm = None
-        if self.mem is not None:
-            view = memoryview(self.mem)
-        elif self.size:
-            mm = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
-            view = memoryview(mm)
-        else:
-            view = memoryview(b"")
-        try:
-            yield view
-        finally:
-            view.release()
-            if mm is not None:
-                mm.close()
+    def mapped(self) -> "_MappedView":
+        """The buffer's bytes, read-only, while the block runs (writes must wait meanwhile):
+        ``with staging.mapped() as view``."""
+        return _MappedView(self)
 
     async def spill(self, to_dir: Dir) -> None:
         """Move the bytes to a file under ``to_dir`` (RAM is full), in a thread. Concurrent
@@ -516,3 +502,29 @@ class Staging:
             os.unlink(self.name, dir_fd=self.dir.fd)
         except OSError:
             pass
+
+
+class _MappedView:
+    """:meth:`Staging.mapped`: a view of the buffer's bytes (a class, not a generator: it is
+    on every seal's path)."""
+
+    __slots__ = ("staging", "view", "mm")
+
+    def __init__(self, staging: Staging):
+        self.staging, self.view, self.mm = staging, None, None
+
+    def __enter__(self) -> memoryview:
+        s = self.staging
+        if s.mem is not None:
+            self.view = memoryview(s.mem)
+        elif s.size:
+            self.mm = mmap.mmap(s.fd, s.size, prot=mmap.PROT_READ)
+            self.view = memoryview(self.mm)
+        else:
+            self.view = memoryview(b"")
+        return self.view
+
+    def __exit__(self, *exc) -> None:
+        self.view.release()
+        if self.mm is not None:
+            self.mm.close()

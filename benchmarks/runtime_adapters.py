@@ -175,7 +175,8 @@ def bench(args) -> dict:
     res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
                     "kernel": os.uname().release, "python": sys.version.split()[0], "torch": torch.__version__,
                     "versions": {r: m.version for r, m in mods.items()}, "pages": args.pages, "runs": args.runs,
-                    "load": os.getloadavg(), "shm_dir": _shm_desc(args.shm_dir)}}
+                    "load": os.getloadavg(), "shm_dir": _shm_desc(args.shm_dir),
+                    "ram_mapped_min": args.ram_mapped_min}}
     try:
         for rt in runtimes:
             res[rt] = {}
@@ -191,6 +192,8 @@ def bench(args) -> dict:
                 plain.mkdir()
                 names = RUNTIMES[rt][1]
                 extra = {"shm_dir": str(args.shm_dir)} if args.shm_dir else {}
+                if args.ram_mapped_min:
+                    extra["ram_mapped_min"] = args.ram_mapped_min
                 with BenchMount(root / f"m{rt}{layers}", ram=ram, nvme_size="8GiB", promote_hits=None, **extra) as m:
                     res["meta"]["shm_dir"] = _ram_desc(m.path)
                     dirs = {names[0]: plain, names[1]: m.path / f"{rt}-own", names[2]: m.path / f"{rt}-kvfs"}
@@ -348,6 +351,7 @@ def main(argv=None) -> int:
     ap.add_argument("--write-docs", type=Path)
     ap.add_argument("--shm-dir", type=Path, default=None, help="the kvfs RAM tier's directory (default "
                     "/dev/shm); e.g. a tmpfs mounted with huge=within_size (docs/operations.md)")
+    ap.add_argument("--ram-mapped-min", type=int, default=None, help="the mount's ram_mapped_min (default: kvfs's)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the plain directory and mounts go (default /tmp)")
     ap.add_argument("--from-json", type=Path, help="report (and --write-docs) a saved --json result, measure nothing")
     args = ap.parse_args(argv)

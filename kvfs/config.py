@@ -85,7 +85,7 @@ class Config:
     read_deadline: float = 2.0         # seconds a read may wait on a lower tier (0 = no limit)
     events_queue: int = 4096           # events a .kvfs/events reader may lag before it loses some
     names_build_step: int = 8192       # directory entries the name table's background build adds per step
-    ram_mapped_min: int = 1 << 20      # RAM-tier objects this big stay tmpfs files (leasable)
+    ram_mapped_min: int = 256 << 10    # RAM-tier objects this big stay tmpfs files (leasable)
     debug: bool = False
     foreground: bool = False
 

@@ -12,14 +12,23 @@ under it is created relative to that descriptor with ``O_EXCL|O_NOFOLLOW``. A
 previous mount's directory is removed only if it is a real directory of ours that no
 live daemon holds. If the directory is removed under a running mount, the next write
 re-creates it (objects already mapped keep working; their fast-path paths are gone).
+
+Every mapped object holds one of the daemon's descriptors (Python's mmap keeps one). The
+tier maps at most ``max_mapped`` objects (the descriptor limit less a reserve for everything
+else); past it, and when a mapping fails for want of descriptors, an object of any size
+lives in the daemon's memory like a small one (read through ``.kvfs/get`` or the mount, no
+lease): a RAM tier larger than the descriptor limit allows is slower for those objects,
+never an error.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import logging
 import mmap
 import os
+import resource
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -33,7 +42,17 @@ from kvfs.store.tier import ObjectInfo, Tier
 
 log = logging.getLogger(__name__)
 
-MAPPED_MIN = 1 << 20      # default: objects at least this big stay tmpfs files (mapped; fast path)
+MAPPED_MIN = 256 << 10    # default: objects at least this big stay tmpfs files (mapped; fast path)
+FD_RESERVE_MIN = 1024     # descriptors never taken by mappings: staging files, LMDB, clients, leases
+
+
+def mapping_budget() -> int:
+    """How many objects the tier may map: the descriptor limit less a reserve (1/8 of it,
+    at least FD_RESERVE_MIN) for everything else the daemon opens."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    return max(0, soft - max(FD_RESERVE_MIN, soft // 8))
 SPARE_STAGING = 64        # emptied staging files kept for the next writes (no create/unlink each)
 
 
@@ -73,6 +92,8 @@ class RamTier(Tier):
         self.home: Dir | None = None        # the tier's directory (objects)
         self.staging: Dir | None = None     # its staging/ subdirectory (write buffers)
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}
+        self.mapped = 0                     # objects held as mappings (a descriptor each)
+        self.max_mapped = mapping_budget()  # again at open (the daemon raises its limit first)
         self._stale: set[int] = set()       # objects whose file went with a removed directory
         self.staged = 0                      # bytes held by write buffers (part of used)
         self._seq = itertools.count()
@@ -121,10 +142,12 @@ class RamTier(Tier):
                     self.shm_dir = self.mounted
                 except OSError as e:
                     log.info("RAM tier without a huge-page tmpfs of its own (%s): in %s", e, self.shm_dir)
+        self.max_mapped = mapping_budget()
         self._make_dir()
 
     async def close(self) -> None:
         self._maps.clear()
+        self.mapped = 0
         self._close_grants()
         if self.home is None:
             return
@@ -147,17 +170,28 @@ class RamTier(Tier):
                 self.mounted = None
 
     def _install(self, oid: int, fd: int, size: int) -> None:
-        if size < self.mapped_min:
-            # small objects live in the daemon's memory: Python's mmap keeps a descriptor
-            # per mapping, and 100k small files would exhaust the descriptor limit
+        mm = None
+        if size >= self.mapped_min and self.mapped < self.max_mapped:
+            try:
+                mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                log.warning("ram tier: no descriptor left to map object %x (%d mapped): kept in memory",
+                            oid, self.mapped)
+        if mm is not None:
+            self._maps[oid] = (mm, size)
+            self.mapped += 1
+        else:
+            # small objects (and any past the mapping budget) live in the daemon's memory:
+            # Python's mmap keeps a descriptor per mapping, and 100k small files would
+            # exhaust the descriptor limit
             buf = os.pread(fd, size, 0)
             try:
                 os.unlink(f"{oid:016x}", dir_fd=self.home.fd)
             except FileNotFoundError:
                 pass
             self._maps[oid] = (buf, size)
-        else:
-            self._maps[oid] = (mmap.mmap(fd, size, prot=mmap.PROT_READ), size)
         self.objects += 1
 
     async def put(self, info: ObjectInfo, data: memoryview) -> bytes:
@@ -231,6 +265,8 @@ class RamTier(Tier):
             return
         self.used -= entry[1]
         self.objects -= 1
+        if isinstance(entry[0], mmap.mmap):
+            self.mapped -= 1            # its descriptor goes with the last view of the mapping
         self._stale.discard(oid)
         if self.home is not None:
             try:

@@ -146,15 +146,15 @@ def test_shares_a_directory_with_lmcaches_fs_adapter(lm, kvfs_mount, adapters):
 
 
 def test_small_objects_and_nvme_tier(lm, kvfs_mount, adapters):
-    """256 KiB objects (too small to lease: one .kvfs/get) and 1 MiB objects demoted
+    """128 KiB objects (under ``ram_mapped_min``, too small to lease: one .kvfs/get) and 1 MiB objects demoted
     to the NVMe tier (pinned O_DIRECT files)."""
     m = kvfs_mount(ram="8MiB")
     c = _adapter(lm, adapters, m.path / "lmcache")
     small = _keys(lm, 20, "s")
-    want = c.fill(c.objs(20, 256 << 10), seed=6)
-    assert c.store(small, c.objs(20, 256 << 10)).is_successful()
-    assert c.prefetch(small, c.objs(20, 256 << 10, first=20)) == 20
-    assert _read(c.objs(20, 256 << 10, first=20)) == want
+    want = c.fill(c.objs(20, 128 << 10), seed=6)
+    assert c.store(small, c.objs(20, 128 << 10)).is_successful()
+    assert c.prefetch(small, c.objs(20, 128 << 10, first=20)) == 20
+    assert _read(c.objs(20, 128 << 10, first=20)) == want
     st = c.a.statistics()      # too small to lease: all 20 in one .kvfs/get, none through the mount
     assert (st.batch_reads, st.lease_fallbacks) == (20, 0)
     big = _keys(lm, 16, "n")
@@ -312,12 +312,10 @@ def test_recipe_as_documented(lm, kvfs_mount, adapters):
     assert c.prefetch(_keys(lm, 2), c.objs(2, MIB, first=2)) == 2 and _read(c.objs(2, MIB, first=2)) == want
 
 
-def test_small_objects_leased_with_ram_mapped_min(lm, kvfs_mount, adapters, tmp_path):
-    """With the mount's ``ram_mapped_min`` lowered to 256 KiB, 256 KiB objects stay RAM-tier
-    files: the lock pins them and the load reads them beside FUSE (no lease fallback)."""
-    cfg = tmp_path / "kvfs.toml"
-    cfg.write_text("[kvfs]\nram_mapped_min = 262144\n")
-    m = kvfs_mount("--config", cfg, ram="64MiB")
+def test_256k_objects_leased_under_the_default_ram_mapped_min(lm, kvfs_mount, adapters):
+    """Under the default ``ram_mapped_min`` (256 KiB), 256 KiB objects stay RAM-tier files: the
+    lock pins them and the load reads them beside FUSE (no ``.kvfs/get``, no lease fallback)."""
+    m = kvfs_mount(ram="64MiB")
     c = _adapter(lm, adapters, m.path / "lmcache")
     keys = _keys(lm, 20, "s")
     want = c.fill(c.objs(20, 256 << 10), seed=12)
@@ -325,7 +323,7 @@ def test_small_objects_leased_with_ram_mapped_min(lm, kvfs_mount, adapters, tmp_
     assert c.prefetch(keys, c.objs(20, 256 << 10, first=20)) == 20
     assert _read(c.objs(20, 256 << 10, first=20)) == want
     st = c.a.statistics()
-    assert (st.hits, st.lease_fallbacks, st.errors) == (20, 0, 0)
+    assert (st.hits, st.batch_reads, st.lease_fallbacks, st.errors) == (20, 0, 0, 0)
 
 
 def test_ram_mapped_min_is_checked():

@@ -117,11 +117,11 @@ def test_pages_round_trip(sg, kvfs_mount, opened, layout, interface_v1):
 
 
 def test_big_batches_and_small_pages(sg, kvfs_mount, opened):
-    """More pages than one storage batch (128), of 256 KiB (below the RAM tier's mapping
+    """More pages than one storage batch (128), of 128 KiB (below the RAM tier's mapping
     size: no lease fast path, read by one .kvfs/get per batch, none through the mount)."""
     m = kvfs_mount(ram="128MiB")
     n = 150
-    pool = _pool(sg, 2 * n, page_bytes=256 << 10)
+    pool = _pool(sg, 2 * n, page_bytes=128 << 10)
     backend, ctl = _backend(sg, pool, _extra(m.path / "sglang"), opened)
     want = _fill(pool, n, seed=1)
     keys = _keys(n)

@@ -141,10 +141,10 @@ def test_shares_a_directory_with_vllms_fs_tier(v, kvfs_mount, tiers):
 
 
 def test_small_chunks_and_nvme_tier(v, kvfs_mount, tiers):
-    """256 KiB chunks (below the RAM tier's mapping size: no lease fast path, read by one
+    """128 KiB chunks (below the RAM tier's mapping size: no lease fast path, read by one
     .kvfs/get) and 1 MiB chunks demoted to the NVMe tier (O_DIRECT leases)."""
     m = kvfs_mount(ram="8MiB")
-    small = _tier(v, tiers, m.path / "vllm", chunks=40, chunk_bytes=256 << 10, model="org/Small")
+    small = _tier(v, tiers, m.path / "vllm", chunks=40, chunk_bytes=128 << 10, model="org/Small")
     keys = _keys(v, 20, "s")
     want = small.fill(range(20), seed=4)
     assert small.store(keys, range(20)).success

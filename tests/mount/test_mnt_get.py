@@ -165,12 +165,13 @@ def test_the_client_splits_a_batch_over_the_cap(kvfs_mount, monkeypatch):
 
 
 def test_page_store_reads_small_pages_by_one_get_and_a_killed_daemon_gives_misses(kvfs_mount):
+    """Pages under the RAM tier's ``ram_mapped_min`` (256 KiB) live in the daemon: one .kvfs/get."""
     m = kvfs_mount()
     store = PageStore(m.path, "pages")
-    pages = [content(f"s{i}", 256 * KiB) for i in range(40)]
+    pages = [content(f"s{i}", 128 * KiB) for i in range(40)]
     names = [f"k{i}" for i in range(40)]
     assert store.write_many(names, lambda i: [pages[i]]) == [True] * 40
-    dests = dests_for([256 * KiB] * 41)
+    dests = dests_for([128 * KiB] * 41)
     assert store.read_into(names + ["absent"], dests) == [True] * 40 + [False]
     assert [bytes(x[0]) for x in dests[:40]] == pages
     st = store.statistics()
@@ -178,7 +179,7 @@ def test_page_store_reads_small_pages_by_one_get_and_a_killed_daemon_gives_misse
     # lookup-and-pin (LMCache): the held pages have no fast path either
     k, held = store.hold(names[:10])
     assert k == 10
-    dests = dests_for([256 * KiB] * 10)
+    dests = dests_for([128 * KiB] * 10)
     assert store.read_held(held, names[:10], dests) == [True] * 10
     store.release_hold(held)
     assert [bytes(x[0]) for x in dests] == pages[:10]
@@ -186,10 +187,10 @@ def test_page_store_reads_small_pages_by_one_get_and_a_killed_daemon_gives_misse
     c = GetClient(str(m.path), str(m.path / "pages"))
     m.kill9()
     with pytest.raises(OSError) as e:
-        c.get_into(names[:2], dests_for([256 * KiB] * 2))
+        c.get_into(names[:2], dests_for([128 * KiB] * 2))
     assert e.value.errno == errno.ENOTCONN
     c.close()
-    assert store.read_into(names[:5], dests_for([256 * KiB] * 5)) == [False] * 5
+    assert store.read_into(names[:5], dests_for([128 * KiB] * 5)) == [False] * 5
     assert store.statistics().errors >= 1
     store.close()
 

@@ -3,13 +3,14 @@ spilled to NVMe under pressure; the bytes and the tier's accounting stay right t
 from __future__ import annotations
 
 import os
+import resource
 import uuid
 from pathlib import Path
 
 import xxhash
 
 from kvfs.store import checksum  # noqa: E402
-from kvfs.store.ram import RamTier  # noqa: E402
+from kvfs.store.ram import FD_RESERVE_MIN, RamTier, mapping_budget  # noqa: E402
 from kvfs.store.tier import ObjectInfo  # noqa: E402
 from storekit import nvme_tier  # noqa: E402
 
@@ -137,3 +138,37 @@ async def test_spill_from_memory_to_nvme(tmp_path):
     finally:
         await nv.close()
         await t.close()
+
+
+async def test_objects_past_the_mapping_budget_stay_in_memory():
+    """Each mapped object holds a descriptor: past ``max_mapped`` an object of any size is kept
+    in the daemon's memory (no lease backing), with the same bytes; deleting a mapped one makes
+    room for the next."""
+    t = await ram()
+    try:
+        t.max_mapped = 2
+        want = {}
+        for oid in (1, 2, 3):
+            s = t.new_staging()
+            want[oid] = os.urandom(MIN + 4096 * oid)
+            await s.write(0, want[oid])
+            assert s.fd >= 0                                  # a tmpfs buffer (at least mapped_min)
+            assert seal(t, oid, s) == want[oid]
+        assert t.mapped == 2
+        assert t.backing(1, b"") is not None and t.backing(2, b"") is not None
+        assert t.backing(3, b"") is None                      # in memory: read through the daemon
+        assert sorted(os.listdir(t.home.path)) == ["0000000000000001", "0000000000000002", "staging"]
+        assert bytes(await t.read(3, b"", 10, 100)) == want[3][10:110]
+        await t.delete(1, b"")
+        assert t.mapped == 1 and t.used == len(want[2]) + len(want[3])
+        s = t.new_staging()
+        data = os.urandom(MIN)
+        await s.write(0, data)
+        assert seal(t, 4, s) == data and t.backing(4, b"") is not None and t.mapped == 2
+    finally:
+        await t.close()
+
+
+def test_the_mapping_budget_leaves_descriptors_for_the_rest():
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert 0 <= mapping_budget() <= soft - FD_RESERVE_MIN

@@ -210,8 +210,11 @@ class PageStore(PageWrites):
             k = self._table_prefix(names)
         else:
             k = 0 if self._table_absent(names[0]) else None
-        if k == 0:
-            self._counts.add(lookups=1, lookup_misses=len(names), table_misses=1)
+        if k == 0:                              # a new prompt's first page: the common miss
+            c = self._counts.mine()             # (no keyword dict: this path is ~4 us in all)
+            c["lookups"] += 1
+            c["lookup_misses"] += len(names)
+            c["table_misses"] += 1
             return 0
         if k is not None:
             self._counts.add(lookups=1, lookup_hits=k, lookup_misses=len(names) - k, table_hits=k,

@@ -217,10 +217,10 @@ class KvfsTierManager(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        rid = req_context.req_id
-        if rid not in self._asked and self._lookup.unasked(key) and self.store.absent_now(self.name(key)):
-            return LookupResult.MISS    # the name table, in this step: no RETRY, no thread hop
-        self._asked.add(rid)            # the request's first chunk only: its later ones go in its batch
+        if req_context.req_id not in self._asked:   # the request's first chunk only: its later
+            if self._lookup.unasked(key) and self.store.absent_now(self.name(key)):   # ones go in its batch
+                return LookupResult.MISS    # the name table, in this step: no RETRY, no thread hop
+            self._asked.add(req_context.req_id)
         result = self._lookup.lookup(key, req_context)
         if result is None:
             return LookupResult.RETRY

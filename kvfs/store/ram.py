@@ -275,6 +275,10 @@ class RamTier(Tier):
                 pass
         # the mapping is released when the last memoryview over it goes away
 
+    def status(self) -> dict:
+        """``mapped``: objects held as mappings (leasable), at most ``mapped_budget``."""
+        return {"mapped": self.mapped, "mapped_budget": self.max_mapped}
+
     async def scan(self) -> AsyncIterator[tuple[int, bytes, int]]:
         for oid, (_, size) in list(self._maps.items()):
             yield oid, b"", size

@@ -172,3 +172,15 @@ async def test_objects_past_the_mapping_budget_stay_in_memory():
 def test_the_mapping_budget_leaves_descriptors_for_the_rest():
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     assert 0 <= mapping_budget() <= soft - FD_RESERVE_MIN
+
+
+async def test_the_tier_reports_its_mappings():
+    t = await ram()
+    try:
+        t.max_mapped = 5
+        s = t.new_staging()
+        await s.write(0, os.urandom(MIN))
+        seal(t, 1, s)
+        assert t.status() == {"mapped": 1, "mapped_budget": 5}
+    finally:
+        await t.close()

@@ -47,9 +47,16 @@ FD_RESERVE_MIN = 1024     # descriptors never taken by mappings: staging files, 
 
 
 def mapping_budget() -> int:
-    """How many objects the tier may map: the descriptor limit less a reserve (1/8 of it,
-    at least FD_RESERVE_MIN) for everything else the daemon opens."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    """How many objects the tier may map: the descriptor limit (the soft one raised to the
+    hard one first, as the daemon does) less a reserve (1/8 of it, at least FD_RESERVE_MIN)
+    for everything else the process opens."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):   # e.g. an infinite hard limit the kernel caps: keep ours
+            pass
     if soft == resource.RLIM_INFINITY:
         return 1 << 30
     return max(0, soft - max(FD_RESERVE_MIN, soft // 8))

@@ -69,6 +69,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+_NAME_CACHE = 1 << 16      # chunk names remembered (the lookup thread names a batch while holding the GIL)
+
+
 class _KvfsLookup(AsyncLookupManager):
     """vLLM's asynchronous lookup state machine; each batch is one ``.kvfs/lookup`` call."""
 
@@ -182,14 +185,21 @@ class KvfsTierManager(SecondaryTierManager):
         self._jobs = _Jobs(int(n_read_threads), int(n_write_threads))
         self._lookup = _KvfsLookup(self, tier_type)
         self._asked: set[str] = set()     # requests whose lookups went to the lookup thread
+        self._names: dict[OffloadKey, str] = {}     # chunk names (stored, looked up, loaded: each named once)
         log.info("kvfs vLLM tier %r at %s (%d-byte chunks)", tier_type, self.dir, self.block_size_bytes)
 
     def name(self, key: OffloadKey) -> str:
         """The chunk's file, relative to the rank directory (what the fs tier names it)."""
-        path = self.file_mapper.get_file_name(key)
-        if not path.startswith(self._prefix):
-            raise ValueError(f"{path} is not under {self.dir}")
-        return path[len(self._prefix):]
+        name = self._names.get(key)
+        if name is None:
+            path = self.file_mapper.get_file_name(key)
+            if not path.startswith(self._prefix):
+                raise ValueError(f"{path} is not under {self.dir}")
+            name = path[len(self._prefix):]
+            if len(self._names) >= _NAME_CACHE:
+                self._names.clear()
+            self._names[key] = name
+        return name
 
     def _write_config(self) -> None:
         """``config.json`` beside the chunks, as the fs tier writes it (so either can start

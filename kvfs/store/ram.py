@@ -30,7 +30,7 @@ import mmap
 import os
 import resource
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator
 
 import trio
 
@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 MAPPED_MIN = 256 << 10    # default: objects at least this big stay tmpfs files (mapped; fast path)
 FD_RESERVE_MIN = 1024     # descriptors never taken by mappings: staging files, LMDB, clients, leases
+SPARE_STAGING = 64        # emptied staging files kept for the next writes (no create/unlink each)
 
 
 def mapping_budget() -> int:
@@ -60,7 +61,6 @@ def mapping_budget() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 30
     return max(0, soft - max(FD_RESERVE_MIN, soft // 8))
-SPARE_STAGING = 64        # emptied staging files kept for the next writes (no create/unlink each)
 
 
 def filesystem_of(path: str | Path) -> tuple[str, str, dict[str, str]]:

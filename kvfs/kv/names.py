@@ -39,6 +39,24 @@ _MAX_DIRS = 4096    # cached directory inodes per view (dropped all at once beyo
 REVALIDATE = 1.0    # seconds a cached directory inode is used before a stat checks it again
 
 
+def _slot_state(w: memoryview, h: int) -> bool | None:
+    """One probe of the mapped table ``w`` for hash ``h``: True listed, False absent, None the
+    table is stale or was replaced while we looked (map the current one)."""
+    gen = w[H_GENERATION]
+    if gen == NAMES_STALE:
+        return None
+    mask = w[H_CAPACITY] - 1
+    i, v = h & mask, NAMES_EMPTY
+    for _n in range(mask + 1):          # the writer always leaves empty slots
+        v = w[NAMES_HEADER + i]
+        if v == h or v == NAMES_EMPTY:
+            break
+        i = (i + 1) & mask
+    if w[H_GENERATION] != gen or (v != h and v != NAMES_EMPTY):
+        return None
+    return v == h
+
+
 class NameView:
     """A read-only view of the name table of the kvfs mount at ``mount_root``."""
 
@@ -173,24 +191,11 @@ class NameView:
             if w[H_VERSION] < 2:
                 return None
             mark = w[H_DIRS]
-            c = self._inos.get(directory)
-            if c is None or c[1] != mark or (self.revalidate_ns is not None
-                                             and time.monotonic_ns() - c[2] >= self.revalidate_ns):
+            ino = self._cached_ino(directory, mark, time.monotonic_ns())
+            if ino is None:
                 return None
-            h = names_hash_key(c[0].to_bytes(8, "big") + name.encode("utf-8", "surrogateescape"))
-            gen = w[H_GENERATION]
-            if gen == NAMES_STALE:
-                return None
-            mask = w[H_CAPACITY] - 1
-            i, v = h & mask, NAMES_EMPTY
-            for _n in range(mask + 1):          # the writer always leaves empty slots
-                v = w[NAMES_HEADER + i]
-                if v == h or v == NAMES_EMPTY:
-                    break
-                i = (i + 1) & mask
-            if w[H_GENERATION] != gen or w[H_DIRS] != mark or (v != h and v != NAMES_EMPTY):
-                return None
-            return v == h
+            st = _slot_state(w, names_hash_key(ino.to_bytes(8, "big") + name.encode("utf-8", "surrogateescape")))
+            return st if w[H_DIRS] == mark else None
         except (ValueError, TypeError):         # released meanwhile
             return None
 
@@ -214,9 +219,9 @@ class NameView:
         ``nonblocking``: EAGAIN instead of the ``stat``."""
         now = time.monotonic_ns()
         if mark is not None:
-            c = self._inos.get(path)
-            if c is not None and c[1] == mark and (self.revalidate_ns is None or now - c[2] < self.revalidate_ns):
-                return c[0]
+            ino = self._cached_ino(path, mark, now)
+            if ino is not None:
+                return ino
         if nonblocking:
             raise OSError(errno.EAGAIN, f"{path}: inode not cached")
         self.stats += 1
@@ -228,6 +233,13 @@ class NameView:
                 self._inos.clear()
             self._inos[path] = (st.st_ino, mark, now)
         return st.st_ino
+
+    def _cached_ino(self, path: str, mark: int, now: int) -> int | None:
+        """The inode of directory ``path`` if cached under ``mark`` and not due for its ``stat``."""
+        c = self._inos.get(path)
+        if c is not None and c[1] == mark and (self.revalidate_ns is None or now - c[2] < self.revalidate_ns):
+            return c[0]
+        return None
 
     def _probe(self, h: int, nonblocking: bool = False) -> bool | None:
         """Is hash ``h`` in the table (True), not in it (False), or not known (None)?"""
@@ -244,17 +256,9 @@ class NameView:
                 if w is None:
                     self._off = True
                     return None
-            gen = w[H_GENERATION]
-            if gen != NAMES_STALE:
-                mask = w[H_CAPACITY] - 1
-                i, v = h & mask, NAMES_EMPTY
-                for _n in range(mask + 1):      # the writer always leaves empty slots
-                    v = w[NAMES_HEADER + i]
-                    if v == h or v == NAMES_EMPTY:
-                        break
-                    i = (i + 1) & mask
-                if w[H_GENERATION] == gen and (v == h or v == NAMES_EMPTY):
-                    return v == h
+            st = _slot_state(w, h)
+            if st is not None:
+                return st
             self._close_map()           # replaced (grown) while we looked: map the new one
         return None
 

@@ -225,12 +225,11 @@ class NameTable:
     def enter(self, changes: dict, dirents_db: int, dirs: bool = False) -> list[int] | None:
         """The first half of :meth:`apply`, before the changes are visible: add the new
         entries (and count ``dirs``); returns what :meth:`leave` removes after."""
-        t = self.t
-        if t is None:
+        if self.t is None:
             return None
         if dirs:
             self.dirs += 1
-            t.words[H_DIRS] = self.dirs
+            self.t.words[H_DIRS] = self.dirs
         gone, building = [], self._gone
         try:
             for (db, key), v in changes.items():
@@ -238,11 +237,7 @@ class NameTable:
                     continue
                 h = names_hash_key(key)
                 if v.__class__ is bytes:
-                    if t.used + 1 > t.capacity * MAX_LOAD:
-                        self._add(h)
-                        t = self.t
-                    else:
-                        t.add(h)
+                    self._add(h)
                     if building is not None:
                         building.discard(h)
                 else:

@@ -100,7 +100,7 @@ class RamTier(Tier):
         self.staging: Dir | None = None     # its staging/ subdirectory (write buffers)
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}
         self.mapped = 0                     # objects held as mappings (a descriptor each)
-        self.max_mapped = mapping_budget()  # again at open (the daemon raises its limit first)
+        self.max_mapped = 0                 # set at open: mapping_budget()
         self._stale: set[int] = set()       # objects whose file went with a removed directory
         self.staged = 0                      # bytes held by write buffers (part of used)
         self._seq = itertools.count()

@@ -42,6 +42,7 @@ BASE = b"base"
 TTL = b"ttl"
 RELEASE = b"release"
 FD = b"fd"               # commit: the caller's descriptor holding the bytes of later entries
+MEM = b"mem"             # commit: later entries' offsets are addresses in the caller's memory
 MODE = b"mode"           # commit: permission bits of later entries (octal, default 0644)
 NOREPLACE = b"noreplace"  # commit: an existing target is kept (EEXIST for its entry)
 MKDIR = b"mkdir"         # commit: missing directories are made with these bits (octal)
@@ -61,20 +62,27 @@ def request(base: str, rels: list[str], ttl: float | None = None) -> bytes:
     return (head + "\n".join(rels) + "\n").encode("utf-8", "surrogateescape")
 
 
-def commit_request(base: str, fd: int, entries: list[tuple[int, int, str]], mode: int | None = None,
-                   noreplace: bool = False, dirmode: int | None = None) -> bytes:
+def commit_request(base: str, fd: int | None, entries: list[tuple[int, int, str]], mode: int | None = None,
+                   noreplace: bool = False, dirmode: int | None = None, in_memory: list[bool] | None = None) -> bytes:
     """A ``.kvfs/commit`` request: ``entries`` of ``(offset, length, path)`` -- ``length``
     bytes at ``offset`` of the caller's descriptor ``fd`` become the file ``path`` (relative
-    to ``base``, itself relative to the mount root); ``dirmode``: missing directories are made."""
-    head = f"\0fd {fd}\n" + ("\0noreplace\n" if noreplace else "")
+    to ``base``, itself relative to the mount root); ``dirmode``: missing directories are made.
+    ``in_memory[i]``: entry i's offset is an address in the caller's own memory instead."""
+    head = ("\0noreplace\n" if noreplace else "")
     if dirmode is not None:
         head += f"\0mkdir {dirmode:o}\n"
     if mode is not None:
         head += f"\0mode {mode:o}\n"
     if base and base != ".":
         head += f"\0base {base}\n"
-    body = "".join(f"{off} {n} {path}\n" for off, n, path in entries)
-    return (head + body).encode("utf-8", "surrogateescape")
+    lines, cur = [head], None
+    for i, (off, n, path) in enumerate(entries):
+        src = "\0mem\n" if in_memory is not None and in_memory[i] else f"\0fd {fd}\n"
+        if src != cur:
+            lines.append(src)
+            cur = src
+        lines.append(f"{off} {n} {path}\n")
+    return "".join(lines).encode("utf-8", "surrogateescape")
 
 
 # ---- batched get (.kvfs/get; grammar in kvfs/store/getbatch.py) ---------------------------

@@ -6,11 +6,14 @@ Open ``.kvfs/commit`` read-write, write a request at offset 0, read the answer::
     line      := entry | directive
     entry     := OFFSET " " LENGTH " " PATH     decimal byte range of the current fd; PATH
                                                  relative to the current base
-    directive := "\\0fd N" | "\\0base DIR" | "\\0mode OCTAL" | "\\0noreplace" | "\\0mkdir OCTAL"
+    directive := "\\0fd N" | "\\0mem" | "\\0base DIR" | "\\0mode OCTAL" | "\\0noreplace" | "\\0mkdir OCTAL"
 
-``\\0fd N`` names a descriptor of the process that opened the control file (required before
-the first entry; a memfd or a tmpfs file open for reading: any other filesystem answers
-EINVAL, a file of this mount EXDEV, a descriptor not open for reading EBADF);
+``\\0fd N`` names a descriptor of the process that opened the control file (a memfd or a
+tmpfs file open for reading: any other filesystem answers EINVAL, a file of this mount EXDEV, a
+descriptor not open for reading EBADF); ``\\0mem``: later entries name that process's own
+memory, OFFSET an address (read with ``process_vm_readv``: one copy fewer; EPERM for a process
+its user could not ``ptrace``, EFAULT for a range it does not map). One of the two is required
+before the first entry; a request may switch between them;
 ``\\0base DIR`` as for ``lookup``; ``\\0mode`` the permission bits of later entries (default
 0644); ``\\0noreplace`` keeps an existing target (its entry answers EEXIST, as
 ``rename(RENAME_NOREPLACE)``; default: replace it, as ``rename``); ``\\0mkdir OCTAL`` makes
@@ -20,10 +23,10 @@ published as if the caller had written a temp file beside it, closed it and rena
 PATH; otherwise the errno that failed it (nothing was published for it). A request that
 does not parse fails as a whole with EINVAL.
 
-Who asks: the uid, gid and groups, and the descriptor table, of the process that opened the
-control file (kvfs.store.commit documents the checks). Requires the daemon to run as root or
-as the caller's user (it reads ``/proc/<pid>/fd``): otherwise entries fail with EACCES or
-EPERM and clients write through the mount instead.
+Who asks: the uid, gid and groups, and the descriptor table or memory, of the process that
+opened the control file (kvfs.store.caller documents the checks). Requires the daemon to run
+as root or as the caller's user (it reads ``/proc/<pid>/fd`` or the process's memory): otherwise
+entries fail with EACCES or EPERM and clients write through the mount instead.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from kvfs.store.commit import CallerProcess, CommitEntry
 log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 65536
+MEM = "mem"                 # an entry's source: the caller's memory (``\\0mem``), not a descriptor
 
 
 def _mount_dev(mountpoint: str) -> int:
@@ -73,6 +77,8 @@ def parse(raw: bytes) -> tuple[list[tuple[int, int, int, bytes, int]], bool, int
                 word, _, arg = line[1:].partition(b" ")
                 if word == protocol.FD:
                     fd = int(arg)
+                elif word == protocol.MEM:
+                    fd = MEM
                 elif word == protocol.BASE:
                     base = arg.strip(b"/")
                 elif word == protocol.NOREPLACE:
@@ -126,8 +132,11 @@ class CommitControl:
         try:
             for i, (n, off, length, path, mode) in enumerate(reqs):
                 if n not in fds:
-                    try:    # in a thread: a descriptor of this very mount makes fstat ask us
-                        fds[n] = await trio.to_thread.run_sync(h.process.open_fd, n, self.mount_dev())
+                    try:
+                        if n == MEM:
+                            fds[n] = h.process.memory(h.cred.uid)
+                        else:   # in a thread: a descriptor of this very mount makes fstat ask us
+                            fds[n] = await trio.to_thread.run_sync(h.process.open_fd, n, self.mount_dev())
                     except (OSError, NamespaceError) as e:
                         fds[n] = e
                 src = fds[n]

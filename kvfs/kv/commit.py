@@ -1,8 +1,12 @@
 """Client of ``.kvfs/commit`` (kvfs/fs/commitctl.py): write many files in one request.
 
-:class:`CommitClient` copies each file's bytes into a memfd of its own, at consecutive
-offsets, and names them all in one request; the daemon copies them into its store and
-publishes each file as close+rename would. Two FUSE round trips per batch (write the
+:class:`CommitClient` names each file's bytes in one request and the daemon copies them into
+its store and publishes each file as close+rename would. A file held in one writable buffer
+is named by its address (``\\0mem``: the daemon reads this process's memory, one copy); other
+files' bytes (several buffers, read-only ones, or a daemon that does not read memory) are
+first copied into a memfd of the client's own, at consecutive offsets, and named there.
+The buffers must not change until :meth:`CommitClient.commit` returns (a write(2) of them
+would have the same rule). Two FUSE round trips per batch (write the
 request, read the answer) instead of create, write(s), flush, release and rename per file.
 
 A batch larger than ``2 * PIPELINE_BYTES`` goes as several requests on two descriptors of
@@ -16,6 +20,7 @@ has its own copy once ``commit`` returns).
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import errno
 import json
 import logging
@@ -32,12 +37,26 @@ _ANSWER_CHUNK = 1 << 20
 _IOV = 1024                  # buffers per pwritev (IOV_MAX)
 
 
+# an entry named by address that failed for a reason of the memory read itself: sent again by memfd
+_REFUSED_MEMORY = (errno.EPERM, errno.ENOSYS, errno.EFAULT)
+
+
 class CommitUnavailable(OSError):
     """The mount has no ``.kvfs/commit`` (an older daemon), or it refused the request."""
 
 
 def _views(bufs) -> list[memoryview]:
     return [memoryview(b).cast("B") for b in bufs]
+
+
+def _address(v: memoryview) -> int | None:
+    """Where a writable, non-empty buffer starts in this process's memory; None for others."""
+    if not len(v) or v.readonly:
+        return None
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(v))
+    except (TypeError, ValueError):
+        return None
 
 
 def _umask() -> int:
@@ -71,6 +90,7 @@ class CommitClient:
         self._lanes = [_Lane(self.ctl, self.memfd)]
         self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
         self._mkdir = True              # the daemon makes missing directories (\0mkdir)
+        self.use_memory = True          # name buffers by address (\0mem) while the daemon reads them
 
     @classmethod
     def open(cls, mount_root: str) -> "CommitClient | None":
@@ -131,9 +151,30 @@ class CommitClient:
             size += n
         if start < len(items):
             parts.append(items[start:])
-        if len(parts) < 2:
-            return self._commit(base, items, mode, noreplace, dirmode) if items else []
-        return self._pipelined(base, parts, mode, noreplace, dirmode)
+        if not items:
+            return []
+        memory = self.use_memory
+        try:
+            results = (self._commit(base, items, mode, noreplace, dirmode) if len(parts) < 2
+                       else self._pipelined(base, parts, mode, noreplace, dirmode))
+        except OSError as e:
+            if not (memory and e.errno == errno.EINVAL):
+                raise
+            log.debug("the daemon does not read this process's memory (%s): copying through a memfd", e)
+            self.use_memory = False     # an older daemon: \0mem does not parse
+            return self.commit(base, items, mode, noreplace, dirmode)
+        again = [k for k, r in enumerate(results) if memory and r in _REFUSED_MEMORY]
+        if again:                       # refused the memory read (not dumpable, ...)? by memfd
+            self.use_memory = False
+            retried = self.commit(base, [items[k] for k in again], mode, noreplace, dirmode)
+            if any(r in (0, errno.EEXIST) for r in retried):
+                log.debug("the daemon refused to read this process's memory (%s): copying through a memfd",
+                          os.strerror(results[again[0]]))
+            else:                       # refused for the entry's own sake (a path it may not write)
+                self.use_memory = True
+            for k, r in zip(again, retried):
+                results[k] = r
+        return results
 
     def _pipelined(self, base: str, parts: list, mode: int | None, noreplace: bool,
                    dirmode: int | None) -> list[int]:
@@ -189,27 +230,40 @@ class CommitClient:
 
     def _send(self, lane: "_Lane", base: str, items: list[tuple[str, list]], mode: int | None,
               noreplace: bool, dirmode: int | None) -> None:
-        """Copy the items' bytes into the lane's memfd, back to back, and write the request."""
-        entries, views, off = [], [], 0
+        """Name each item by address (one writable buffer, :attr:`use_memory`), or copy its
+        bytes into the lane's memfd, back to back; then write the request."""
+        entries, views, in_memory, off = [], [], [], 0
         for name, bufs in items:
             vs = _views(bufs)
             n = sum(len(v) for v in vs)
-            entries.append((off, n, name))
-            views += vs
-            off += n
+            at = _address(vs[0]) if self.use_memory and len(vs) == 1 else None
+            if at is not None:
+                entries.append((at, n, name))
+                lane.pinned.append(vs[0])   # the daemon reads it: alive until the answer
+            else:
+                entries.append((off, n, name))
+                views += vs
+                off += n
+            in_memory.append(at is not None)
         if off > lane.size:
             os.ftruncate(lane.memfd, off)
             lane.size = off
         at = 0
         for k in range(0, len(views), _IOV):        # the entries lie back to back: few pwritev
             at += write_all(lane.memfd, views[k:k + _IOV], at)
-        req = protocol.commit_request(base, lane.memfd, entries, mode, noreplace, dirmode)
+        req = protocol.commit_request(base, lane.memfd, entries, mode, noreplace, dirmode, in_memory)
         done = 0
         while done < len(req):
             done += os.pwrite(lane.ctl, req[done:done + (1 << 20)], done)
 
     def _answer(self, lane: "_Lane", count: int) -> list[int]:
         """Read the answer to the lane's request (the daemon serves it now): one errno per item."""
+        try:
+            return self._read_answer(lane, count)
+        finally:
+            lane.pinned.clear()
+
+    def _read_answer(self, lane: "_Lane", count: int) -> list[int]:
         parts, off = [], 0
         while True:
             b = os.pread(lane.ctl, _ANSWER_CHUNK, off)
@@ -234,3 +288,4 @@ class _Lane:
 
     def __init__(self, ctl: int, memfd: int):
         self.ctl, self.memfd, self.size = ctl, memfd, 0
+        self.pinned: list[memoryview] = []      # buffers named by address in the request in flight

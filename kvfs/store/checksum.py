@@ -27,8 +27,11 @@ class Summer:
     """:func:`summarize` of bytes fed in pieces (any sizes, in order): a copy can checksum
     each piece while it is still in the CPU cache, instead of a second pass over memory."""
 
-    def __init__(self, chunk_size: int):
+    def __init__(self, chunk_size: int, length: int | None = None):
         self.chunk_size = chunk_size
+        # ``length`` (the bytes that will be fed) within one chunk: its sum is the whole's,
+        # so the per-chunk pass is skipped
+        self._one = length is not None and length <= chunk_size
         self._whole = xxhash.xxh3_64()
         self._chunk = xxhash.xxh3_64()
         self._in_chunk = 0              # bytes of the current chunk fed so far
@@ -39,6 +42,10 @@ class Summer:
         view = memoryview(piece).cast("B")
         self._whole.update(view)
         self.size += len(view)
+        if self._one:
+            if self.size > self.chunk_size:
+                raise ValueError("fed more bytes than the length given")
+            return
         while len(view):
             take = min(len(view), self.chunk_size - self._in_chunk)
             self._chunk.update(view[:take])

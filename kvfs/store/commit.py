@@ -1,7 +1,8 @@
 """Batched publication of files whose bytes the caller hands over by descriptor (the
 ``.kvfs/commit`` control file, kvfs/fs/control.py documents the request); a mixin of ``Cache``.
 
-A client writes many pages into memory it owns (a memfd) and names them in one request. For
+A client names many pages in one request: byte ranges of a memfd it wrote them to, or of its
+own memory. For
 each entry the daemon
 
 1. resolves the target's parent as the caller (search permission on every directory, write
@@ -9,25 +10,17 @@ each entry the daemon
    makes for ``create`` and ``rename`` with ``default_permissions``;
 2. creates a hidden temporary file there owned by the caller (``Cache.create``), so quotas,
    admission, the staging buffer's accounting and spilling are those of any write;
-3. copies the entry's byte range from the caller's descriptor into that daemon-owned buffer
-   (``sendfile``, in a worker thread) -- the caller cannot change what is stored afterwards;
+3. copies the entry's byte range from the caller's descriptor or memory into that
+   daemon-owned buffer (copier threads) -- the caller cannot change what is stored afterwards;
 4. seals it exactly as the last close would (the checksum is of the daemon's copy; events,
    metrics, group-commit durability of the index as for a close) and renames it over the
    target name (a replaced file is released as by ``rename``).
 
 Each entry succeeds or fails on its own; a failed entry leaves nothing behind.
 
-The caller's descriptor is reached through ``/proc/<pid>/fd/<n>`` of the process that opened
-the control file (:class:`CallerProcess`), never through a path the caller names: it is
-opened ``O_PATH`` first (no side effects), must be a memfd (not ``MFD_HUGETLB``) or a file
-on a tmpfs -- told from its mount id in ``fdinfo`` and the caller's ``mountinfo``, before
-anything asks the file's own filesystem (EINVAL otherwise, EXDEV for a file of this mount:
-a descriptor of a slow or stalled filesystem, e.g. a FUSE file the caller serves itself,
-would hold a daemon worker thread) -- must be a regular file, is reopened read-only from
-that ``O_PATH`` descriptor, and the caller's own descriptor must be readable (``fdinfo``
-flags) and still name the same inode afterwards. So the daemon never reads anything the
-caller could not read itself. A pidfd taken at open time proves the process is still the
-one that opened the control file (its pid was not reused).
+Where the bytes come from -- a descriptor of the process that opened the control file
+(``\0fd N``), or its own memory (``\0mem``) -- and what is checked before they are read:
+kvfs.store.caller.
 """
 from __future__ import annotations
 
@@ -36,7 +29,6 @@ import dataclasses
 import errno
 import logging
 import os
-import select
 import stat
 import threading
 import time
@@ -46,6 +38,7 @@ import trio
 from kvfs.errors import NamespaceError
 from kvfs.protocol import CONTROL_NAME_B
 from kvfs.store import checksum
+from kvfs.store.caller import CallerMemory, CallerProcess, _err  # noqa: F401 -- CallerProcess: the commit file's
 from kvfs.store.cred import Cred
 from kvfs.store.index import ROOT_INO
 from kvfs.store.sniff import peek_block_header
@@ -63,149 +56,19 @@ COPIERS = 8                # copier threads, shared by all requests
 COPY_SPLIT = 2             # threads copying one group (while the group before it is sealed)
 
 
-SOURCE_FS = ("tmpfs",)      # filesystems a commit reads from (besides memfds)
-
-
-def _err(code: int, msg: str = "") -> NamespaceError:
-    return NamespaceError(code, msg or os.strerror(code))
-
-
-def _fdinfo(path: str) -> dict[str, str]:
-    with open(path) as f:
-        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
-
-
-_memfd_mnt: list[str] = []
-
-
-def memfd_mount_id() -> str:
-    """The mount id of memfds (the kernel's internal shmem mount), learnt from one of ours."""
-    if not _memfd_mnt:
-        fd = os.memfd_create("kvfs-probe", os.MFD_CLOEXEC)
-        try:
-            _memfd_mnt.append(_fdinfo(f"/proc/self/fdinfo/{fd}")["mnt_id"].strip())
-        finally:
-            os.close(fd)
-    return _memfd_mnt[0]
-
-
-class CallerProcess:
-    """The process that opened a ``.kvfs/commit`` descriptor, held by pidfd."""
-
-    def __init__(self, pid: int):
-        self.tgid = self._tgid(pid)
-        self.pidfd = os.pidfd_open(self.tgid)
-
-    @staticmethod
-    def _tgid(pid: int) -> int:
-        """FUSE sends the calling thread's id; its process is the thread group."""
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("Tgid:"):
-                        return int(line.split()[1])
-        except (OSError, ValueError):
-            pass
-        raise _err(errno.ESRCH, f"process {pid} is gone")
-
-    def alive(self) -> bool:
-        if self.pidfd < 0:
-            return False
-        # poll, not select: a daemon holding many objects open has descriptors past select's
-        # 1024 (ValueError there failed every commit with EIO)
-        p = select.poll()
-        p.register(self.pidfd, select.POLLIN)
-        return not p.poll(0)
-
-    def close(self) -> None:
-        if self.pidfd >= 0:
-            os.close(self.pidfd)
-            self.pidfd = -1
-
-    def open_fd(self, n: int, mount_dev: int) -> int:
-        """A read-only descriptor of the regular file that the caller's fd ``n`` names, or
-        an errno (EBADF: not a descriptor of a readable regular file; ESRCH: caller gone)."""
-        if n < 0 or not self.alive():
-            raise _err(errno.EBADF if n < 0 else errno.ESRCH)
-        link = f"/proc/{self.tgid}/fd/{n}"
-        try:
-            opath = os.open(link, os.O_PATH | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise _err(errno.EBADF, f"the caller has no descriptor {n}") from None
-        try:
-            mnt = self._check_source_fs(n, opath, mount_dev)
-            st = os.fstat(opath)            # a memfd or tmpfs file: answered at once
-            if not stat.S_ISREG(st.st_mode):
-                raise _err(errno.EBADF, f"descriptor {n} is not a regular file")
-            fd = os.open(f"/proc/self/fd/{opath}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
-        finally:
-            os.close(opath)
-        try:
-            self._check_readable(n, st, mnt)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _check_source_fs(self, n: int, opath: int, mount_dev: int) -> str:
-        """The mount id of ``opath`` (our O_PATH descriptor of the caller's fd ``n``) if it is
-        a memfd's or a tmpfs mount's; EXDEV for this mount, EINVAL for any other. Reads only
-        /proc: nothing here reaches the file's own filesystem."""
-        try:
-            mnt = _fdinfo(f"/proc/self/fdinfo/{opath}")["mnt_id"].strip()
-        except (OSError, KeyError, ValueError):
-            raise _err(errno.EBADF, f"descriptor {n} went away") from None
-        if mnt == memfd_mount_id():
-            return mnt
-        fstype, dev = "", -1
-        try:
-            with open(f"/proc/{self.tgid}/mountinfo") as f:     # the caller's mount namespace
-                for line in f:
-                    fields = line.split()
-                    if fields and fields[0] == mnt and " - " in line:
-                        fstype = line.split(" - ", 1)[1].split()[0]
-                        major, minor = fields[2].split(":")
-                        dev = os.makedev(int(major), int(minor))
-                        break
-        except (OSError, ValueError, IndexError):
-            raise _err(errno.ESRCH) from None
-        if fstype in SOURCE_FS:
-            return mnt
-        if dev == mount_dev:
-            raise _err(errno.EXDEV, f"descriptor {n} is a file of this mount")
-        raise _err(errno.EINVAL, f"descriptor {n} is not a memfd or a tmpfs file ({fstype or 'unknown'})")
-
-    def _check_readable(self, n: int, st: os.stat_result, mnt: str) -> None:
-        """The caller's fd ``n`` may read (not O_WRONLY, not O_PATH) and still names ``st``'s
-        inode on mount ``mnt`` (checked in fdinfo before the stat, so the stat reaches only a
-        memfd or tmpfs), and the caller is still the process that opened the control file."""
-        try:
-            info = _fdinfo(f"/proc/{self.tgid}/fdinfo/{n}")
-            flags = int(info["flags"].strip(), 8)
-            if info["mnt_id"].strip() != mnt:
-                raise _err(errno.EBADF, f"descriptor {n} changed")
-            now = os.stat(f"/proc/{self.tgid}/fd/{n}")
-        except (OSError, KeyError, ValueError):
-            raise _err(errno.EBADF, f"descriptor {n} went away") from None
-        if flags & os.O_PATH or flags & os.O_ACCMODE == os.O_WRONLY:
-            raise _err(errno.EBADF, f"descriptor {n} is not open for reading")
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            raise _err(errno.EBADF, f"descriptor {n} changed")
-        if not self.alive():
-            raise _err(errno.ESRCH)
-
-
 @dataclasses.dataclass
 class CommitEntry:
     path: bytes             # relative to the mount root
-    src: int                # the daemon's read-only descriptor of the caller's bytes
-    offset: int
+    src: "int | CallerMemory"   # the daemon's read-only descriptor of the caller's bytes, or its memory
+    offset: int             # in the descriptor, or the address in the caller's memory
     length: int
     mode: int = 0o644
 
 
-def _copy(src: int, dst: int, offset: int, length: int) -> int:
+def _copy(src, dst: int, offset: int, length: int) -> int:
     """Copy ``length`` bytes at ``offset`` of ``src`` to the start of ``dst`` (worker thread)."""
+    if type(src) is not int:            # the caller's memory: through this thread's buffer
+        return _copy_summed(src, dst, offset, length, None)[0]
     os.lseek(dst, 0, os.SEEK_SET)
     done = 0
     while done < length:
@@ -219,26 +82,30 @@ def _copy(src: int, dst: int, offset: int, length: int) -> int:
 _piece = threading.local()
 
 
-def _copy_summed(src: int, dst: int, offset: int, length: int, chunk: int) -> tuple[int, tuple]:
+def _copy_summed(src, dst: int, offset: int, length: int, chunk: int | None) -> tuple[int, tuple | None]:
     """:func:`_copy` that also checksums what it copies, in one pass: each piece is read into
     this thread's buffer, summed while it is in the CPU cache, and written from that same
     buffer, so the sums are of exactly the bytes stored (the caller may change its source
-    meanwhile). Returns (bytes copied, ``checksum.summarize`` of them)."""
+    meanwhile). Returns (bytes copied, ``checksum.summarize`` of them; None without ``chunk``).
+    ``src``: a descriptor, or the caller's memory (``offset`` an address)."""
     buf = getattr(_piece, "buf", None)
     if buf is None:
         buf = _piece.buf = memoryview(bytearray(_PIECE))
-    summer = checksum.Summer(chunk)
+    summer = checksum.Summer(chunk, length) if chunk else None
+    fd = type(src) is int
     done = 0
     while done < length:
-        n = os.preadv(src, [buf[:min(_PIECE, length - done)]], offset + done)
+        piece = buf[:min(_PIECE, length - done)]
+        n = os.preadv(src, [piece], offset + done) if fd else src.readinto(piece, offset + done)
         if n == 0:
             break
-        summer.update(buf[:n])
+        if summer is not None:
+            summer.update(buf[:n])
         w = 0
         while w < n:
             w += os.pwrite(dst, buf[w:n], done + w)
         done += n
-    return done, summer.result()
+    return done, summer.result() if summer is not None else None
 
 
 class Commits:
@@ -518,8 +385,10 @@ class _Pending:
     cred: Cred | None = None
 
 
-def _read(src: int, offset: int, length: int) -> bytes:
-    """``length`` bytes at ``offset`` of ``src`` (fewer at its end)."""
+def _read(src, offset: int, length: int) -> bytes:
+    """``length`` bytes at ``offset`` of ``src`` (fewer at its end of a descriptor)."""
+    if type(src) is not int:
+        return src.read(offset, length)
     parts, done = [], 0
     while done < length:
         b = os.pread(src, length - done, offset + done)

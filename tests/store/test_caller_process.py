@@ -1,12 +1,15 @@
 """The commit path's hold on its caller (kvfs.store.commit.CallerProcess)."""
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import subprocess
+import sys
 
 import pytest
 
+from kvfs.errors import NamespaceError
 from kvfs.store.commit import CallerProcess
 
 
@@ -43,3 +46,37 @@ def test_a_caller_is_seen_alive_and_gone_through_a_descriptor_past_1024(high_fd)
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+CHILD_MEMORY = r"""
+import ctypes, sys
+data = bytearray(b"c" * 300000)
+print(ctypes.addressof(ctypes.c_char.from_buffer(data)), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_callers_memory_is_read_while_it_lives_and_esrch_once_it_is_gone():
+    child = subprocess.Popen([sys.executable, "-c", CHILD_MEMORY], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    c = CallerProcess(child.pid)
+    try:
+        at = int(child.stdout.readline())
+        mem = c.memory(os.geteuid())
+        assert mem.read(at, 300000) == b"c" * 300000
+        assert mem.read(at + 299990, 10) == b"c" * 10
+        with pytest.raises(OSError) as e:
+            mem.read(at + 299990, 1 << 30)  # past what the process maps: EFAULT (or a short read)
+        assert e.value.errno == errno.EFAULT
+        with pytest.raises(NamespaceError) as e:
+            c.memory(os.geteuid() + 1)      # not the owner of /proc/<pid>: as if not dumpable
+        assert e.value.errno == errno.EPERM
+        child.kill()
+        child.wait()
+        with pytest.raises(OSError) as e:
+            mem.read(at, 4096)
+        assert e.value.errno == errno.ESRCH
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        c.close()

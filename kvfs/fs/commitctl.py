@@ -11,8 +11,9 @@ Open ``.kvfs/commit`` read-write, write a request at offset 0, read the answer::
 ``\\0fd N`` names a descriptor of the process that opened the control file (a memfd or a
 tmpfs file open for reading: any other filesystem answers EINVAL, a file of this mount EXDEV, a
 descriptor not open for reading EBADF); ``\\0mem``: later entries name that process's own
-memory, OFFSET an address (read with ``process_vm_readv``: one copy fewer; EPERM for a process
-its user could not ``ptrace``, EFAULT for a range it does not map). One of the two is required
+memory, OFFSET an address, or ``ADDR+LEN,ADDR+LEN,...`` for a file in several pieces (read with
+``process_vm_readv``: one copy fewer; EPERM for a process its user could not ``ptrace``, EFAULT
+for a range it does not map). One of the two is required
 before the first entry; a request may switch between them;
 ``\\0base DIR`` as for ``lookup``; ``\\0mode`` the permission bits of later entries (default
 0644); ``\\0noreplace`` keeps an existing target (its entry answers EEXIST, as
@@ -45,6 +46,7 @@ from kvfs.store.commit import CallerProcess, CommitEntry
 log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 65536
+MAX_RANGES = 4096            # address ranges of one memory entry
 MEM = "mem"                 # an entry's source: the caller's memory (``\\0mem``), not a descriptor
 
 
@@ -95,15 +97,36 @@ def parse(raw: bytes) -> tuple[list[tuple[int, int, int, bytes, int]], bool, int
                     raise ValueError(word)
                 continue
             off, n, path = line.split(b" ", 2)
-            if fd is None or int(off) < 0 or int(n) < 0 or not path:
+            if fd is None or int(n) < 0 or not path:
                 raise ValueError(line)
             full = base + b"/" + path if base and base != b"." else path
-            out.append((fd, int(off), int(n), full, mode))
+            out.append((fd, _ranges(off, int(n)) if fd == MEM else _offset(off), int(n), full, mode))
     except ValueError:
         raise pyfuse3.FUSEError(errno.EINVAL) from None
     if len(out) > MAX_ENTRIES:
         raise pyfuse3.FUSEError(errno.E2BIG)
     return out, noreplace, dirmode
+
+
+def _offset(tok: bytes) -> int:
+    off = int(tok)
+    if off < 0:
+        raise ValueError(tok)
+    return off
+
+
+def _ranges(tok: bytes, length: int) -> tuple:
+    """A memory entry's OFFSET: ``ADDR`` (``length`` bytes there) or ``ADDR+LEN,ADDR+LEN...``
+    (read in order as one file; the lengths add up to ``length``)."""
+    if b"+" not in tok:
+        return ((_offset(tok), length),)
+    out = []
+    for part in tok.split(b","):
+        a, _, k = part.partition(b"+")
+        out.append((_offset(a), _offset(k)))
+    if len(out) > MAX_RANGES or sum(k for _, k in out) != length:
+        raise ValueError(tok)
+    return tuple(out)
 
 
 class CommitControl:

@@ -1,9 +1,9 @@
 """Client of ``.kvfs/commit`` (kvfs/fs/commitctl.py): write many files in one request.
 
 :class:`CommitClient` names each file's bytes in one request and the daemon copies them into
-its store and publishes each file as close+rename would. A file held in one writable buffer
-is named by its address (``\\0mem``: the daemon reads this process's memory, one copy); other
-files' bytes (several buffers, read-only ones, or a daemon that does not read memory) are
+its store and publishes each file as close+rename would. A file held in writable buffers
+is named by its address(es) (``\\0mem``: the daemon reads this process's memory, one copy);
+other files' bytes (read-only or empty buffers, or a daemon that does not read memory) are
 first copied into a memfd of the client's own, at consecutive offsets, and named there.
 The buffers must not change until :meth:`CommitClient.commit` returns (a write(2) of them
 would have the same rule). Two FUSE round trips per batch (write the
@@ -35,6 +35,7 @@ BATCH_BYTES = 256 << 20      # a larger batch goes as several requests
 PIPELINE_BYTES = 32 << 20    # parts of a batch over twice this: copied while the last is served
 _ANSWER_CHUNK = 1 << 20
 _IOV = 1024                  # buffers per pwritev (IOV_MAX)
+_MAX_RANGES = 4096           # address ranges of one item named by address (the daemon's limit)
 
 
 # an entry named by address that failed for a reason of the memory read itself: sent again by memfd
@@ -236,10 +237,10 @@ class CommitClient:
         for name, bufs in items:
             vs = _views(bufs)
             n = sum(len(v) for v in vs)
-            at = _address(vs[0]) if self.use_memory and len(vs) == 1 else None
+            at = self._ranges(vs) if self.use_memory else None
             if at is not None:
                 entries.append((at, n, name))
-                lane.pinned.append(vs[0])   # the daemon reads it: alive until the answer
+                lane.pinned += vs           # the daemon reads them: alive until the answer
             else:
                 entries.append((off, n, name))
                 views += vs
@@ -262,6 +263,23 @@ class CommitClient:
             return self._read_answer(lane, count)
         finally:
             lane.pinned.clear()
+
+    @staticmethod
+    def _ranges(vs: list[memoryview]) -> str | int | None:
+        """An item's OFFSET field by address: one buffer's address, ``ADDR+LEN,...`` for
+        several (neighbours merged); None when a buffer is read-only or empty (the memfd)."""
+        spans: list[list[int]] = []
+        for v in vs:
+            at = _address(v)
+            if at is None:
+                return None
+            if spans and spans[-1][0] + spans[-1][1] == at:
+                spans[-1][1] += len(v)
+            else:
+                spans.append([at, len(v)])
+        if not spans or len(spans) > _MAX_RANGES:
+            return None
+        return spans[0][0] if len(spans) == 1 else ",".join(f"{a}+{k}" for a, k in spans)
 
     def _read_answer(self, lane: "_Lane", count: int) -> list[int]:
         parts, off = [], 0

@@ -191,6 +191,7 @@ class _Iovec(ctypes.Structure):
 
 
 _pvr: list = []
+_IOV_MAX = 1024
 
 
 def _vm_readv():
@@ -214,29 +215,41 @@ class CallerMemory:
     def __init__(self, process: CallerProcess):
         self.process = process
 
-    def readinto(self, view: memoryview, address: int) -> int:
-        """Fill the writable ``view`` from ``address`` onwards: its length, or EFAULT (an
-        OSError) when the range is not the caller's memory, ESRCH when the caller is gone."""
+    def readinto(self, view: memoryview, ranges: tuple, skip: int = 0) -> int:
+        """Fill the writable ``view`` with the bytes of ``ranges`` (``((address, length), ...)``,
+        read as one stream) from ``skip`` bytes in: its length, or EFAULT (an OSError) when a
+        range is not the caller's memory or too short, ESRCH when the caller is gone."""
         n = len(view)
-        if n == 0:
-            return 0
-        local = _Iovec(ctypes.addressof(ctypes.c_char.from_buffer(view)), n)
         done = 0
         while done < n:
-            local.base, local.len = ctypes.addressof(ctypes.c_char.from_buffer(view, done)), n - done
-            remote = _Iovec(address + done, n - done)
-            got = _vm_readv()(self.process.tgid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            remote, want = [], n - done
+            at = skip + done
+            for addr, length in ranges:         # the ranges' part from ``at`` on, up to ``want``
+                if at >= length:
+                    at -= length
+                    continue
+                take = min(length - at, want - sum(r[1] for r in remote))
+                remote.append((addr + at, take))
+                at = 0
+                if sum(r[1] for r in remote) == want or len(remote) == _IOV_MAX:
+                    break
+            if not remote:
+                raise OSError(errno.EFAULT, "the ranges hold fewer bytes than the entry's length")
+            local = _Iovec(ctypes.addressof(ctypes.c_char.from_buffer(view, done)), n - done)
+            riov = (_Iovec * len(remote))(*[_Iovec(a, k) for a, k in remote])
+            got = _vm_readv()(self.process.tgid, ctypes.byref(local), 1, riov, len(remote), 0)
             if got <= 0:
                 e = ctypes.get_errno() if got < 0 else errno.EFAULT
                 if not self.process.alive():
                     e = errno.ESRCH
-                raise OSError(e, f"reading the caller's memory at {address + done:#x}: {os.strerror(e)}")
+                raise OSError(e, f"reading the caller's memory at {remote[0][0]:#x}: {os.strerror(e)}")
             done += got
         if not self.process.alive():    # the pid may have been reused during the read
             raise OSError(errno.ESRCH, "the caller ended while its memory was read")
         return n
 
-    def read(self, address: int, length: int) -> bytes:
+    def read(self, ranges: tuple, length: int) -> bytes:
         buf = bytearray(length)
-        self.readinto(memoryview(buf), address)
+        if length:
+            self.readinto(memoryview(buf), ranges)
         return bytes(buf)

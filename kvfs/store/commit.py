@@ -60,7 +60,7 @@ COPY_SPLIT = 2             # threads copying one group (while the group before i
 class CommitEntry:
     path: bytes             # relative to the mount root
     src: "int | CallerMemory"   # the daemon's read-only descriptor of the caller's bytes, or its memory
-    offset: int             # in the descriptor, or the address in the caller's memory
+    offset: "int | tuple"   # in the descriptor, or ((address, length), ...) in the caller's memory
     length: int
     mode: int = 0o644
 
@@ -87,7 +87,7 @@ def _copy_summed(src, dst: int, offset: int, length: int, chunk: int | None) -> 
     this thread's buffer, summed while it is in the CPU cache, and written from that same
     buffer, so the sums are of exactly the bytes stored (the caller may change its source
     meanwhile). Returns (bytes copied, ``checksum.summarize`` of them; None without ``chunk``).
-    ``src``: a descriptor, or the caller's memory (``offset`` an address)."""
+    ``src``: a descriptor, or the caller's memory (``offset`` its ranges)."""
     buf = getattr(_piece, "buf", None)
     if buf is None:
         buf = _piece.buf = memoryview(bytearray(_PIECE))
@@ -96,7 +96,7 @@ def _copy_summed(src, dst: int, offset: int, length: int, chunk: int | None) -> 
     done = 0
     while done < length:
         piece = buf[:min(_PIECE, length - done)]
-        n = os.preadv(src, [piece], offset + done) if fd else src.readinto(piece, offset + done)
+        n = os.preadv(src, [piece], offset + done) if fd else src.readinto(piece, offset, done)
         if n == 0:
             break
         if summer is not None:
@@ -270,7 +270,7 @@ class Commits:
     async def _begin(self, e: CommitEntry, cred: Cred, quotas, noreplace: bool, dirmode: int | None = None,
                      dirs: list | None = None) -> "_Pending":
         """Checks, the (empty) buffer, and with a quota the hidden temp file and its room."""
-        if e.offset < 0 or e.length < 0:
+        if type(e.offset) is int and e.offset < 0 or e.length < 0:
             raise _err(errno.EINVAL, "negative offset or length")
         parent, name = self.commit_parent(e.path, cred, noreplace, dirmode, dirs)
         if self._direct(quotas):

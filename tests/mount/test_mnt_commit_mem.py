@@ -24,11 +24,18 @@ def test_writable_buffers_are_named_by_address_and_stored_exactly(kvfs_mount):
     (m.path / "d").mkdir()
     pages = {f"p{i}": bytearray(content(f"p{i}", n)) for i, n in enumerate((2 * MiB, 512 << 10, 4096, 1))}
     ro = content("ro", 300 << 10)                   # read-only: through the memfd
-    split = content("split", 64 << 10)              # two buffers: through the memfd
+    split = content("split", 64 << 10)              # read-only in two buffers: through the memfd
+    k, v = bytearray(content("k", 256 << 10)), bytearray(content("v", 256 << 10))
+    whole = bytearray(content("whole", 100 << 10))  # two neighbouring views: one range
     c = CommitClient(str(m.path))
     try:
-        items = [(n, [b]) for n, b in pages.items()] + [("ro", [ro]), ("split", [split[:100], split[100:]])]
-        assert c.commit("d", items) == [0] * 6
+        items = [(n, [b]) for n, b in pages.items()] + [("ro", [ro]), ("split", [split[:100], split[100:]]),
+                                                       ("kv", [k, memoryview(v)[:1000], memoryview(v)[1000:]]),
+                                                       ("whole", [memoryview(whole)[:7], memoryview(whole)[7:]])]
+        views = commit_mod._views
+        assert c._ranges(views([memoryview(whole)[:7], memoryview(whole)[7:]])) == c._ranges(views([whole]))
+        assert c._ranges(views([k, v])).count("+") == 2
+        assert c.commit("d", items) == [0] * 8
         assert c.use_memory
         assert c._lanes[0].size == len(ro) + len(split)     # only those two were copied by the client
         only_memory = [(f"again{i}", [b]) for i, b in enumerate(pages.values())]
@@ -36,7 +43,7 @@ def test_writable_buffers_are_named_by_address_and_stored_exactly(kvfs_mount):
         assert c._lanes[0].size == len(ro) + len(split)
     finally:
         c.close()
-    for name, data in [*pages.items(), ("ro", ro), ("split", split)] + [(f"again{i}", b) for i, b in enumerate(pages.values())]:
+    for name, data in [*pages.items(), ("ro", ro), ("split", split), ("kv", k + v), ("whole", whole)] + [(f"again{i}", b) for i, b in enumerate(pages.values())]:
         assert read(m.path / "d" / name) == data, name
         assert os.getxattr(m.path / "d" / name, "user.kvfs.checksum").decode() == xxhash.xxh3_64_hexdigest(data)
     assert sorted(n for n in os.listdir(m.path / "d") if n.startswith(".")) == []

@@ -62,10 +62,15 @@ def test_the_callers_memory_is_read_while_it_lives_and_esrch_once_it_is_gone():
     try:
         at = int(child.stdout.readline())
         mem = c.memory(os.geteuid())
-        assert mem.read(at, 300000) == b"c" * 300000
-        assert mem.read(at + 299990, 10) == b"c" * 10
+        assert mem.read(((at, 300000),), 300000) == b"c" * 300000
+        assert mem.read(((at + 299990, 10), (at, 5)), 15) == b"c" * 15
+        buf = memoryview(bytearray(7))
+        assert mem.readinto(buf, ((at, 3), (at + 100, 3), (at + 200, 3)), 2) == 7
         with pytest.raises(OSError) as e:
-            mem.read(at + 299990, 1 << 30)  # past what the process maps: EFAULT (or a short read)
+            mem.read(((at + 299990, 1 << 30),), 1 << 30)   # past what the process maps
+        assert e.value.errno == errno.EFAULT
+        with pytest.raises(OSError) as e:
+            mem.read(((at, 10),), 20)       # the ranges hold fewer bytes than asked
         assert e.value.errno == errno.EFAULT
         with pytest.raises(NamespaceError) as e:
             c.memory(os.geteuid() + 1)      # not the owner of /proc/<pid>: as if not dumpable
@@ -73,7 +78,7 @@ def test_the_callers_memory_is_read_while_it_lives_and_esrch_once_it_is_gone():
         child.kill()
         child.wait()
         with pytest.raises(OSError) as e:
-            mem.read(at, 4096)
+            mem.read(((at, 4096),), 4096)
         assert e.value.errno == errno.ESRCH
     finally:
         if child.poll() is None:

@@ -41,7 +41,7 @@ from kvfs.store import checksum
 from kvfs.store.caller import CallerMemory, CallerProcess, _err  # noqa: F401 -- CallerProcess: the commit file's
 from kvfs.store.cred import Cred
 from kvfs.store.index import ROOT_INO
-from kvfs.store.sniff import peek_block_header
+from kvfs.store.sniff import HEAD, peek_block_header
 
 log = logging.getLogger(__name__)
 
@@ -82,18 +82,19 @@ def _copy(src, dst: int, offset: int, length: int) -> int:
 _piece = threading.local()
 
 
-def _copy_summed(src, dst: int, offset: int, length: int, chunk: int | None) -> tuple[int, tuple | None]:
+def _copy_summed(src, dst: int, offset: int, length: int, chunk: int | None) -> tuple[int, tuple | None, bytes]:
     """:func:`_copy` that also checksums what it copies, in one pass: each piece is read into
     this thread's buffer, summed while it is in the CPU cache, and written from that same
     buffer, so the sums are of exactly the bytes stored (the caller may change its source
-    meanwhile). Returns (bytes copied, ``checksum.summarize`` of them; None without ``chunk``).
+    meanwhile). Returns (bytes copied, ``checksum.summarize`` of them -- None without ``chunk``
+    --, the first ``sniff.HEAD`` bytes).
     ``src``: a descriptor, or the caller's memory (``offset`` its ranges)."""
     buf = getattr(_piece, "buf", None)
     if buf is None:
         buf = _piece.buf = memoryview(bytearray(_PIECE))
     summer = checksum.Summer(chunk, length) if chunk else None
     fd = type(src) is int
-    done = 0
+    done, head = 0, b""
     while done < length:
         piece = buf[:min(_PIECE, length - done)]
         n = os.preadv(src, [piece], offset + done) if fd else src.readinto(piece, offset, done)
@@ -101,11 +102,13 @@ def _copy_summed(src, dst: int, offset: int, length: int, chunk: int | None) -> 
             break
         if summer is not None:
             summer.update(buf[:n])
+        if not done:
+            head = bytes(buf[:min(n, HEAD)])
         w = 0
         while w < n:
             w += os.pwrite(dst, buf[w:n], done + w)
         done += n
-    return done, summer.result() if summer is not None else None
+    return done, summer.result() if summer is not None else None, head
 
 
 class Commits:
@@ -298,10 +301,11 @@ class Commits:
         their bytes through a write handle (then: temp file, seal, rename)."""
         return quotas is None or not quotas.limits
 
-    async def _publish(self, m: "_Pending", noreplace: bool, summary: tuple | None = None) -> tuple[int, bytes]:
+    async def _publish(self, m: "_Pending", noreplace: bool, summary: tuple | None = None,
+                       head: bytes | None = None) -> tuple[int, bytes]:
         """Seal the entry's buffer into an object and install it under its final name in one
         index transaction (Namespace.publish): no temp inode, no rename, one group commit.
-        ``summary``: the buffer's checksums, taken by the copy that filled it."""
+        ``summary``, ``head``: the buffer's checksums and first bytes, taken by the copy that filled it."""
         staging, m.staging = m.staging, None
         ram = self.store.ram
         if ram.used > ram.capacity and not staging.spilled:     # as a write would (_written)
@@ -311,7 +315,7 @@ class Commits:
             self.store.kick()
         t0 = time.perf_counter()
         try:
-            kv = await peek_block_header(staging)
+            kv = await peek_block_header(staging, head)
             key = self.ns.path_of(m.parent).rstrip("/") + "/" + m.name.decode("utf-8", "surrogateescape")
             obj = await self.store.create(self.index.new_id(b"ino"), staging, key, 1, summary)
         finally:
@@ -348,9 +352,9 @@ class Commits:
         """Account the copied bytes, seal as the last close would, rename over the name."""
         if isinstance(got, BaseException):
             raise got
-        summary = None
-        if isinstance(got, tuple):          # the copy's checksums of what it stored
-            got, summary = got
+        summary = head = None
+        if isinstance(got, tuple):          # the copy's checksums of what it stored, its first bytes
+            got, summary, head = got
         staging = m.staging
         if isinstance(got, bytes):          # a small buffer kept in memory
             await staging.write(0, got)
@@ -360,7 +364,7 @@ class Commits:
         if got != m.entry.length:
             raise _err(errno.EINVAL, f"the source holds {got} of the {m.entry.length} bytes named")
         if m.fh is None:
-            return await self._publish(m, noreplace, summary)
+            return await self._publish(m, noreplace, summary, head)
         await self._written(self.handles[m.fh].ws, staging)
         await self.flush(m.fh)              # the seal: as the last close would
         await self.release(m.fh)
@@ -447,14 +451,14 @@ async def _copied(box: dict) -> list:
 
 def _copy_all(jobs: list[tuple[int, int | None, int, int, int | None]]) -> list:
     """Each ``(src, dst, offset, length, chunk)`` copied (worker thread): bytes copied, the
-    bytes read when ``dst`` is None, or the error; with a ``chunk`` size, a pair of that and
-    the checksums of the copy (``checksum.summarize``), taken while the bytes are in cache."""
+    bytes read when ``dst`` is None, or the error; with a ``chunk`` size, a triple of that,
+    the checksums of the copy (``checksum.summarize``), taken while the bytes are in cache, and its first bytes."""
     out: list = []
     for src, dst, off, n, chunk in jobs:
         try:
             if dst is None:
                 data = _read(src, off, n)
-                out.append(data if chunk is None else (data, checksum.summarize(memoryview(data), chunk)))
+                out.append(data if chunk is None else (data, checksum.summarize(memoryview(data), chunk), data[:HEAD]))
             elif chunk is None:
                 out.append(_copy(src, dst, off, n))
             else:

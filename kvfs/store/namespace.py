@@ -394,7 +394,7 @@ class Namespace:
                 rec["kv"] = kv
             self._kv_add(rec)
             obj.pinned = False
-            txn.put_object(obj.oid, obj.record())
+            txn.put_object(obj.oid, obj.record(), old=None)        # a new object: nothing to read
             txn.put_inode(obj.ino, rec)
             txn.link(parent, name, obj.ino, new=True)
             prec["mtime"] = prec["ctime"] = now

@@ -22,13 +22,18 @@ def kv_header(data: bytes) -> dict | None:
         return None
 
 
-async def peek_block_header(staging: Staging) -> dict | None:
+HEAD = 9                    # bytes that tell a block header from anything else
+
+
+async def peek_block_header(staging: Staging, head: bytes | None = None) -> dict | None:
     """The kvfs block header of the buffer, if it is one (by content, not by name:
-    runtimes write blocks under temporary names and rename them)."""
+    runtimes write blocks under temporary names and rename them). ``head``: the buffer's
+    first HEAD bytes when the caller has them (a commit's copy): most buffers are told
+    apart from them without reading the buffer again."""
     if staging.size < 16:
         return None
-    first = await staging.read(0, 8)
-    n = int.from_bytes(first, "little") + 8
-    if n > min(staging.size, _HEADER_PEEK) or not (await staging.read(8, 1)) == b"{":
+    first = head[:HEAD] if head is not None and len(head) >= HEAD else await staging.read(0, HEAD)
+    n = int.from_bytes(first[:8], "little") + 8
+    if n > min(staging.size, _HEADER_PEEK) or first[8:9] != b"{":
         return None
     return kv_header(await staging.read(0, n))

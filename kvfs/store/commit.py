@@ -28,6 +28,7 @@ import concurrent.futures
 import dataclasses
 import errno
 import logging
+import mmap
 import os
 import stat
 import threading
@@ -216,7 +217,7 @@ class Commits:
             # (published directly); a temp file is sealed, and summed, as any close would
             chunk = self.store.chunk_size
             jobs = [(m.entry.src, self._copy_target(m), m.entry.offset, m.entry.length,
-                     chunk if m.fh is None else None)
+                     chunk if m.fh is None else None, m.oid is not None)
                     for m in made if isinstance(m, _Pending) and m.entry.length]
         except BaseException:               # cancelled, or a buffer that could not be mapped
             for m in made:
@@ -256,6 +257,9 @@ class Commits:
         """What an entry leaves behind unless it was published: its handle, buffer, temp file
         (shielded: a cancelled request still cleans up)."""
         with trio.CancelScope(shield=True):
+            if m.mapping is not None:       # made by the copy, never adopted
+                m.mapping.close()
+                m.mapping = None
             if m.fh in self.handles:
                 if quotas is not None:
                     quotas.forget_handle(m.fh)
@@ -317,7 +321,8 @@ class Commits:
         try:
             kv = await peek_block_header(staging, head)
             key = self.ns.path_of(m.parent).rstrip("/") + "/" + m.name.decode("utf-8", "surrogateescape")
-            obj = await self.store.create(self.index.new_id(b"ino"), staging, key, 1, summary)
+            mapping, m.mapping = m.mapping, None
+            obj = await self.store.create(self.index.new_id(b"ino"), staging, key, 1, summary, m.oid, mapping)
         finally:
             staging.discard()               # what the object did not adopt
         kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")} if kv else None
@@ -345,7 +350,9 @@ class Commits:
         ``mapped_min`` stays in memory (the bytes are read, then written to it)."""
         staging = m.staging
         if staging.mem is not None and m.entry.length >= self.store.ram.mapped_min:
-            staging._to_file()
+            if m.fh is None:                # published directly: the file is made as its object
+                m.oid = self.index.new_id(b"oid")
+            staging._to_file(m.oid)
         return staging.fd if staging.mem is None else None
 
     async def _finish(self, m: "_Pending", got, noreplace: bool) -> tuple[int, bytes]:
@@ -353,8 +360,8 @@ class Commits:
         if isinstance(got, BaseException):
             raise got
         summary = head = None
-        if isinstance(got, tuple):          # the copy's checksums of what it stored, its first bytes
-            got, summary, head = got
+        if isinstance(got, tuple):          # the copy's checksums of what it stored, its first
+            got, summary, head, m.mapping = got     # bytes, the object's mapping (or None)
         staging = m.staging
         if isinstance(got, bytes):          # a small buffer kept in memory
             await staging.write(0, got)
@@ -387,6 +394,8 @@ class _Pending:
     staging: object
     published: bool = False
     cred: Cred | None = None
+    oid: int | None = None      # the object its buffer was made for (published directly, mapped)
+    mapping: object = None      # that buffer's read-only mapping, made by the copy
 
 
 def _read(src, offset: int, length: int) -> bytes:
@@ -449,20 +458,31 @@ async def _copied(box: dict) -> list:
     return box["copied"]
 
 
-def _copy_all(jobs: list[tuple[int, int | None, int, int, int | None]]) -> list:
-    """Each ``(src, dst, offset, length, chunk)`` copied (worker thread): bytes copied, the
-    bytes read when ``dst`` is None, or the error; with a ``chunk`` size, a triple of that,
-    the checksums of the copy (``checksum.summarize``), taken while the bytes are in cache, and its first bytes."""
+def _mapped(fd: int, n: int) -> mmap.mmap | None:
+    """A read-only mapping of the object's file, made here rather than in the trio thread;
+    None if it cannot be made now (the tier then maps it, or keeps the bytes in memory)."""
+    try:
+        return mmap.mmap(fd, n, prot=mmap.PROT_READ)
+    except OSError:
+        return None
+
+
+def _copy_all(jobs: list[tuple]) -> list:
+    """Each ``(src, dst, offset, length, chunk, map)`` copied (worker thread): bytes copied,
+    the bytes read when ``dst`` is None, or the error; with a ``chunk`` size, a tuple of that,
+    the checksums of the copy (``checksum.summarize``, taken while the bytes are in cache), its
+    first bytes, and with ``map`` a read-only mapping of ``dst`` (else None)."""
     out: list = []
-    for src, dst, off, n, chunk in jobs:
+    for src, dst, off, n, chunk, mapit in jobs:
         try:
             if dst is None:
                 data = _read(src, off, n)
-                out.append(data if chunk is None else (data, checksum.summarize(memoryview(data), chunk), data[:HEAD]))
+                out.append(data if chunk is None else (data, checksum.summarize(memoryview(data), chunk), data[:HEAD], None))
             elif chunk is None:
                 out.append(_copy(src, dst, off, n))
             else:
-                out.append(_copy_summed(src, dst, off, n, chunk))
+                got = _copy_summed(src, dst, off, n, chunk)
+                out.append(got + (_mapped(dst, n) if mapit and got[0] == n else None,))
         except OSError as e:
             out.append(e)
     return out

@@ -461,7 +461,7 @@ class Txn:
                 self.w[uk] = b""
                 if new:                 # sealed within this group: no LMDB put, no delete
                     self.ix._fresh.add(uk)
-            else:
+            elif not new:               # a new inode was never unsealed
                 self._sealed(ino, key)
         self.w[(INODES, key)] = rec
 

@@ -395,7 +395,7 @@ class Namespace:
             self._kv_add(rec)
             obj.pinned = False
             txn.put_object(obj.oid, obj.record(), old=None)        # a new object: nothing to read
-            txn.put_inode(obj.ino, rec)
+            txn.put_inode(obj.ino, rec, new=True)                   # and a new inode
             txn.link(parent, name, obj.ino, new=True)
             prec["mtime"] = prec["ctime"] = now
             txn.put_inode(parent, prec)

@@ -209,32 +209,33 @@ class ObjectStore(Policy, Moves):
             self.lru[name].add(obj)
 
     # ---- creating and dropping ----------------------------------------------
-    async def create(self, ino: int, staging: Staging, key: str, gen: int, summary: tuple | None = None) -> Obj:
+    async def create(self, ino: int, staging: Staging, key: str, gen: int, summary=None, oid=None, mapping=None) -> Obj:
         """Seal a write buffer into a new object placed on the highest tier with room.
 
         ``summary``: ``checksum.summarize`` of the buffer, when the daemon took it while
         filling the buffer (kvfs.store.commit) and nothing could change the buffer since.
         The caller records it in the index (``obj.record()``) in the same
-        transaction that points the inode at it.
+        transaction that points the inode at it. ``oid``: the id the buffer was made for
+        (RamTier.object_file); ``mapping``: its read-only mapping (unused: closed when dropped).
         """
         size = staging.size
         if summary is not None and not staging.spilled:
             await trio.lowlevel.checkpoint_if_cancelled()
-            obj = self._new_obj(ino, size, summary, key, gen)
+            obj = self._new_obj(ino, size, summary, key, gen, oid)
         else:
-            obj = await self._summed(ino, staging, key, gen, summary)
+            obj = await self._summed(ino, staging, key, gen, summary, oid)
         if size and not staging.spilled:
-            obj.place[self.ram.name] = self.ram.adopt(obj.info(), staging)
+            obj.place[self.ram.name] = self.ram.adopt(obj.info(), staging, mapping)
             self.counters[self.ram.name].bytes_written += size
         self._adopt(obj)
         self.kick()
         return obj
 
-    def _new_obj(self, ino: int, size: int, summary: tuple, key: str, gen: int) -> Obj:
-        return Obj(self.index.new_id(b"oid"), size, summary[0], self.chunk_size, summary[1], {}, ino, key, gen,
-                   atime=time.time())
+    def _new_obj(self, ino: int, size: int, summary: tuple, key: str, gen: int, oid: int | None = None) -> Obj:
+        oid = self.index.new_id(b"oid") if oid is None else oid
+        return Obj(oid, size, summary[0], self.chunk_size, summary[1], {}, ino, key, gen, atime=time.time())
 
-    async def _summed(self, ino: int, staging: Staging, key: str, gen: int, summary: tuple | None) -> Obj:
+    async def _summed(self, ino: int, staging: Staging, key: str, gen: int, summary: tuple | None, oid=None) -> Obj:
         """The new object of ``staging``, checksummed here unless ``summary`` (a spilled buffer
         is also put on the tier it spilled to, from the same view)."""
         size = staging.size
@@ -248,7 +249,7 @@ class ObjectStore(Policy, Moves):
                 whole, sums = checksum.summarize(view, self.chunk_size)
             else:
                 whole, sums = await trio.to_thread.run_sync(checksum.summarize, view, self.chunk_size)
-            obj = self._new_obj(ino, size, (whole, sums), key, gen)
+            obj = self._new_obj(ino, size, (whole, sums), key, gen, oid)
             if size and staging.spilled:
                 tier = await self._room_below(0, size)
                 obj.place[tier.name] = await self._put(self.tiers.index(tier), obj, view)

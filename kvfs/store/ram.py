@@ -176,9 +176,15 @@ class RamTier(Tier):
                     log.warning("could not unmount the RAM tier's tmpfs %s: %s", self.mounted, e)
                 self.mounted = None
 
-    def _install(self, oid: int, fd: int, size: int) -> None:
+    def _install(self, oid: int, fd: int, size: int, mapping: mmap.mmap | None = None) -> None:
+        """``mapping``: a read-only mapping of ``fd`` made beforehand (a commit's copier)."""
         mm = None
-        if size >= self.mapped_min and self.mapped < self.max_mapped:
+        if mapping is not None and (len(mapping) != size or not (size >= self.mapped_min and self.mapped < self.max_mapped)):
+            mapping.close()             # not usable here: decided below as without one
+            mapping = None
+        if mapping is not None:
+            mm = mapping
+        elif size >= self.mapped_min and self.mapped < self.max_mapped:
             try:
                 mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             except OSError as e:
@@ -225,9 +231,11 @@ class RamTier(Tier):
             raise
         return b""
 
-    def adopt(self, info: ObjectInfo, staging: "Staging") -> bytes:
+    def adopt(self, info: ObjectInfo, staging: "Staging", mapping: mmap.mmap | None = None) -> bytes:
         """Turn a RAM staging buffer into the object itself (no copy; a small object's bytes
-        are copied into memory and its emptied staging file is kept for the next write)."""
+        are copied into memory and its emptied staging file is kept for the next write).
+        A buffer made by :meth:`object_file` is already named as the object (no rename);
+        ``mapping``: its read-only mapping, made by whoever filled it (else made here)."""
         assert not staging.spilled and staging.size == info.size
         if staging.mem is not None:             # a small buffer, already the daemon's memory
             self._maps[info.oid] = (staging.mem, info.size)
@@ -241,14 +249,16 @@ class RamTier(Tier):
             self.staged -= staging.size
             self._recycle(staging)
             return b""
-        try:
-            os.rename(staging.name, f"{info.oid:016x}", src_dir_fd=staging.dir.fd, dst_dir_fd=self.home.fd)
-        except OSError as e:
-            # the buffer's directory was removed under the mount: keep the bytes by
-            # descriptor (no fast-path file for this object)
-            log.warning("object %x kept without a file in shared memory: %s", info.oid, e)
-            self._stale.add(info.oid)
-        self._install(info.oid, staging.fd, info.size)
+        name = f"{info.oid:016x}"
+        if staging.dir is not self.home or staging.name != name:
+            try:
+                os.rename(staging.name, name, src_dir_fd=staging.dir.fd, dst_dir_fd=self.home.fd)
+            except OSError as e:
+                # the buffer's directory was removed under the mount: keep the bytes by
+                # descriptor (no fast-path file for this object)
+                log.warning("object %x kept without a file in shared memory: %s", info.oid, e)
+                self._stale.add(info.oid)
+        self._install(info.oid, staging.fd, info.size, mapping)
         # the staged bytes become object bytes: used stays, staged drops
         self.staged -= staging.size
         staging.detach()
@@ -338,6 +348,13 @@ class RamTier(Tier):
         """An empty write buffer (in memory until it reaches ``mapped_min``: no file yet)."""
         return Staging(self, self.staging, f"w{next(self._seq):x}")
 
+    def object_file(self, oid: int) -> tuple[Dir, str, int]:
+        """(directory, name, descriptor) of a new, empty buffer already named as object ``oid``
+        (a buffer bound to become that object: its adoption needs no rename)."""
+        self._ensure_dir()
+        name = f"{oid:016x}"
+        return self.home, name, safedir.create_file(self.home.fd, name)
+
     def staging_file(self) -> tuple[Dir, str, int]:
         """(directory, name, descriptor) of an empty staging file: a spare one, or a new one."""
         self._ensure_dir()
@@ -384,9 +401,10 @@ class Staging:
             self.ram.staged += delta
         self.size = new_size
 
-    def _to_file(self) -> None:
-        """The buffer reaches ``mapped_min``: its bytes move to a tmpfs file."""
-        where, name, fd = self.ram.staging_file()
+    def _to_file(self, oid: int | None = None) -> None:
+        """The buffer reaches ``mapped_min``: its bytes move to a tmpfs file (``oid``: one
+        already named as that object, :meth:`RamTier.object_file`)."""
+        where, name, fd = self.ram.staging_file() if oid is None else self.ram.object_file(oid)
         try:
             if self.size:
                 os.pwrite(fd, self.mem, 0)

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
 from integration.released import load_lmcache, load_sglang, load_vllm, storage_config  # noqa: E402
-from kvfs.bench import BenchMount  # noqa: E402
+from kvfs.bench import BenchMount, warm_memory  # noqa: E402
 from runtime_rows import make_rows  # noqa: E402
 
 log = logging.getLogger("runtime_adapters")
@@ -172,7 +172,9 @@ def bench(args) -> dict:
     runtimes = [r for r in args.runtimes.split(",") if r]
     mods = {r: LOADERS[r]() for r in runtimes}
     root = Path(tempfile.mkdtemp(prefix="kvfs-adapters-", dir=args.workdir))
-    res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+    warmed = (0, 0.0) if args.no_warm else warm_memory()
+    log.warning("warmed %.1f GiB of memory in %.1f s", warmed[0] / (1 << 30), warmed[1])
+    res = {"meta": {"warmed_gib": round(warmed[0] / (1 << 30), 1), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
                     "kernel": os.uname().release, "python": sys.version.split()[0], "torch": torch.__version__,
                     "versions": {r: m.version for r, m in mods.items()}, "pages": args.pages, "runs": args.runs,
                     "load": os.getloadavg(), "shm_dir": _shm_desc(args.shm_dir),
@@ -257,7 +259,9 @@ def report(res: dict) -> str:
            f"Measured {m['date']} on {m['cpus']} CPUs, kernel {m['kernel']}, Python {m['python']}, "
            f"{vs} (released storage layers, driven as their controllers drive them), {n} pages, median of "
            f"{m['runs']} runs, load average {m['load'][0]:.1f} at the start (a two-core VM: other "
-           "work on it moves these figures; compare the ratios within one run). Plain directory: the host disk (ext4, page cache warm). "
+           "work on it moves these figures; compare the ratios within one run)"
+           + (f", {m['warmed_gib']} GiB of free memory touched first (`kvfs.bench.warm_memory`)" if m.get("warmed_gib") else "")
+           + ". Plain directory: the host disk (ext4, page cache warm). "
            f"kvfs: RAM tier large enough for every page, in {m.get('shm_dir', '/dev/shm')}. Regenerate with `python "
            "benchmarks/runtime_adapters.py --write-docs docs/benchmarks.md`.", "",
            "Ratios are against the runtime's own file backend on the plain directory, in the same run "
@@ -353,6 +357,8 @@ def main(argv=None) -> int:
                     "/dev/shm); e.g. a tmpfs mounted with huge=within_size (docs/operations.md)")
     ap.add_argument("--ram-mapped-min", type=int, default=None, help="the mount's ram_mapped_min (default: kvfs's)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the plain directory and mounts go (default /tmp)")
+    ap.add_argument("--no-warm", action="store_true", help="do not touch the machine's free memory first "
+                    "(kvfs.bench.warm_memory: on a lazily backed VM a page's first touch costs ~8x)")
     ap.add_argument("--from-json", type=Path, help="report (and --write-docs) a saved --json result, measure nothing")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

@@ -14,11 +14,18 @@ CHUNK = 1 << 20
 @pytest.mark.parametrize("piece", [4096, 65537, 256 << 10, 4 * CHUNK])
 def test_summer_fed_in_pieces_gives_what_summarize_gives(size, piece):
     data = random.Random(size).randbytes(size)
-    s = Summer(CHUNK)
-    for i in range(0, size, piece):
-        s.update(memoryview(data)[i:i + piece])
-    assert s.result() == summarize(memoryview(data), CHUNK)
-    assert s.size == size
+    for s in (Summer(CHUNK), Summer(CHUNK, size)):      # told the length: one chunk hashed once
+        for i in range(0, size, piece):
+            s.update(memoryview(data)[i:i + piece])
+        assert s.result() == summarize(memoryview(data), CHUNK)
+        assert s.size == size
+
+
+def test_a_summer_told_one_chunk_refuses_more():
+    s = Summer(CHUNK, 10)
+    s.update(b"x" * CHUNK)
+    with pytest.raises(ValueError):
+        s.update(b"x")
 
 
 def test_summer_pieces_of_uneven_sizes_across_chunk_boundaries():

@@ -149,11 +149,14 @@ class Row:
         return out
 
 
-def run_rows(rows: list[Row], runs: int) -> dict:
-    """Each operation on every row in turn (round-robin: all rows see the same machine load)."""
+def run_rows(rows: list[Row], runs: int, warm=None) -> dict:
+    """Each operation on every row in turn (round-robin: all rows see the same machine load);
+    ``warm()`` before each set (kvfs.bench.warm_memory: the set's fresh pages are not first-touch)."""
     ts = {r.name: {op: [] for op in OPS} for r in rows}
     for _ in range(runs):
         for r in rows:
+            if warm is not None:
+                warm()
             ts[r.name]["set"].append(r.set())
             ts[r.name]["get after set"].append(r.get())
     for r in rows:
@@ -172,9 +175,7 @@ def bench(args) -> dict:
     runtimes = [r for r in args.runtimes.split(",") if r]
     mods = {r: LOADERS[r]() for r in runtimes}
     root = Path(tempfile.mkdtemp(prefix="kvfs-adapters-", dir=args.workdir))
-    warmed = (0, 0.0) if args.no_warm else warm_memory()
-    log.warning("warmed %.1f GiB of memory in %.1f s", warmed[0] / (1 << 30), warmed[1])
-    res = {"meta": {"warmed_gib": round(warmed[0] / (1 << 30), 1), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+    res = {"meta": {"warm": not args.no_warm, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
                     "kernel": os.uname().release, "python": sys.version.split()[0], "torch": torch.__version__,
                     "versions": {r: m.version for r, m in mods.items()}, "pages": args.pages, "runs": args.runs,
                     "load": os.getloadavg(), "shm_dir": _shm_desc(args.shm_dir),
@@ -205,7 +206,8 @@ def bench(args) -> dict:
                         rows = [Row(mods[rt], name, dirs[name], geometry, args.pages) for name in ROWS]
                     else:
                         rows = make_rows(rt, mods[rt], dirs, page_bytes, args.pages, names)
-                    res[rt][label] = {"page_bytes": page_bytes, **run_rows(rows, args.runs)}
+                    warm = None if args.no_warm else lambda: warm_memory(2 * args.pages * page_bytes + (1 << 30))
+                    res[rt][label] = {"page_bytes": page_bytes, **run_rows(rows, args.runs, warm)}
                 shutil.rmtree(plain, ignore_errors=True)
                 print(f"[runtime_adapters] {rt} {label}: {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
                 if args.json:                  # a partial result survives a later failure
@@ -260,7 +262,9 @@ def report(res: dict) -> str:
            f"{vs} (released storage layers, driven as their controllers drive them), {n} pages, median of "
            f"{m['runs']} runs, load average {m['load'][0]:.1f} at the start (a two-core VM: other "
            "work on it moves these figures; compare the ratios within one run)"
-           + (f", {m['warmed_gib']} GiB of free memory touched first (`kvfs.bench.warm_memory`)" if m.get("warmed_gib") else "")
+           + (", free memory touched before each set (`kvfs.bench.warm_memory`: this VM's host backs a page "
+              "only at its first touch and takes it back soon after it is freed, which would make each set row pay "
+              "~8x per page on whatever part of its fresh page cache or tmpfs pages is first-touch)" if m.get("warm") else "")
            + ". Plain directory: the host disk (ext4, page cache warm). "
            f"kvfs: RAM tier large enough for every page, in {m.get('shm_dir', '/dev/shm')}. Regenerate with `python "
            "benchmarks/runtime_adapters.py --write-docs docs/benchmarks.md`.", "",
@@ -357,7 +361,7 @@ def main(argv=None) -> int:
                     "/dev/shm); e.g. a tmpfs mounted with huge=within_size (docs/operations.md)")
     ap.add_argument("--ram-mapped-min", type=int, default=None, help="the mount's ram_mapped_min (default: kvfs's)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the plain directory and mounts go (default /tmp)")
-    ap.add_argument("--no-warm", action="store_true", help="do not touch the machine's free memory first "
+    ap.add_argument("--no-warm", action="store_true", help="do not touch free memory before each set "
                     "(kvfs.bench.warm_memory: on a lazily backed VM a page's first touch costs ~8x)")
     ap.add_argument("--from-json", type=Path, help="report (and --write-docs) a saved --json result, measure nothing")
     args = ap.parse_args(argv)

@@ -55,10 +55,12 @@ def aligned_buffer(size: int, fill: bytes = b"") -> mmap.mmap:
 
 def warm_memory(limit: int = 16 << 30, spare: int = 3 << 29) -> tuple[int, float]:
     """Touch (then free) up to ``limit`` bytes of the machine's available memory, leaving
-    ``spare``; returns (bytes touched, seconds). On a VM whose host backs guest memory lazily
-    (this one: a page's first touch since boot costs ~8x a later one) a benchmark's fresh
-    page-cache or tmpfs pages otherwise cost whatever part of them happens to be first-touch,
-    which no real machine pays: both sides of a comparison should see warm memory."""
+    ``spare``; returns (bytes touched, seconds). On a VM whose host backs guest memory only
+    at its first touch and takes freed memory back (this one: virtio-balloon free page
+    reporting; a 512 KiB tmpfs page's first touch costs ~650 us against ~76 us) a benchmark's
+    fresh page-cache or tmpfs pages cost whatever part of them happens to be first-touch,
+    which no real machine pays: call it right before the allocation being measured (the host
+    takes free memory back within seconds) so that both sides of a comparison see warm memory."""
     avail = 0
     with open("/proc/meminfo") as f:
         for line in f:

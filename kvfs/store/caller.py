@@ -222,16 +222,17 @@ class CallerMemory:
         n = len(view)
         done = 0
         while done < n:
-            remote, want = [], n - done
+            remote, want, total = [], n - done, 0
             at = skip + done
             for addr, length in ranges:         # the ranges' part from ``at`` on, up to ``want``
                 if at >= length:
                     at -= length
                     continue
-                take = min(length - at, want - sum(r[1] for r in remote))
+                take = min(length - at, want - total)
                 remote.append((addr + at, take))
+                total += take
                 at = 0
-                if sum(r[1] for r in remote) == want or len(remote) == _IOV_MAX:
+                if total == want or len(remote) == _IOV_MAX:
                     break
             if not remote:
                 raise OSError(errno.EFAULT, "the ranges hold fewer bytes than the entry's length")

@@ -214,7 +214,8 @@ class BlockWriter:
         items = []
         for j in todo:
             payload = job.payload(j)
-            items.append((block_relpath(job.hashes[j]), [self._header(job, j, payload), payload]))
+            # a writable header: the block goes by address, header and payload (kvfs.kv.commit)
+            items.append((block_relpath(job.hashes[j]), [bytearray(self._header(job, j, payload)), payload]))
         try:
             results = self._commit.commit_into(self._commit_base, items, noreplace=True)
         except OSError as e:

@@ -489,3 +489,18 @@ def test_save_as_the_mount_dies_writes_nothing_under_it(kvfs_mount, monkeypatch)
     except (SaveError, OSError):
         pass
     assert os.listdir(m.path) == []
+
+
+def test_save_sends_blocks_by_address(kvfs_mount):
+    """The writer names each block's header and payload by address (``\\0mem``): nothing is
+    copied into the commit client's memfd, and the blocks read back whole."""
+    m = kvfs_mount()
+    toks = _tokens(160, 8)
+    kv = _kv(SMALL, 160, 9)
+    with kvfs.KVCache(m.path, model="m", layout=SMALL) as cache:
+        cache.save(toks, kv, wait=True)
+        commit = cache._writer._commit
+        assert commit is not None and commit.use_memory
+        assert all(lane.size == 0 for lane in commit._lanes), "a block was copied into the memfd"
+        assert cache.lookup(toks) == 160
+        assert torch.equal(cache.load(toks), kv)

@@ -179,12 +179,13 @@ class RamTier(Tier):
     def _install(self, oid: int, fd: int, size: int, mapping: mmap.mmap | None = None) -> None:
         """``mapping``: a read-only mapping of ``fd`` made beforehand (a commit's copier)."""
         mm = None
-        if mapping is not None and (len(mapping) != size or not (size >= self.mapped_min and self.mapped < self.max_mapped)):
-            mapping.close()             # not usable here: decided below as without one
-            mapping = None
+        mappable = size >= self.mapped_min and self.mapped < self.max_mapped
         if mapping is not None:
-            mm = mapping
-        elif size >= self.mapped_min and self.mapped < self.max_mapped:
+            if mappable and len(mapping) == size:
+                mm = mapping
+            else:                       # past the budget (or not this file's size): unused
+                mapping.close()
+        elif mappable:
             try:
                 mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             except OSError as e:

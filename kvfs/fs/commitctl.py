@@ -41,7 +41,7 @@ import trio
 from kvfs import protocol
 from kvfs.errors import NamespaceError
 from kvfs.fs.errmap import to_errno
-from kvfs.store.commit import CallerProcess, CommitEntry
+from kvfs.store.commit import CallerFile, CallerProcess, CommitEntry
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ class CommitControl:
                         if n == MEM:
                             fds[n] = h.process.memory(h.cred.uid)
                         else:   # in a thread: a descriptor of this very mount makes fstat ask us
-                            fds[n] = await trio.to_thread.run_sync(h.process.open_fd, n, self.mount_dev())
+                            fds[n] = CallerFile(await trio.to_thread.run_sync(h.process.open_fd, n, self.mount_dev()))
                     except (OSError, NamespaceError) as e:
                         fds[n] = e
                 src = fds[n]
@@ -173,8 +173,8 @@ class CommitControl:
                                                    noreplace, dirmode, made)
         finally:
             for src in fds.values():
-                if isinstance(src, int):
-                    os.close(src)
+                if not isinstance(src, Exception):
+                    src.close()
         names = list(made)                  # the kernel may hold negative entries for them
         for i, r in zip(where, done):
             if isinstance(r, BaseException):

@@ -209,11 +209,43 @@ def _vm_readv():
     return _pvr[0]
 
 
+class CallerFile:
+    """A source of entries: the daemon's read-only descriptor of a caller's file
+    (:meth:`CallerProcess.open_fd`), read at the offsets its entries name (copier threads)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def readinto(self, view: memoryview, offset: int, skip: int = 0) -> int:
+        """Fill ``view`` from ``offset + skip``: the bytes read (fewer at the file's end)."""
+        return os.preadv(self.fd, [view], offset + skip)
+
+    def read(self, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` (fewer at the file's end)."""
+        parts, done = [], 0
+        while done < length:
+            b = os.pread(self.fd, length - done, offset + done)
+            if not b:
+                break
+            parts.append(b)
+            done += len(b)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class CallerMemory:
-    """The caller's memory read at the addresses its entries name (copier threads)."""
+    """A source of entries: the caller's memory, read at the address ranges its entries name
+    (copier threads); the same reads as :class:`CallerFile`."""
+
+    fd = None                           # no descriptor to sendfile from
 
     def __init__(self, process: CallerProcess):
         self.process = process
+
+    def close(self) -> None:
+        pass
 
     def readinto(self, view: memoryview, ranges: tuple, skip: int = 0) -> int:
         """Fill the writable ``view`` with the bytes of ``ranges`` (``((address, length), ...)``,

@@ -39,7 +39,7 @@ import trio
 from kvfs.errors import NamespaceError
 from kvfs.protocol import CONTROL_NAME_B
 from kvfs.store import checksum
-from kvfs.store.caller import CallerMemory, CallerProcess, _err  # noqa: F401 -- CallerProcess: the commit file's
+from kvfs.store.caller import CallerFile, CallerMemory, CallerProcess, _err  # noqa: F401 -- CallerProcess: the commit file's
 from kvfs.store.cred import Cred
 from kvfs.store.index import ROOT_INO
 from kvfs.store.sniff import HEAD, peek_block_header
@@ -60,7 +60,7 @@ COPY_SPLIT = 2             # threads copying one group (while the group before i
 @dataclasses.dataclass
 class CommitEntry:
     path: bytes             # relative to the mount root
-    src: "int | CallerMemory"   # the daemon's read-only descriptor of the caller's bytes, or its memory
+    src: "CallerFile | CallerMemory"    # the caller's bytes: a descriptor of them, or its memory
     offset: "int | tuple"   # in the descriptor, or ((address, length), ...) in the caller's memory
     length: int
     mode: int = 0o644
@@ -68,12 +68,12 @@ class CommitEntry:
 
 def _copy(src, dst: int, offset: int, length: int) -> int:
     """Copy ``length`` bytes at ``offset`` of ``src`` to the start of ``dst`` (worker thread)."""
-    if type(src) is not int:            # the caller's memory: through this thread's buffer
+    if src.fd is None:                  # no descriptor (the caller's memory): through a buffer
         return _copy_summed(src, dst, offset, length, None)[0]
     os.lseek(dst, 0, os.SEEK_SET)
     done = 0
     while done < length:
-        n = os.sendfile(dst, src, offset + done, min(_COPY_CHUNK, length - done))
+        n = os.sendfile(dst, src.fd, offset + done, min(_COPY_CHUNK, length - done))
         if n == 0:
             break
         done += n
@@ -89,16 +89,14 @@ def _copy_summed(src, dst: int, offset: int, length: int, chunk: int | None) -> 
     buffer, so the sums are of exactly the bytes stored (the caller may change its source
     meanwhile). Returns (bytes copied, ``checksum.summarize`` of them -- None without ``chunk``
     --, the first ``sniff.HEAD`` bytes).
-    ``src``: a descriptor, or the caller's memory (``offset`` its ranges)."""
+    ``src``: a CallerFile or CallerMemory (``offset``: in the file, or the memory's ranges)."""
     buf = getattr(_piece, "buf", None)
     if buf is None:
         buf = _piece.buf = memoryview(bytearray(_PIECE))
     summer = checksum.Summer(chunk, length) if chunk else None
-    fd = type(src) is int
     done, head = 0, b""
     while done < length:
-        piece = buf[:min(_PIECE, length - done)]
-        n = os.preadv(src, [piece], offset + done) if fd else src.readinto(piece, offset, done)
+        n = src.readinto(buf[:min(_PIECE, length - done)], offset, done)
         if n == 0:
             break
         if summer is not None:
@@ -398,20 +396,6 @@ class _Pending:
     mapping: object = None      # that buffer's read-only mapping, made by the copy
 
 
-def _read(src, offset: int, length: int) -> bytes:
-    """``length`` bytes at ``offset`` of ``src`` (fewer at its end of a descriptor)."""
-    if type(src) is not int:
-        return src.read(offset, length)
-    parts, done = [], 0
-    while done < length:
-        b = os.pread(src, length - done, offset + done)
-        if not b:
-            break
-        parts.append(b)
-        done += len(b)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
 _copiers: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -476,7 +460,7 @@ def _copy_all(jobs: list[tuple]) -> list:
     for src, dst, off, n, chunk, mapit in jobs:
         try:
             if dst is None:
-                data = _read(src, off, n)
+                data = src.read(off, n)
                 out.append(data if chunk is None else (data, checksum.summarize(memoryview(data), chunk), data[:HEAD], None))
             elif chunk is None:
                 out.append(_copy(src, dst, off, n))

@@ -1,7 +1,8 @@
 """Daemon CPU and requests per runtime file: kvfs against the floor fs, in one run.
 
     python benchmarks/create_cpu.py [--files 400] [--rounds 5] [--size 32768] [--threads 1]
-                                    [--vllm] [--base TREE] [--no-flush-floor] [--dir DIR]
+                                    [--vllm] [--base TREE] [--no-flush-floor] [--kvfs-loop-floor]
+                                    [--dir DIR]
 
 Mounts kvfs (through the CLI, as benchmarks/runtime_patterns.py does) and
 benchmarks/floorfs.py with kvfs's kernel-facing settings, then runs, interleaved and
@@ -13,7 +14,9 @@ and its read and write system calls per file (/proc/PID/io syscr and
 syscw: one read of /dev/fuse per request, one write per reply, plus what the handlers do).
 Prints medians (min-max) and kvfs's ratios to the floor; ``--base TREE`` mounts a second kvfs
 from another checkout (the code before a change) beside them, in the same rotation, and
-``--no-flush-floor`` a floor that answers FLUSH with ENOSYS (the kernel then sends none).
+``--no-flush-floor`` a floor that answers FLUSH with ENOSYS (the kernel then sends none), and
+``--kvfs-loop-floor`` the floor served by kvfs's request loop (kvfs.fs.loop) instead of
+``pyfuse3.main`` (what that loop gives any Python daemon).
 """
 from __future__ import annotations
 
@@ -103,6 +106,7 @@ def measure(a, targets: tuple[str, ...]) -> dict[str, dict[str, list[float]]]:
                                                for t in targets}
     b = BenchMount(root / "base", ram=4 << 30, nvme_size=16 << 30) if a.base else None
     nf = FloorMount(root / "floor_nf", dict(kvfs_settings(), no_flush=True)) if a.no_flush_floor else None
+    kl = FloorMount(root / "floor_kl", dict(kvfs_settings(), kvfs_loop=True)) if a.kvfs_loop_floor else None
     try:
         _mount_from(m, a.tree)
         floor.mount()
@@ -114,6 +118,9 @@ def measure(a, targets: tuple[str, ...]) -> dict[str, dict[str, list[float]]]:
         if nf is not None:
             nf.mount()
             pids["floor_nf"], dirs["floor_nf"] = nf.proc.pid, nf.path
+        if kl is not None:
+            kl.mount()
+            pids["floor_kl"], dirs["floor_kl"] = kl.proc.pid, kl.path
         for rnd in range(a.rounds + 1):                 # round 0 warms up
             for t in targets[rnd % len(targets):] + targets[:rnd % len(targets)]:
                 d = os.path.join(dirs[t], f"r{rnd}")
@@ -130,8 +137,9 @@ def measure(a, targets: tuple[str, ...]) -> dict[str, dict[str, list[float]]]:
                 shutil.rmtree(d)
     finally:
         floor.cleanup()
-        if nf is not None:
-            nf.cleanup()
+        for f in (nf, kl):
+            if f is not None:
+                f.cleanup()
         for x in (m, b):
             if x is None:
                 continue
@@ -157,8 +165,11 @@ def main(argv=None) -> int:
                    help="also mount kvfs from this source tree (a baseline checkout) as 'base'")
     p.add_argument("--no-flush-floor", action="store_true",
                    help="also mount the floor with FLUSH answered ENOSYS as 'floor_nf' (what a close's round trip costs)")
+    p.add_argument("--kvfs-loop-floor", action="store_true",
+                   help="also mount the floor served by kvfs's request loop (kvfs.fs.loop) as 'floor_kl'")
     a = p.parse_args(argv)
-    targets = ("kvfs", "floor") + (("base",) if a.base else ()) + (("floor_nf",) if a.no_flush_floor else ())
+    targets = ("kvfs", "floor") + (("base",) if a.base else ()) + (("floor_nf",) if a.no_flush_floor else ()) \
+        + (("floor_kl",) if a.kvfs_loop_floor else ())
     res = measure(a, targets)
     print(f"load {os.getloadavg()[0]:.1f}; {a.files} files x {a.rounds} rounds, {a.size} B, "
           f"{a.threads} threads{', vLLM pattern' if a.vllm else ''}")

@@ -243,7 +243,7 @@ async def _read_ahead(mountpoint: str, kb: int) -> None:
             return
 
 
-async def _serve(mountpoint: str, kb: int) -> bool:
+async def _serve(mountpoint: str, kb: int, kvfs_loop: bool = False) -> bool:
     """Serve until unmounted (True) or told to stop by a signal (False: still mounted)."""
     stopped = []
     async with trio.open_nursery() as nursery:
@@ -256,7 +256,13 @@ async def _serve(mountpoint: str, kb: int) -> bool:
                     pyfuse3.terminate()
                     return
         nursery.start_soon(stop)
-        await pyfuse3.main()
+        if kvfs_loop:                       # kvfs's request loop (kvfs.fs.loop), not pyfuse3's
+            import sys
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            from kvfs.fs import loop
+            await loop.serve()
+        else:
+            await pyfuse3.main()
         nursery.cancel_scope.cancel()
     return not stopped
 
@@ -270,6 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--default-permissions", action="store_true")
     p.add_argument("--read-ahead-kb", type=int, default=1024)
     p.add_argument("--no-flush", action="store_true", help="answer FLUSH with ENOSYS (what a close costs without it)")
+    p.add_argument("--kvfs-loop", action="store_true",
+                   help="serve with kvfs's request loop (kvfs.fs.loop) instead of pyfuse3.main")
     a = p.parse_args(argv)
     mnt = os.path.abspath(a.mountpoint)
     options = set(pyfuse3.default_options) - {"default_permissions"}
@@ -281,7 +289,7 @@ def main(argv=None) -> int:
     pyfuse3.init(fs, mnt, options)
     unmounted = False
     try:
-        unmounted = trio.run(_serve, mnt, a.read_ahead_kb)
+        unmounted = trio.run(_serve, mnt, a.read_ahead_kb, a.kvfs_loop)
     finally:
         pyfuse3.close(unmount=not unmounted)
     return 0

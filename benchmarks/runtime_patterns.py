@@ -3,12 +3,15 @@
     python benchmarks/runtime_patterns.py [--quick] [--rounds 5] [--dir DIR] [--json FILE]
     kvfs bench --only runtime [--quick]            (the same, through the CLI)
 
-The storage patterns of inference runtimes, run in ONE run on four targets, interleaved
+The storage patterns of inference runtimes, run in ONE run on five targets, interleaved
 (every round runs each pattern on every target, in a rotated order) and repeated:
 
 - ``kvfs``: a kvfs mount through the CLI;
 - ``floor``: benchmarks/floorfs.py, an in-memory pyfuse3 + trio filesystem with kvfs's
-  timeouts, mount options and read-ahead: what any Python FUSE daemon costs here;
+  timeouts, mount options and read-ahead, served by ``pyfuse3.main``: what any Python FUSE
+  daemon costs here with pyfuse3's own request loop;
+- ``floor_kl``: the same floor served by kvfs's request loop (kvfs.fs.loop), so that kvfs /
+  floor_kl is what kvfs's handlers cost beyond a daemon with the same loop;
 - ``plain``: a plain directory on the filesystem that holds the kvfs NVMe tier;
 - ``tmpfs``: a directory in /dev/shm.
 
@@ -22,7 +25,7 @@ O_DIRECT reads); (h) ``kvfs.KVCache.save`` + ``flush`` of 32 KiB and 2 MiB block
 (i) many creates, then ``stat`` and ``unlink`` of each.
 
 Every figure is a rate (higher is better). Reported: each target's median with min-max
-over the rounds, and kvfs's ratio to the floor and to the plain directory (median of the
+over the rounds, and kvfs's ratio to both floors and to the plain directory (median of the
 per-round ratios, with their min-max). Buffers are page-aligned mmaps touched before timing.
 """
 from __future__ import annotations
@@ -51,7 +54,7 @@ if str(REPO) not in sys.path:
 from kvfs.bench import BenchError, BenchMount, aligned_buffer, wait_for  # noqa: E402
 
 log = logging.getLogger("runtime_patterns")
-TARGETS = ("kvfs", "floor", "plain", "tmpfs")
+TARGETS = ("kvfs", "floor", "floor_kl", "plain", "tmpfs")
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -131,6 +134,8 @@ class FloorMount:
             cmd.append("--default-permissions")
         if s.get("no_flush"):
             cmd.append("--no-flush")
+        if s.get("kvfs_loop"):
+            cmd.append("--kvfs-loop")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
         if not wait_for(lambda: os.path.ismount(self.path) or self.proc.poll() is not None, 30, 0.02) \
@@ -433,6 +438,7 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
     settings = kvfs_settings()
     m = BenchMount(root / "kvfs", ram=4 << 30, nvme_size=16 << 30)
     floor = FloorMount(root / "floor", settings)
+    floor_kl = FloorMount(root / "floor_kl", dict(settings, kvfs_loop=True))   # kvfs.fs.loop
     plain = root / "kvfs" / "plain"       # beside the NVMe tier's directory, same filesystem
     pats = Patterns(sizes)
     names = [n for n in ORDER if not only or n in only]
@@ -441,9 +447,11 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
         progress("mounting kvfs and floorfs")
         m.mount()
         floor.mount()
+        floor_kl.mount()
         plain.mkdir(parents=True, exist_ok=True)
         shm.mkdir(parents=True, exist_ok=True)
-        dirs = {"kvfs": m.path / "bench", "floor": floor.path / "bench", "plain": plain, "tmpfs": shm}
+        dirs = {"kvfs": m.path / "bench", "floor": floor.path / "bench", "floor_kl": floor_kl.path / "bench",
+                "plain": plain, "tmpfs": shm}
         for t, p in dirs.items():
             os.makedirs(p, exist_ok=True)
             progress(f"setup on {t}")
@@ -451,7 +459,8 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
         for rnd in range(rounds):
             res: dict = {t: {} for t in TARGETS}
             for k, name in enumerate(names):
-                order = TARGETS[(rnd + k) % 4:] + TARGETS[:(rnd + k) % 4]
+                j = (rnd + k) % len(TARGETS)
+                order = TARGETS[j:] + TARGETS[:j]
                 for t in order:
                     progress(f"round {rnd + 1}/{rounds}: {name} on {t}")
                     pats.run(name, str(dirs[t]), rnd, res[t])
@@ -461,6 +470,7 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
             log.info("round %d: %s", rnd, json.dumps(res))
     finally:
         floor.cleanup()
+        floor_kl.cleanup()
         try:
             if m.pid is not None:
                 m.umount()
@@ -481,6 +491,7 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
         if "kvfs" not in row:
             continue
         row["vs_floor"] = _ratios(per_round, "kvfs", "floor", key)
+        row["vs_floor_kl"] = _ratios(per_round, "kvfs", "floor_kl", key)
         row["vs_plain"] = _ratios(per_round, "kvfs", "plain", key)
         row["floor_vs_plain"] = _ratios(per_round, "floor", "plain", key)
         out["metrics"].append(row)
@@ -493,15 +504,16 @@ def _fmt(x: float) -> str:
 
 def table(res: dict) -> str:
     """The results as a markdown table."""
-    lines = ["| pattern | unit | kvfs | floor fs | plain dir | tmpfs | kvfs / floor | kvfs / plain | floor / plain |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| pattern | unit | kvfs | floor fs | floor fs, kvfs's loop | plain dir | tmpfs | kvfs / floor "
+             "| kvfs / floor, kvfs's loop | kvfs / plain | floor / plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in res["metrics"]:
         cells = []
         for t in TARGETS:
             s = row.get(t)
             cells.append(_fmt(s["median"]) if s else "–")
         rat = []
-        for k in ("vs_floor", "vs_plain", "floor_vs_plain"):
+        for k in ("vs_floor", "vs_floor_kl", "vs_plain", "floor_vs_plain"):
             s = row.get(k)
             rat.append(f"{s['median']:.2f} ({s['min']:.2f}–{s['max']:.2f})" if s else "–")
         lines.append(f"| {row['what']} | {row['unit']} | " + " | ".join(cells + rat) + " |")
@@ -533,9 +545,10 @@ def plot(res: dict, png: Path) -> bool:
     rows = [r for r in res["metrics"] if r.get("vs_floor") or r.get("vs_plain")]
     fig, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 1.5))
     ys = range(len(rows))
-    h = 0.38
-    for off, key, label, color in ((-h / 2, "vs_floor", "kvfs / floor fs", "#4c72b0"),
-                                   (h / 2, "vs_plain", "kvfs / plain dir", "#dd8452")):
+    h = 0.27
+    for off, key, label, color in ((-h, "vs_floor", "kvfs / floor fs", "#4c72b0"),
+                                   (0, "vs_floor_kl", "kvfs / floor fs served by kvfs's loop", "#55a868"),
+                                   (h, "vs_plain", "kvfs / plain dir", "#dd8452")):
         med = [(r.get(key) or {}).get("median", 0) for r in rows]
         lo = [m - (r.get(key) or {}).get("min", m) for m, r in zip(med, rows)]
         hi = [(r.get(key) or {}).get("max", m) - m for m, r in zip(med, rows)]

@@ -21,6 +21,7 @@ import trio
 from kvfs.build import build_store, build_tiers
 from kvfs.config import Config
 from kvfs.errors import ConfigError
+from kvfs.fs import loop
 from kvfs.fs.ops import KvfsOperations
 from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY
 from kvfs.store.cache import Cache
@@ -147,10 +148,10 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         cache = Cache(index, store, tiers[1].staging_dir)
         recovered = await cache.start()
         index.names = names = _begin_names(cfg, index, tiers[0].dir)
-        served = {"metrics": None}
+        served, reader = {"metrics": None}, loop.Reader()
         describe = lambda: {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
                             "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir),
-                            "instance": index.instance_id,
+                            "instance": index.instance_id, "request_loop": reader.statistics(),
                             "recovered": recovered, "started": started, **served,
                             NAMES_STATS_KEY: names.statistics(), NAMES_BUILDING_KEY: names.building}
         ops = KvfsOperations(cache, describe)
@@ -182,7 +183,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 log.info("ram tier in %s (tmpfs%s, huge pages: %s)", tiers[0].dir,
                          " of its own" if tiers[0].mounted else "", huge)
                 ready.send(f"READY {os.getpid()}")
-                await pyfuse3.main()
+                await loop.serve(reader)
                 unmounted = True
                 nursery.cancel_scope.cancel()
         finally:

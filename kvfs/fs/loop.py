@@ -1,0 +1,125 @@
+"""kvfs's request loop: pyfuse3's own worker loop, without a scheduler pass per request.
+
+pyfuse3 reads requests in worker tasks (``_session_loop``): each takes a ``trio.Lock``, waits
+until ``/dev/fuse`` is readable, reads one request, gives the lock to the next worker and
+runs the handler. On a busy mount that costs, for every request, a hand-over of the lock
+(the next worker is woken and runs once), an epoll registration and a full pass of trio's
+scheduler — about as much as a short handler (benchmarks/create_cpu.py, docs/benchmarks.md).
+
+pyfuse3 reaches trio only through its module attribute ``pyfuse3.trio`` (so that
+``pyfuse3.asyncio`` can swap it); :func:`serve` runs ``pyfuse3.main`` with that attribute
+pointing at a facade that is trio except for two things:
+
+- ``Lock`` (pyfuse3's read lock only) lets the task that releases it take it again at
+  once: a release wakes one waiter (at most one at a time) instead of handing it the lock,
+  so a worker whose handler did not wait goes on to the next request; a worker whose handler
+  waits leaves the lock free, and the woken waiter reads the next request meanwhile (as
+  before: one slow request never holds up the others);
+- ``lowlevel.wait_readable`` returns at once when a request is already queued (``poll`` with
+  no timeout), up to ``burst`` times in a row; then it waits through trio as before, which
+  lets every other task (the index committer, timers, threads' results) run. A request that
+  is not queued yet is always waited for through trio.
+
+Everything else (nursery, current task, ``notify_closing`` at ``pyfuse3.terminate``, the
+cancellation of the loop at unmount) is trio's own.
+"""
+from __future__ import annotations
+
+import logging
+import select
+import types
+
+import pyfuse3
+import trio
+
+log = logging.getLogger(__name__)
+
+BURST = 8           # requests read without a scheduler pass in between
+
+
+class ReadLock:
+    """pyfuse3's read lock: one worker at a time waits for and reads a request. Not fair: a
+    release wakes a waiter, but the lock goes to whichever worker asks first (the releaser,
+    when its handler did not wait; the woken worker otherwise)."""
+
+    __slots__ = ("_held", "_lot", "_waking")
+
+    def __init__(self):
+        self._held = False
+        self._lot = trio.lowlevel.ParkingLot()
+        self._waking = False        # a waiter was woken and has not run yet
+
+    async def __aenter__(self) -> None:
+        while self._held:
+            try:
+                await self._lot.park()
+            except BaseException:           # cancelled: the wake it may have had goes on
+                self._waking = False
+                if not self._held:
+                    self._wake()
+                raise
+            self._waking = False
+        self._held = True
+
+    async def __aexit__(self, *exc) -> None:
+        self._held = False
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._lot and not self._waking:
+            self._waking = True
+            self._lot.unpark()
+
+
+class Reader:
+    """``wait_readable`` for pyfuse3's session descriptor (see the module's text)."""
+
+    def __init__(self, burst: int = BURST):
+        self.burst = burst
+        self._streak = 0
+        self._poll = None
+        self._fd = -1
+        self.fast = self.waited = 0     # requests read at once / waited for through trio
+
+    async def wait_readable(self, fd) -> None:
+        if self._streak < self.burst:
+            if fd != self._fd:
+                self._poll, self._fd = select.poll(), fd
+                self._poll.register(fd, select.POLLIN)
+            ev = self._poll.poll(0)
+            if ev and ev[0][1] == select.POLLIN:
+                self._streak += 1
+                self.fast += 1
+                await trio.lowlevel.checkpoint_if_cancelled()
+                return
+        self._streak = 0
+        self.waited += 1
+        await trio.lowlevel.wait_readable(fd)
+
+
+    def statistics(self) -> dict:
+        """What ``.kvfs/stats`` shows as ``request_loop``."""
+        return {"burst": self.burst, "read_at_once": self.fast, "waited": self.waited}
+
+
+def facade(reader: Reader) -> types.SimpleNamespace:
+    """What pyfuse3 sees as ``trio`` while :func:`serve` runs."""
+    low = types.SimpleNamespace(current_task=trio.lowlevel.current_task,
+                                current_trio_token=trio.lowlevel.current_trio_token,
+                                notify_closing=trio.lowlevel.notify_closing,
+                                wait_readable=reader.wait_readable)
+    return types.SimpleNamespace(Lock=ReadLock, ClosedResourceError=trio.ClosedResourceError,
+                                 open_nursery=trio.open_nursery, from_thread=trio.from_thread,
+                                 lowlevel=low)
+
+
+async def serve(reader: Reader | None = None) -> None:
+    """``pyfuse3.main()`` through the facade (after ``pyfuse3.init``)."""
+    reader = reader or Reader()
+    saved = pyfuse3.trio
+    pyfuse3.trio = facade(reader)
+    try:
+        await pyfuse3.main()
+    finally:
+        pyfuse3.trio = saved
+        log.debug("request loop: %d requests read at once, %d waited for", reader.fast, reader.waited)

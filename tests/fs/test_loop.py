@@ -1,0 +1,169 @@
+"""kvfs's request loop (kvfs.fs.loop): pyfuse3's read lock and its wait for the session
+descriptor, driven in one trio run (a pipe stands in for /dev/fuse), and the facade pyfuse3
+sees while the loop serves. The mount tests run every request through it."""
+from __future__ import annotations
+
+import os
+
+import pyfuse3
+import pytest
+import trio
+import trio.testing
+
+from kvfs.fs import loop
+
+
+async def test_lock_lets_one_holder_in_at_a_time():
+    lock, inside, most, done = loop.ReadLock(), 0, 0, []
+
+    async def worker(i):
+        nonlocal inside, most
+        for _ in range(20):
+            async with lock:
+                inside += 1
+                most = max(most, inside)
+                await trio.sleep(0)          # a wait while holding it (the slow wait for a request)
+                inside -= 1
+            await trio.sleep(0)             # a handler that waits
+        done.append(i)
+
+    async with trio.open_nursery() as n:
+        for i in range(5):
+            n.start_soon(worker, i)
+    assert most == 1 and sorted(done) == list(range(5))
+
+
+async def test_releaser_takes_it_again_and_a_woken_waiter_gets_it_when_the_releaser_waits():
+    lock, order = loop.ReadLock(), []
+
+    async def waiter():
+        async with lock:
+            order.append("waiter")
+
+    async with trio.open_nursery() as n:
+        await lock.__aenter__()
+        n.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()       # parked on the lock
+        for _ in range(3):                  # handlers that did not wait: no hand-over, no pass
+            await lock.__aexit__(None, None, None)
+            await lock.__aenter__()
+            order.append("releaser")
+        await lock.__aexit__(None, None, None)
+        await trio.sleep(0)                 # now the releaser's handler waits
+        await trio.testing.wait_all_tasks_blocked()
+    assert order == ["releaser"] * 3 + ["waiter"]
+
+
+async def test_a_waiter_cancelled_while_parked_leaves_the_wake_to_the_next():
+    lock, got = loop.ReadLock(), []
+
+    async def waiter(name, scope_out):
+        with trio.CancelScope() as scope:
+            scope_out.append(scope)
+            async with lock:
+                got.append(name)
+
+    async with trio.open_nursery() as n:
+        await lock.__aenter__()
+        s1, s2 = [], []
+        n.start_soon(waiter, "first", s1)
+        await trio.testing.wait_all_tasks_blocked()
+        n.start_soon(waiter, "second", s2)
+        await trio.testing.wait_all_tasks_blocked()
+        s1[0].cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        await lock.__aexit__(None, None, None)
+        await trio.testing.wait_all_tasks_blocked()
+    assert got == ["second"]
+
+
+@pytest.fixture
+def pipe():
+    r, w = os.pipe()
+    yield r, w
+    os.close(r)
+    os.close(w)
+
+
+async def test_a_queued_request_is_read_without_a_scheduler_pass_up_to_the_burst(pipe):
+    r, w = pipe
+    reader, ran = loop.Reader(burst=4), []
+
+    async def other():                      # runs only when the reader lets the scheduler in
+        ran.append(True)
+
+    os.write(w, b"x")                       # a request is queued (it stays: nothing reads it)
+    async with trio.open_nursery() as n:
+        n.start_soon(other)
+        for _ in range(4):
+            await reader.wait_readable(r)
+        assert (reader.fast, reader.waited, ran) == (4, 0, [])     # no pass: other never ran
+        await reader.wait_readable(r)       # the fifth goes through trio
+        assert (reader.fast, reader.waited) == (4, 1)
+        for _ in range(4):                  # then a new burst
+            await reader.wait_readable(r)
+        assert (reader.fast, reader.waited) == (8, 1)
+    assert ran == [True]
+
+
+async def test_a_request_not_queued_yet_is_waited_for_through_trio(pipe):
+    r, w = pipe
+    reader = loop.Reader()
+
+    async def later():
+        await trio.sleep(0.01)
+        os.write(w, b"x")
+
+    async with trio.open_nursery() as n:
+        n.start_soon(later)
+        await reader.wait_readable(r)
+    assert (reader.fast, reader.waited) == (0, 1)
+    assert os.read(r, 1) == b"x"
+
+
+async def test_both_waits_are_cancellation_points(pipe):
+    r, w = pipe
+    reader = loop.Reader()
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await reader.wait_readable(r)       # nothing queued: trio's wait
+    assert scope.cancelled_caught
+    os.write(w, b"x")
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await reader.wait_readable(r)       # queued: the fast path still checks
+    assert scope.cancelled_caught
+
+
+class _Root(pyfuse3.Operations):
+    """A one-directory filesystem whose GETATTR notes what pyfuse3 calls trio meanwhile."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    async def getattr(self, inode, ctx=None):
+        self.seen.append(pyfuse3.trio.Lock)
+        await trio.sleep(0.001)             # a handler that waits: the loop goes on reading
+        a = pyfuse3.EntryAttributes()
+        a.st_ino, a.st_mode, a.st_nlink = inode, 0o40755, 2
+        a.attr_timeout = a.entry_timeout = 0
+        return a
+
+
+async def test_a_real_mount_is_served_through_the_facade_and_pyfuse3_gets_trio_back(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    fs = _Root()
+    pyfuse3.init(fs, str(mnt), ["fsname=kvfs-loop-test"])
+    try:
+        async with trio.open_nursery() as n:
+            n.start_soon(loop.serve)
+            stats = await trio.to_thread.run_sync(
+                lambda: [os.stat(mnt).st_ino for _ in range(20)])
+            pyfuse3.terminate()
+    finally:
+        pyfuse3.close(unmount=True)
+    assert stats == [pyfuse3.ROOT_INODE] * 20
+    assert fs.seen and set(fs.seen) == {loop.ReadLock}
+    assert pyfuse3.trio is trio

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import select
-import types
 
 import pyfuse3
 import trio
@@ -102,15 +101,21 @@ class Reader:
         return {"burst": self.burst, "read_at_once": self.fast, "waited": self.waited}
 
 
-def facade(reader: Reader) -> types.SimpleNamespace:
+class _Over:
+    """A module with some attributes replaced; every other name is the module's own (so a
+    pyfuse3 that asks trio for something more still gets trio's)."""
+
+    def __init__(self, base, **replaced):
+        self._base = base
+        self.__dict__.update(replaced)
+
+    def __getattr__(self, name):
+        return getattr(self._base, name)
+
+
+def facade(reader: Reader) -> _Over:
     """What pyfuse3 sees as ``trio`` while :func:`serve` runs."""
-    low = types.SimpleNamespace(current_task=trio.lowlevel.current_task,
-                                current_trio_token=trio.lowlevel.current_trio_token,
-                                notify_closing=trio.lowlevel.notify_closing,
-                                wait_readable=reader.wait_readable)
-    return types.SimpleNamespace(Lock=ReadLock, ClosedResourceError=trio.ClosedResourceError,
-                                 open_nursery=trio.open_nursery, from_thread=trio.from_thread,
-                                 lowlevel=low)
+    return _Over(trio, Lock=ReadLock, lowlevel=_Over(trio.lowlevel, wait_readable=reader.wait_readable))
 
 
 async def serve(reader: Reader | None = None) -> None:

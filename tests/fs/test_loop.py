@@ -154,11 +154,11 @@ class _Root(pyfuse3.Operations):
 async def test_a_real_mount_is_served_through_the_facade_and_pyfuse3_gets_trio_back(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    fs = _Root()
+    fs, reader = _Root(), loop.Reader()
     pyfuse3.init(fs, str(mnt), ["fsname=kvfs-loop-test"])
     try:
         async with trio.open_nursery() as n:
-            n.start_soon(loop.serve)
+            n.start_soon(loop.serve, reader)
             stats = await trio.to_thread.run_sync(
                 lambda: [os.stat(mnt).st_ino for _ in range(20)])
             pyfuse3.terminate()
@@ -166,4 +166,15 @@ async def test_a_real_mount_is_served_through_the_facade_and_pyfuse3_gets_trio_b
         pyfuse3.close(unmount=True)
     assert stats == [pyfuse3.ROOT_INODE] * 20
     assert fs.seen and set(fs.seen) == {loop.ReadLock}
+    assert reader.fast + reader.waited >= 20      # pyfuse3 waited through the facade
     assert pyfuse3.trio is trio
+
+
+def test_the_facade_is_trio_but_for_the_read_lock_and_the_wait():
+    reader = loop.Reader()
+    f = loop.facade(reader)
+    assert f.Lock is loop.ReadLock and f.lowlevel.wait_readable == reader.wait_readable
+    for name in ("open_nursery", "ClosedResourceError", "from_thread", "sleep", "CancelScope"):
+        assert getattr(f, name) is getattr(trio, name)
+    for name in ("current_task", "current_trio_token", "notify_closing", "checkpoint"):
+        assert getattr(f.lowlevel, name) is getattr(trio.lowlevel, name)

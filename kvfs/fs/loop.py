@@ -95,7 +95,6 @@ class Reader:
         self.waited += 1
         await trio.lowlevel.wait_readable(fd)
 
-
     def statistics(self) -> dict:
         """What ``.kvfs/stats`` shows as ``request_loop``."""
         return {"burst": self.burst, "read_at_once": self.fast, "waited": self.waited}

@@ -110,8 +110,7 @@ async def test_a_request_not_queued_yet_is_waited_for_through_trio(pipe):
     r, w = pipe
     reader = loop.Reader()
 
-    async def later():
-        await trio.sleep(0.01)
+    async def later():                      # runs only once the reader waits through trio
         os.write(w, b"x")
 
     async with trio.open_nursery() as n:
@@ -144,7 +143,7 @@ class _Root(pyfuse3.Operations):
 
     async def getattr(self, inode, ctx=None):
         self.seen.append(pyfuse3.trio.Lock)
-        await trio.sleep(0.001)             # a handler that waits: the loop goes on reading
+        await trio.sleep(0)                 # a handler that waits: the loop goes on reading
         a = pyfuse3.EntryAttributes()
         a.st_ino, a.st_mode, a.st_nlink = inode, 0o40755, 2
         a.attr_timeout = a.entry_timeout = 0

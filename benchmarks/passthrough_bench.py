@@ -1,0 +1,407 @@
+"""FUSE passthrough on this kernel: what works (probe) and what it is worth (bench), issue 30.
+
+    python benchmarks/passthrough_bench.py probe [--json out.json]
+    python benchmarks/passthrough_bench.py bench [--runs 7] [--small 200] [--json out.json]
+
+``probe`` mounts the spike server (benchmarks/passthrough_spike.py) and checks, counting the
+requests that reach it: does passthrough negotiate; do read, pread, readv, mmap (shared and
+private), sendfile and splice of an open file reach the daemon; what a reader holding the file
+open sees when its backing file is replaced or unlinked (and whether tmpfs frees the space);
+what the backing registration needs (CAP_SYS_ADMIN dropped after mount); and whether
+FUSE-over-io_uring can be negotiated (the fuse module's ``enable_uring``, restored after).
+
+``bench`` measures in one run, interleaved, medians of ``--runs``: open + readinto + close of
+a 2 MiB and a 64 MiB file just written (tmpfs directly, the spike with passthrough, the spike
+answering READ from Python, the current kvfs mount with a 256 MiB RAM tier), a second read of
+the same file, an mmap read, and open + read + close of 32 KiB files (first open of each, then
+again). Buffers are page aligned and warmed; the load average is reported before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from kvfs.bench import BenchMount, aligned_buffer  # noqa: E402
+
+SPIKE = Path(__file__).resolve().parent / "passthrough_spike.py"
+URING = Path("/sys/module/fuse/parameters/enable_uring")
+MiB = 1 << 20
+
+
+def wait_until(pred, timeout: float = 30.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return False
+
+
+class SpikeMount:
+    """The spike server in a subprocess, mounted at ``mnt`` over the files of ``backing``."""
+
+    def __init__(self, mnt: Path, backing: Path, *flags: str):
+        self.mnt, self.backing, self.flags = mnt, backing, flags
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "SpikeMount":
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        self.backing.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, str(SPIKE), str(self.mnt), str(self.backing),
+                                      *self.flags], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if not wait_until(lambda: os.path.ismount(self.mnt) or self.proc.poll() is not None):
+            raise RuntimeError("spike did not mount")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"spike failed: {self.proc.stderr.read().decode()}")
+        self.stats()                                     # INIT has been answered once this returns
+        dev = os.stat(self.mnt).st_dev                   # 1 MiB read-ahead, as kvfs sets it
+        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb", "w") as f:
+            f.write("1024")
+        return self
+
+    def stats(self) -> dict:
+        """The spike's counters (this read is itself one READ request, counted in them)."""
+        fd = os.open(self.mnt / ".spike", os.O_RDONLY)
+        try:
+            return json.loads(os.pread(fd, 1 << 20, 0))
+        finally:
+            os.close(fd)
+
+    def __exit__(self, *exc) -> None:
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mnt)], capture_output=True)
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def write_file(path: Path, buf, size: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(buf)
+        off = 0
+        while off < size:
+            off += os.write(fd, view[off:min(size, off + 4 * MiB)])
+    finally:
+        os.close(fd)
+
+
+def read_whole(path: Path, buf, size: int) -> float:
+    """open + readinto (1 MiB at a time) + close into a page-aligned buffer; seconds."""
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    off = 0
+    while off < size:
+        n = os.readv(fd, [view[off:min(size, off + MiB)]])
+        if n <= 0:
+            raise OSError(f"short read of {path} at {off}")
+        off += n
+    os.close(fd)
+    return time.perf_counter() - t0
+
+
+def mmap_whole(path: Path, buf, size: int, flags: int = mmap.MAP_SHARED) -> float:
+    """open + mmap + copy every byte into a page-aligned buffer + munmap + close; seconds."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    view, src = memoryview(buf), memoryview(mm)
+    for off in range(0, size, 4 * MiB):                  # memoryview copies: no bytes objects
+        end = min(size, off + 4 * MiB)
+        view[off:end] = src[off:end]
+    src.release()
+    view.release()
+    mm.close()
+    os.close(fd)
+    return time.perf_counter() - t0
+
+
+# -- probe ----------------------------------------------------------------------------------
+def _method(name: str, path: Path, size: int) -> bytes:
+    """Read the whole of ``path`` by one method; returns the bytes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if name == "read":
+            return b"".join(iter(lambda: os.read(fd, MiB), b""))
+        if name == "pread":
+            return os.pread(fd, size, 0)
+        if name == "readv":
+            bufs = [bytearray(size // 2), bytearray(size - size // 2)]
+            os.readv(fd, bufs)
+            return bytes(bufs[0] + bufs[1])
+        if name in ("mmap_shared", "mmap_private"):
+            flag = mmap.MAP_SHARED if name == "mmap_shared" else mmap.MAP_PRIVATE
+            with mmap.mmap(fd, size, flags=flag, prot=mmap.PROT_READ) as mm:
+                return bytes(mm)
+        a, b = socket.socketpair() if name == "sendfile" else os.pipe2(0) + ()
+        out = bytearray()
+        if name == "sendfile":
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+            off = 0
+            while off < size:
+                off += os.sendfile(a.fileno(), fd, off, min(size - off, 1 << 16))
+                out += b.recv(1 << 20)
+            while len(out) < size:
+                out += b.recv(1 << 20)
+            a.close(), b.close()
+            return bytes(out)
+        r, w = a, b                                      # splice file -> pipe
+        while len(out) < size:
+            n = os.splice(fd, w, 1 << 16)
+            if n == 0:
+                break
+            out += os.read(r, n)
+        os.close(r), os.close(w)
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+METHODS = ("read", "pread", "readv", "mmap_shared", "mmap_private", "sendfile", "splice")
+
+
+def probe_methods(m: SpikeMount, size: int = 2 * MiB) -> dict:
+    out = {}
+    for i, name in enumerate(METHODS):
+        data = os.urandom(size)
+        (m.backing / f"m{i}.bin").write_bytes(data)
+        before = m.stats()
+        try:
+            got = _method(name, m.mnt / f"m{i}.bin", size)
+            ok = got == data
+        except OSError as e:
+            ok = f"{type(e).__name__}: {e}"
+        after = m.stats()
+        out[name] = {"bytes_ok": ok,
+                     "read_requests": after["requests"].get("read", 0) - before["requests"].get("read", 0) - 1,
+                     "passthrough_opens": after["passthrough_opens"] - before["passthrough_opens"]}
+    return out
+
+
+def _which(got: bytes, old: bytes, new: bytes) -> str:
+    return "old" if got == old else "new" if got == new else "mix"
+
+
+def _try_read(path: Path) -> bytes | str:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror}"
+
+
+def probe_versions(m: SpikeMount) -> dict:
+    """A reader holding a file open (fd and mapping) while its backing file is replaced and
+    unlinked behind the kernel's back (the FUSE inode stays the same): what it sees, what a
+    second open of that inode gets, when tmpfs frees the space."""
+    size = 64 * MiB
+    old, new = os.urandom(MiB) * 64, os.urandom(MiB) * 64
+    (m.backing / "v.bin").write_bytes(old)
+    fd = os.open(m.mnt / "v.bin", os.O_RDONLY)
+    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    (m.backing / "v.tmp").write_bytes(new)
+    os.replace(m.backing / "v.tmp", m.backing / "v.bin")
+    second = _try_read(m.mnt / "v.bin")
+    res = {"held_fd_after_replace": _which(os.pread(fd, size, 0), old, new),
+           "held_mmap_after_replace": _which(mm[:], old, new),
+           "second_open_same_inode_new_backing": second if isinstance(second, str)
+           else _which(second, old, new)}
+    os.unlink(m.backing / "v.bin")
+    free0 = shutil.disk_usage(m.backing).free
+    res["held_fd_after_unlink"] = _which(os.pread(fd, size, 0), old, new)
+    os.close(fd)
+    free1 = shutil.disk_usage(m.backing).free
+    mm.close()
+    freed = wait_until(lambda: shutil.disk_usage(m.backing).free - free0 >= size - MiB, 10)
+    res["tmpfs_MiB_freed"] = {"after_close_still_mapped": (free1 - free0) // MiB,
+                              "after_munmap": (shutil.disk_usage(m.backing).free - free0) // MiB,
+                              "freed_within_10s": freed}
+    (m.backing / "v.bin").write_bytes(new)
+    third = _try_read(m.mnt / "v.bin")
+    res["open_after_all_closed"] = third if isinstance(third, str) else _which(third, old, new)
+    return res
+
+
+def probe_uring(root: Path) -> dict:
+    """Can root turn the fuse module's ``enable_uring`` on, does INIT then offer
+    FUSE_OVER_IO_URING, and what happens to a daemon that accepts it and keeps reading
+    /dev/fuse (no ring registered)? The parameter is global: always restored."""
+    res = {"enable_uring_was": URING.read_text().strip() if URING.exists() else None,
+           "io_uring_disabled": Path("/proc/sys/kernel/io_uring_disabled").read_text().strip()}
+    if res["enable_uring_was"] is None:
+        return res
+    mnt, back = root / "mnt-uring", root / "back-uring"
+    mnt.mkdir(parents=True, exist_ok=True)
+    back.mkdir(parents=True, exist_ok=True)
+    proc = None
+    try:
+        URING.write_text("Y")
+        res["enable_uring_set"] = URING.read_text().strip()
+        proc = subprocess.Popen([sys.executable, str(SPIKE), str(mnt), str(back), "--uring"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        wait_until(lambda: f" {mnt} " in Path("/proc/self/mountinfo").read_text()
+                   or proc.poll() is not None)      # not ismount: its stat would wait too
+        try:                                             # the first request after INIT
+            done = subprocess.run(["cat", str(mnt / ".spike")], capture_output=True, timeout=5)
+            res["request_after_init"] = f"answered (rc {done.returncode})"
+        except subprocess.TimeoutExpired:
+            res["request_after_init"] = "hangs (the kernel waits for a registered ring)"
+    except OSError as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        if proc is not None:                             # kill first: that aborts the connection
+            proc.kill()
+            err = proc.communicate()[1].decode()
+            for line in err.splitlines():
+                if line.startswith('{"init"'):
+                    init = json.loads(line)["init"]
+                    res["kernel_offered_over_io_uring"] = init["kernel"]["over_io_uring"]
+                    res["negotiated"] = init["negotiated"]
+        res["umount"] = subprocess.run(["umount", "-l", str(mnt)], capture_output=True,
+                                       text=True, timeout=30).stderr.strip() or "ok"
+        URING.write_text(res["enable_uring_was"])
+        res["enable_uring_restored"] = URING.read_text().strip()
+    return res
+
+
+def probe(root: Path) -> dict:
+    res: dict = {"kernel": os.uname().release}
+    with SpikeMount(root / "mnt", root / "back") as m:
+        res["negotiation"] = {k: m.stats()[k] for k in ("kernel", "negotiated")}
+        res["methods"] = probe_methods(m)
+        res["versions"] = probe_versions(m)
+        res["backing_error"] = m.stats()["backing_error"]
+    with SpikeMount(root / "mnt-np", root / "back-np", "--no-passthrough") as m:
+        res["methods_no_passthrough"] = probe_methods(m)
+        res["versions_no_passthrough"] = probe_versions(m)
+    with SpikeMount(root / "mnt-ce", root / "back-ce", "--close-early") as m:
+        res["close_daemon_fd_early"] = {"methods": probe_methods(m), "versions": probe_versions(m)}
+    with SpikeMount(root / "mnt-cap", root / "back-cap", "--drop-sys-admin") as m:
+        (m.backing / "c.bin").write_bytes(b"c" * 8192)
+        ok = (m.mnt / "c.bin").read_bytes() == b"c" * 8192
+        s = m.stats()
+        res["without_cap_sys_admin"] = {"backing_error": s["backing_error"], "read_ok": ok,
+                                        "passthrough_opens": s["passthrough_opens"],
+                                        "negotiated": s["negotiated"]["passthrough"]}
+    res["uring"] = probe_uring(root)
+    return res
+
+
+# -- bench ----------------------------------------------------------------------------------
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+class Target:
+    """Where a system's files are written (``write_dir``) and read back (``read_dir``)."""
+
+    def __init__(self, name: str, write_dir: Path, read_dir: Path):
+        self.name, self.write_dir, self.read_dir = name, write_dir, read_dir
+
+
+def bench_large(targets: list[Target], sizes: list[int], runs: int, buf) -> dict:
+    """Per size and target: GB/s of the read just after the write, a re-read, an mmap read."""
+    res: dict = {}
+    check = bytes(buf[:2 * MiB])
+    for size in sizes:
+        rows = {t.name: {"first": [], "again": [], "mmap": []} for t in targets}
+        for run in range(runs + 1):                      # run 0 warms up and checks bytes
+            for t in targets:
+                name = f"L{size >> 20}_{run}.bin"
+                write_file(t.write_dir / name, buf, size)
+                first = read_whole(t.read_dir / name, buf, size)
+                if run == 0 and bytes(buf[:2 * MiB]) != check:
+                    raise RuntimeError(f"{t.name}: wrong bytes")
+                again = read_whole(t.read_dir / name, buf, size)
+                mm = mmap_whole(t.read_dir / name, buf, size)
+                os.unlink(t.write_dir / name)
+                if run:
+                    for k, v in (("first", first), ("again", again), ("mmap", mm)):
+                        rows[t.name][k].append(size / v / 1e9)
+        res[f"{size >> 20}MiB"] = {n: {k: round(med(v), 2) for k, v in r.items()} for n, r in rows.items()}
+    return res
+
+
+def bench_small(targets: list[Target], count: int, runs: int, buf) -> dict:
+    """µs per file of open + read 32 KiB + close: first open of each file, then again."""
+    size = 32 << 10
+    rows = {t.name: {"first": [], "again": []} for t in targets}
+    for run in range(runs + 1):
+        for t in targets:
+            names = [f"S{run}_{i}.bin" for i in range(count)]
+            for n in names:
+                write_file(t.write_dir / n, buf, size)
+            for key in ("first", "again"):
+                t0 = time.perf_counter()
+                for n in names:
+                    read_whole(t.read_dir / n, buf, size)
+                if run:
+                    rows[t.name][key].append((time.perf_counter() - t0) / count * 1e6)
+            for n in names:
+                os.unlink(t.write_dir / n)
+    return {n: {k: round(med(v), 1) for k, v in r.items()} for n, r in rows.items()}
+
+
+def bench(root: Path, runs: int, count: int) -> dict:
+    buf = aligned_buffer(64 * MiB)
+    res: dict = {"kernel": os.uname().release, "cpus": os.cpu_count(), "runs": runs,
+                 "load_before": os.getloadavg()}
+    direct = root / "tmpfs"
+    direct.mkdir(parents=True, exist_ok=True)
+    with SpikeMount(root / "mnt-pt", root / "back-pt") as pt, \
+            SpikeMount(root / "mnt-py", root / "back-py", "--no-passthrough") as py, \
+            BenchMount(root / "kvfs", ram="256MiB", nvme_size="1GiB") as kv:
+        targets = [Target("tmpfs", direct, direct), Target("passthrough", pt.backing, pt.mnt),
+                   Target("python_read", py.backing, py.mnt), Target("kvfs", kv.path, kv.path)]
+        res["large"] = bench_large(targets, [2 * MiB, 64 * MiB], runs, buf)
+        res["small_32KiB_us"] = bench_small(targets, count, runs, buf)
+        res["spike_requests"] = {"passthrough": pt.stats()["requests"],
+                                 "python_read": py.stats()["requests"]}
+        res["passthrough_opens"] = pt.stats()["passthrough_opens"]
+    res["load_after"] = os.getloadavg()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=("probe", "bench"))
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--small", type=int, default=200, help="32 KiB files per run")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # run the finally clauses
+    root = Path(tempfile.mkdtemp(prefix="passthru-", dir="/dev/shm"))
+    try:
+        res = probe(root) if args.what == "probe" else bench(root, args.runs, args.small)
+    finally:
+        for mnt in root.glob("mnt*"):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -104,19 +104,25 @@ def write_file(path: Path, buf, size: int) -> None:
         os.close(fd)
 
 
-def read_whole(path: Path, buf, size: int) -> float:
-    """open + readinto (1 MiB at a time) + close into a page-aligned buffer; seconds."""
+def read_whole(path: Path, buf, size: int, split: list | None = None) -> float:
+    """open + readinto (1 MiB at a time) + close into a page-aligned buffer; seconds
+    (``split`` gets [open + close, the reads alone])."""
     view = memoryview(buf)
     t0 = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
+    t1 = time.perf_counter()
     off = 0
     while off < size:
         n = os.readv(fd, [view[off:min(size, off + MiB)]])
         if n <= 0:
             raise OSError(f"short read of {path} at {off}")
         off += n
+    t2 = time.perf_counter()
     os.close(fd)
-    return time.perf_counter() - t0
+    t3 = time.perf_counter()
+    if split is not None:
+        split[:] = [t1 - t0 + t3 - t2, t2 - t1]
+    return t3 - t0
 
 
 def mmap_whole(path: Path, buf, size: int, flags: int = mmap.MAP_SHARED) -> float:
@@ -319,24 +325,30 @@ class Target:
 
 
 def bench_large(targets: list[Target], sizes: list[int], runs: int, buf) -> dict:
-    """Per size and target: GB/s of the read just after the write, a re-read, an mmap read."""
+    """Per size and target, GB/s: the read just after the write (``first``: open + reads +
+    close; ``first_reads``: the reads alone; ``first_open_close_us``), a re-read, an mmap read."""
     res: dict = {}
     check = bytes(buf[:2 * MiB])
+    keys = ("first", "first_reads", "first_open_close_us", "again", "mmap")
     for size in sizes:
-        rows = {t.name: {"first": [], "again": [], "mmap": []} for t in targets}
+        rows = {t.name: {k: [] for k in keys} for t in targets}
         for run in range(runs + 1):                      # run 0 warms up and checks bytes
             for t in targets:
                 name = f"L{size >> 20}_{run}.bin"
                 write_file(t.write_dir / name, buf, size)
-                first = read_whole(t.read_dir / name, buf, size)
+                split: list = []
+                first = read_whole(t.read_dir / name, buf, size, split)
                 if run == 0 and bytes(buf[:2 * MiB]) != check:
                     raise RuntimeError(f"{t.name}: wrong bytes")
                 again = read_whole(t.read_dir / name, buf, size)
                 mm = mmap_whole(t.read_dir / name, buf, size)
                 os.unlink(t.write_dir / name)
                 if run:
-                    for k, v in (("first", first), ("again", again), ("mmap", mm)):
-                        rows[t.name][k].append(size / v / 1e9)
+                    r = rows[t.name]
+                    for k, v in (("first", first), ("first_reads", split[1]), ("again", again),
+                                 ("mmap", mm)):
+                        r[k].append(size / v / 1e9)
+                    r["first_open_close_us"].append(split[0] * 1e6)
         res[f"{size >> 20}MiB"] = {n: {k: round(med(v), 2) for k, v in r.items()} for n, r in rows.items()}
     return res
 
@@ -368,15 +380,16 @@ def bench(root: Path, runs: int, count: int) -> dict:
     direct = root / "tmpfs"
     direct.mkdir(parents=True, exist_ok=True)
     with SpikeMount(root / "mnt-pt", root / "back-pt") as pt, \
+            SpikeMount(root / "mnt-pi", root / "back-pi", "--per-inode") as pi, \
             SpikeMount(root / "mnt-py", root / "back-py", "--no-passthrough") as py, \
             BenchMount(root / "kvfs", ram="256MiB", nvme_size="1GiB") as kv:
-        targets = [Target("tmpfs", direct, direct), Target("passthrough", pt.backing, pt.mnt),
-                   Target("python_read", py.backing, py.mnt), Target("kvfs", kv.path, kv.path)]
+        spikes = {"passthrough": pt, "passthrough_inode": pi, "python_read": py}
+        targets = [Target("tmpfs", direct, direct),
+                   *(Target(n, m.backing, m.mnt) for n, m in spikes.items()),
+                   Target("kvfs", kv.path, kv.path)]
         res["large"] = bench_large(targets, [2 * MiB, 64 * MiB], runs, buf)
         res["small_32KiB_us"] = bench_small(targets, count, runs, buf)
-        res["spike_requests"] = {"passthrough": pt.stats()["requests"],
-                                 "python_read": py.stats()["requests"]}
-        res["passthrough_opens"] = pt.stats()["passthrough_opens"]
+        res["spikes"] = {n: m.stats() for n, m in spikes.items()}
     res["load_after"] = os.getloadavg()
     return res
 

@@ -31,6 +31,7 @@ import stat
 import struct
 import sys
 import threading
+import time
 from collections import Counter
 
 # -- the protocol (include/uapi/linux/fuse.h) -----------------------------------------------
@@ -102,8 +103,10 @@ class Spike:
     """The filesystem: inode numbers by name, one backing fd per open file."""
 
     def __init__(self, dev: int, backing: str, passthrough: bool, uring: bool,
-                 close_early: bool = False):
+                 close_early: bool = False, per_inode: bool = False):
         self.dev, self.backing, self.close_early = dev, backing, close_early
+        self.per_inode = per_inode                       # one backing id per inode, closed at FORGET
+        self.backing_by_ino: dict[int, int] = {}
         self.want_passthrough, self.want_uring = passthrough, uring
         self.counts: Counter = Counter()
         self.ino_by_name: dict[str, int] = {STATS_NAME: STATS_INO}
@@ -112,7 +115,7 @@ class Spike:
         self.next_fh = 1
         self.lock = threading.Lock()
         self.info: dict = {"backing_opens": 0, "backing_closes": 0, "backing_error": None,
-                           "passthrough_opens": 0}
+                           "passthrough_opens": 0, "backing_open_us": 0.0, "backing_close_us": 0.0}
         self.done = threading.Event()
 
     # -- replies --
@@ -179,22 +182,50 @@ class Spike:
         if ino == STATS_INO:
             self.files[fh] = (-1, -1)
             return [OPEN_OUT.pack(fh, FOPEN_DIRECT_IO, 0)]
+        if self.per_inode and ino in self.backing_by_ino:
+            self.files[fh] = (-2, -1)
+            self.info["passthrough_opens"] += 1
+            return [OPEN_OUT.pack(fh, FOPEN_PASSTHROUGH, self.backing_by_ino[ino])]
         fd = os.open(os.path.join(self.backing, self.name_by_ino[ino]), os.O_RDONLY | os.O_CLOEXEC)
         backing_id, open_flags = -1, FOPEN_KEEP_CACHE
         if self.info.get("negotiated", {}).get("passthrough"):
             try:
-                arg = bytearray(BACKING_MAP.pack(fd, 0, 0))
-                backing_id = fcntl.ioctl(self.dev, BACKING_OPEN, arg)
-                self.info["backing_opens"] += 1
+                backing_id = self.backing_open(fd)
                 self.info["passthrough_opens"] += 1
                 open_flags = FOPEN_PASSTHROUGH
-                if self.close_early:                     # the kernel holds the file by the id
+                if self.close_early or self.per_inode:   # the kernel holds the file by the id
                     os.close(fd)
                     fd = -2
+                if self.per_inode:
+                    self.backing_by_ino[ino] = backing_id
+                    self.files[fh] = (fd, -1)
+                    return [OPEN_OUT.pack(fh, open_flags, backing_id)]
             except OSError as e:
                 self.info["backing_error"] = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
         self.files[fh] = (fd, backing_id)
         return [OPEN_OUT.pack(fh, open_flags, max(backing_id, 0))]
+
+    def backing_open(self, fd: int) -> int:
+        t0 = time.perf_counter()
+        backing_id = fcntl.ioctl(self.dev, BACKING_OPEN, bytearray(BACKING_MAP.pack(fd, 0, 0)))
+        self.info["backing_open_us"] += (time.perf_counter() - t0) * 1e6
+        self.info["backing_opens"] += 1
+        return backing_id
+
+    def backing_close(self, backing_id: int) -> None:
+        t0 = time.perf_counter()
+        fcntl.ioctl(self.dev, BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)))
+        self.info["backing_close_us"] += (time.perf_counter() - t0) * 1e6
+        self.info["backing_closes"] += 1
+
+    def forget(self, opcode: int, nodeid: int, body: memoryview) -> None:
+        """FORGET / BATCH_FORGET: the kernel dropped an inode; close its backing id."""
+        nodes = [nodeid] if opcode == FORGET else \
+            [struct.unpack_from("<Q", body, 8 + 16 * i)[0] for i in range(struct.unpack_from("<I", body)[0])]
+        for node in nodes:
+            backing_id = self.backing_by_ino.pop(node, None)
+            if backing_id is not None:
+                self.backing_close(backing_id)
 
     def do_read(self, body: memoryview, buf: mmap.mmap) -> list:
         fh, offset, size, _ = READ_IN.unpack_from(body)
@@ -212,8 +243,7 @@ class Spike:
         fh = RELEASE_IN.unpack_from(body)[0]
         fd, backing_id = self.files.pop(fh)
         if backing_id >= 0:
-            fcntl.ioctl(self.dev, BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)))
-            self.info["backing_closes"] += 1
+            self.backing_close(backing_id)
         if fd >= 0:
             os.close(fd)
         return []
@@ -240,6 +270,8 @@ class Spike:
         body = req[IN_HEADER.size:]
         self.counts[opcode] += 1
         if opcode in NO_REPLY:
+            if opcode in (FORGET, BATCH_FORGET):
+                self.forget(opcode, nodeid, body)
             return
         try:
             if opcode == INIT:
@@ -298,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="drop CAP_SYS_ADMIN after mount(2), before serving")
     ap.add_argument("--close-early", action="store_true",
                     help="close the daemon's backing fd right after registering it")
+    ap.add_argument("--per-inode", action="store_true",
+                    help="register one backing per inode at its first open, close it at FORGET")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     dev = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
@@ -305,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.drop_sys_admin:
         drop_sys_admin()                                 # new threads inherit this thread's creds
     spike = Spike(dev, os.path.abspath(args.backing), not args.no_passthrough, args.uring,
-                  args.close_early)
+                  args.close_early, args.per_inode)
     workers = [threading.Thread(target=spike.serve, daemon=True) for _ in range(args.threads)]
     for w in workers:
         w.start()

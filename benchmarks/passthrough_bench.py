@@ -154,6 +154,12 @@ def _method(name: str, path: Path, size: int) -> bytes:
             bufs = [bytearray(size // 2), bytearray(size - size // 2)]
             os.readv(fd, bufs)
             return bytes(bufs[0] + bufs[1])
+        if name == "odirect":
+            os.close(fd)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            buf = mmap.mmap(-1, size)
+            n = os.preadv(fd, [buf], 0)
+            return bytes(buf[:n])
         if name in ("mmap_shared", "mmap_private"):
             flag = mmap.MAP_SHARED if name == "mmap_shared" else mmap.MAP_PRIVATE
             with mmap.mmap(fd, size, flags=flag, prot=mmap.PROT_READ) as mm:
@@ -182,7 +188,7 @@ def _method(name: str, path: Path, size: int) -> bytes:
         os.close(fd)
 
 
-METHODS = ("read", "pread", "readv", "mmap_shared", "mmap_private", "sendfile", "splice")
+METHODS = ("read", "pread", "readv", "odirect", "mmap_shared", "mmap_private", "sendfile", "splice")
 
 
 def probe_methods(m: SpikeMount, size: int = 2 * MiB) -> dict:
@@ -289,6 +295,28 @@ def probe_uring(root: Path) -> dict:
     return res
 
 
+def _as_nobody(path: Path) -> str:
+    """``cat`` of ``path`` as uid/gid 65534: "ok" with the bytes' length, or its error."""
+    res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          "cat", str(path)], capture_output=True, timeout=30)
+    return f"ok ({len(res.stdout)} bytes)" if res.returncode == 0 else res.stderr.decode().strip()
+
+
+def probe_users(root: Path) -> dict:
+    """Whose permissions count: the backing file is 0600 root; the FUSE file 0444 (daemon
+    checks nothing) or 0400 with default_permissions (the kernel checks at open)."""
+    res = {}
+    for label, flags in (("fuse_0444", ()), ("fuse_0400_default_permissions", ("--private",))):
+        with SpikeMount(root / f"mnt-u{len(res)}", root / f"back-u{len(res)}", *flags) as m:
+            os.chmod(m.backing.parent, 0o755)
+            (m.backing / "p.bin").write_bytes(b"p" * 8192)
+            os.chmod(m.backing / "p.bin", 0o600)
+            res[label] = {"nobody_reads_through_mount": _as_nobody(m.mnt / "p.bin"),
+                          "nobody_reads_backing_directly": _as_nobody(m.backing / "p.bin"),
+                          "passthrough_opens": m.stats()["passthrough_opens"]}
+    return res
+
+
 def probe(root: Path) -> dict:
     res: dict = {"kernel": os.uname().release}
     with SpikeMount(root / "mnt", root / "back") as m:
@@ -308,6 +336,13 @@ def probe(root: Path) -> dict:
         res["without_cap_sys_admin"] = {"backing_error": s["backing_error"], "read_ok": ok,
                                         "passthrough_opens": s["passthrough_opens"],
                                         "negotiated": s["negotiated"]["passthrough"]}
+    res["users"] = probe_users(root)
+    ext4 = Path(tempfile.mkdtemp(prefix="passthru-ext4-", dir="/var/tmp"))
+    try:
+        with SpikeMount(root / "mnt-ext4", ext4 / "back") as m:
+            res["methods_ext4_backing"] = probe_methods(m)
+    finally:
+        shutil.rmtree(ext4, ignore_errors=True)
     res["uring"] = probe_uring(root)
     return res
 

@@ -78,9 +78,9 @@ BUFSIZE = MAX_WRITE + 8192
 LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
-def mount_fuse(fd: int, mountpoint: str) -> None:
+def mount_fuse(fd: int, mountpoint: str, extra: str = "") -> None:
     """mount(2) a fuse filesystem served by ``fd`` at ``mountpoint`` (needs CAP_SYS_ADMIN)."""
-    data = f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other".encode()
+    data = f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other{extra}".encode()
     flags = 0x2 | 0x4                                    # MS_NOSUID | MS_NODEV
     if LIBC.mount(b"kvfs-spike", mountpoint.encode(), b"fuse.kvfs-spike", flags, data) != 0:
         err = ctypes.get_errno()
@@ -107,6 +107,7 @@ class Spike:
         self.dev, self.backing, self.close_early = dev, backing, close_early
         self.per_inode = per_inode                       # one backing id per inode, closed at FORGET
         self.backing_by_ino: dict[int, int] = {}
+        self.file_mode = 0o444
         self.want_passthrough, self.want_uring = passthrough, uring
         self.counts: Counter = Counter()
         self.ino_by_name: dict[str, int] = {STATS_NAME: STATS_INO}
@@ -135,7 +136,7 @@ class Spike:
             st, mode, size = os.stat(self.backing), stat.S_IFREG | 0o444, 0
         else:
             st = os.stat(os.path.join(self.backing, self.name_by_ino[ino]))
-            mode, size = stat.S_IFREG | 0o444, st.st_size
+            mode, size = stat.S_IFREG | self.file_mode, st.st_size
         t = int(st.st_mtime)
         return ATTR.pack(ino, size, (size + 511) // 512, t, t, t, 0, 0, 0, mode, 1, 0, 0, 0, 4096, 0)
 
@@ -332,14 +333,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="close the daemon's backing fd right after registering it")
     ap.add_argument("--per-inode", action="store_true",
                     help="register one backing per inode at its first open, close it at FORGET")
+    ap.add_argument("--private", action="store_true",
+                    help="files 0400 and the default_permissions mount option (the kernel checks)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     dev = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-    mount_fuse(dev, args.mountpoint)
+    mount_fuse(dev, args.mountpoint, ",default_permissions" if args.private else "")
     if args.drop_sys_admin:
         drop_sys_admin()                                 # new threads inherit this thread's creds
     spike = Spike(dev, os.path.abspath(args.backing), not args.no_passthrough, args.uring,
                   args.close_early, args.per_inode)
+    if args.private:
+        spike.file_mode = 0o400
     workers = [threading.Thread(target=spike.serve, daemon=True) for _ in range(args.threads)]
     for w in workers:
         w.start()

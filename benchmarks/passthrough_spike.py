@@ -48,7 +48,7 @@ NO_REPLY = {FORGET, BATCH_FORGET, INTERRUPT}
 ASYNC_READ, BIG_WRITES, PARALLEL_DIROPS = 1 << 0, 1 << 5, 1 << 18
 MAX_PAGES, INIT_EXT = 1 << 22, 1 << 30
 PASSTHROUGH, OVER_IO_URING = 1 << 37, 1 << 41          # flags2 = bits 32..63
-FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE, FOPEN_PASSTHROUGH = 1 << 0, 1 << 1, 1 << 7
+FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE, FOPEN_NOFLUSH, FOPEN_PASSTHROUGH = 1 << 0, 1 << 1, 1 << 5, 1 << 7
 
 IN_HEADER = struct.Struct("<IIQQIIIHH")                  # len opcode unique nodeid uid gid pid extlen pad
 OUT_HEADER = struct.Struct("<IiQ")                       # len error unique
@@ -108,6 +108,7 @@ class Spike:
         self.per_inode = per_inode                       # one backing id per inode, closed at FORGET
         self.backing_by_ino: dict[int, int] = {}
         self.file_mode = 0o444
+        self.noflush = 0                                 # FOPEN_NOFLUSH: close sends no FLUSH
         self.want_passthrough, self.want_uring = passthrough, uring
         self.counts: Counter = Counter()
         self.ino_by_name: dict[str, int] = {STATS_NAME: STATS_INO}
@@ -186,14 +187,14 @@ class Spike:
         if self.per_inode and ino in self.backing_by_ino:
             self.files[fh] = (-2, -1)
             self.info["passthrough_opens"] += 1
-            return [OPEN_OUT.pack(fh, FOPEN_PASSTHROUGH, self.backing_by_ino[ino])]
+            return [OPEN_OUT.pack(fh, FOPEN_PASSTHROUGH | self.noflush, self.backing_by_ino[ino])]
         fd = os.open(os.path.join(self.backing, self.name_by_ino[ino]), os.O_RDONLY | os.O_CLOEXEC)
-        backing_id, open_flags = -1, FOPEN_KEEP_CACHE
+        backing_id, open_flags = -1, FOPEN_KEEP_CACHE | self.noflush
         if self.info.get("negotiated", {}).get("passthrough"):
             try:
                 backing_id = self.backing_open(fd)
                 self.info["passthrough_opens"] += 1
-                open_flags = FOPEN_PASSTHROUGH
+                open_flags = FOPEN_PASSTHROUGH | self.noflush
                 if self.close_early or self.per_inode:   # the kernel holds the file by the id
                     os.close(fd)
                     fd = -2
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="close the daemon's backing fd right after registering it")
     ap.add_argument("--per-inode", action="store_true",
                     help="register one backing per inode at its first open, close it at FORGET")
+    ap.add_argument("--noflush", action="store_true", help="answer OPEN with FOPEN_NOFLUSH")
     ap.add_argument("--private", action="store_true",
                     help="files 0400 and the default_permissions mount option (the kernel checks)")
     ap.add_argument("--threads", type=int, default=2)
@@ -345,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                   args.close_early, args.per_inode)
     if args.private:
         spike.file_mode = 0o400
+    if args.noflush:
+        spike.noflush = FOPEN_NOFLUSH
     workers = [threading.Thread(target=spike.serve, daemon=True) for _ in range(args.threads)]
     for w in workers:
         w.start()

@@ -93,6 +93,12 @@ class SpikeMount:
                 self.proc.wait()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def write_file(path: Path, buf, size: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -295,6 +301,36 @@ def probe_uring(root: Path) -> dict:
     return res
 
 
+def _cached_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Cached:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def probe_memory_and_release(m: SpikeMount) -> dict:
+    """Page cache added by reading a 256 MiB tmpfs-backed file through the mount (a second
+    copy of the bytes, or none), and when RELEASE comes for a file closed while mapped."""
+    size = 256 * MiB
+    (m.backing / "big.bin").write_bytes(os.urandom(MiB) * 256)
+    before = _cached_mib()
+    fd = os.open(m.mnt / "big.bin", os.O_RDONLY)
+    buf = mmap.mmap(-1, 4 * MiB)
+    off = 0
+    while off < size:
+        off += os.preadv(fd, [buf], off)
+    res = {"page_cache_added_MiB": _cached_mib() - before}
+    mm = mmap.mmap(fd, 4096, prot=mmap.PROT_READ)
+    s0 = m.stats()["data_releases"]
+    os.close(fd)
+    closed = wait_until(lambda: m.stats()["data_releases"] > s0, 1)
+    mm.close()
+    res["release_at_close_while_mapped"] = closed
+    res["release_after_munmap"] = closed or wait_until(lambda: m.stats()["data_releases"] > s0, 10)
+    os.unlink(m.backing / "big.bin")
+    return res
+
+
 def _as_nobody(path: Path) -> str:
     """``cat`` of ``path`` as uid/gid 65534: "ok" with the bytes' length, or its error."""
     res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
@@ -324,9 +360,11 @@ def probe(root: Path) -> dict:
         res["methods"] = probe_methods(m)
         res["versions"] = probe_versions(m)
         res["backing_error"] = m.stats()["backing_error"]
+        res["memory_release"] = probe_memory_and_release(m)
     with SpikeMount(root / "mnt-np", root / "back-np", "--no-passthrough") as m:
         res["methods_no_passthrough"] = probe_methods(m)
         res["versions_no_passthrough"] = probe_versions(m)
+        res["memory_release_no_passthrough"] = probe_memory_and_release(m)
     with SpikeMount(root / "mnt-ce", root / "back-ce", "--close-early") as m:
         res["close_daemon_fd_early"] = {"methods": probe_methods(m), "versions": probe_versions(m)}
     with SpikeMount(root / "mnt-cap", root / "back-cap", "--drop-sys-admin") as m:
@@ -428,9 +466,12 @@ def bench(root: Path, runs: int, count: int) -> dict:
         targets = [Target("tmpfs", direct, direct),
                    *(Target(n, m.backing, m.mnt) for n, m in spikes.items()),
                    Target("kvfs", kv.path, kv.path)]
+        pids = {**{n: m.proc.pid for n, m in spikes.items()}, "kvfs": kv.pid}
+        cpu0 = {n: cpu_seconds(pid) for n, pid in pids.items()}
         res["large"] = bench_large(targets, [2 * MiB, 64 * MiB], runs, buf)
         res["small_32KiB_us"] = bench_small(targets, count, runs, buf)
         res["spikes"] = {n: m.stats() for n, m in spikes.items()}
+        res["daemon_cpu_s"] = {n: round(cpu_seconds(pid) - cpu0[n], 2) for n, pid in pids.items()}
     res["load_after"] = os.getloadavg()
     return res
 

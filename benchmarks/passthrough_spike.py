@@ -117,7 +117,7 @@ class Spike:
         self.next_fh = 1
         self.lock = threading.Lock()
         self.info: dict = {"backing_opens": 0, "backing_closes": 0, "backing_error": None,
-                           "passthrough_opens": 0, "backing_open_us": 0.0, "backing_close_us": 0.0}
+                           "passthrough_opens": 0, "data_releases": 0, "backing_open_us": 0.0, "backing_close_us": 0.0}
         self.done = threading.Event()
 
     # -- replies --
@@ -244,6 +244,8 @@ class Spike:
     def do_release(self, body: memoryview) -> list[bytes]:
         fh = RELEASE_IN.unpack_from(body)[0]
         fd, backing_id = self.files.pop(fh)
+        if fd != -1:                                     # not the stats file
+            self.info["data_releases"] += 1
         if backing_id >= 0:
             self.backing_close(backing_id)
         if fd >= 0:

@@ -374,6 +374,11 @@ def probe(root: Path) -> dict:
         res["without_cap_sys_admin"] = {"backing_error": s["backing_error"], "read_ok": ok,
                                         "passthrough_opens": s["passthrough_opens"],
                                         "negotiated": s["negotiated"]["passthrough"]}
+    with SpikeMount(root / "mnt-nn", root / "back-nn", "--no-passthrough", "--ioctl-anyway") as m:
+        (m.backing / "n.bin").write_bytes(b"n" * 8192)
+        ok = (m.mnt / "n.bin").read_bytes() == b"n" * 8192
+        res["not_negotiated_registration"] = {"backing_error": m.stats()["backing_error"],
+                                              "read_ok": ok}
     res["users"] = probe_users(root)
     ext4 = Path(tempfile.mkdtemp(prefix="passthru-ext4-", dir="/var/tmp"))
     try:

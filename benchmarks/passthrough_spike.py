@@ -109,6 +109,7 @@ class Spike:
         self.backing_by_ino: dict[int, int] = {}
         self.file_mode = 0o444
         self.noflush = 0                                 # FOPEN_NOFLUSH: close sends no FLUSH
+        self.ioctl_anyway = False                        # register even if not negotiated
         self.want_passthrough, self.want_uring = passthrough, uring
         self.counts: Counter = Counter()
         self.ino_by_name: dict[str, int] = {STATS_NAME: STATS_INO}
@@ -190,7 +191,7 @@ class Spike:
             return [OPEN_OUT.pack(fh, FOPEN_PASSTHROUGH | self.noflush, self.backing_by_ino[ino])]
         fd = os.open(os.path.join(self.backing, self.name_by_ino[ino]), os.O_RDONLY | os.O_CLOEXEC)
         backing_id, open_flags = -1, FOPEN_KEEP_CACHE | self.noflush
-        if self.info.get("negotiated", {}).get("passthrough"):
+        if self.info.get("negotiated", {}).get("passthrough") or self.ioctl_anyway:
             try:
                 backing_id = self.backing_open(fd)
                 self.info["passthrough_opens"] += 1
@@ -336,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="close the daemon's backing fd right after registering it")
     ap.add_argument("--per-inode", action="store_true",
                     help="register one backing per inode at its first open, close it at FORGET")
+    ap.add_argument("--ioctl-anyway", action="store_true",
+                    help="try FUSE_DEV_IOC_BACKING_OPEN even when passthrough was not negotiated")
     ap.add_argument("--noflush", action="store_true", help="answer OPEN with FOPEN_NOFLUSH")
     ap.add_argument("--private", action="store_true",
                     help="files 0400 and the default_permissions mount option (the kernel checks)")
@@ -351,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         spike.file_mode = 0o400
     if args.noflush:
         spike.noflush = FOPEN_NOFLUSH
+    spike.ioctl_anyway = args.ioctl_anyway
     workers = [threading.Thread(target=spike.serve, daemon=True) for _ in range(args.threads)]
     for w in workers:
         w.start()

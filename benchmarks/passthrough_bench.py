@@ -209,8 +209,8 @@ def probe_methods(m: SpikeMount, size: int = 2 * MiB) -> dict:
         except OSError as e:
             ok = f"{type(e).__name__}: {e}"
         after = m.stats()
-        out[name] = {"bytes_ok": ok,
-                     "read_requests": after["requests"].get("read", 0) - before["requests"].get("read", 0) - 1,
+        reads = after["requests"].get("read", 0) - before["requests"].get("read", 0) - 1
+        out[name] = {"bytes_ok": ok, "read_requests": reads,
                      "passthrough_opens": after["passthrough_opens"] - before["passthrough_opens"]}
     return out
 

@@ -1,7 +1,7 @@
 """A minimal FUSE server of our own that speaks the kernel protocol directly (issue 30's spike).
 
     python benchmarks/passthrough_spike.py MOUNTPOINT BACKING_DIR [--no-passthrough]
-           [--drop-sys-admin] [--uring] [--threads 2]
+           [--per-inode] [--noflush] [--drop-sys-admin] [--uring] ... (see --help)
 
 It opens ``/dev/fuse`` itself, mounts with mount(2), answers INIT asking for protocol 7.40+
 with ``FUSE_INIT_EXT`` and ``FUSE_PASSTHROUGH`` (``max_stack_depth`` 1), and serves a flat,
@@ -118,7 +118,8 @@ class Spike:
         self.next_fh = 1
         self.lock = threading.Lock()
         self.info: dict = {"backing_opens": 0, "backing_closes": 0, "backing_error": None,
-                           "passthrough_opens": 0, "data_releases": 0, "backing_open_us": 0.0, "backing_close_us": 0.0}
+                           "passthrough_opens": 0, "data_releases": 0, "backing_open_us": 0.0,
+                           "backing_close_us": 0.0}
         self.done = threading.Event()
 
     # -- replies --
@@ -304,6 +305,10 @@ class Spike:
                 raise OSError(errno.ENOSYS, OPNAMES.get(opcode, str(opcode)))
         except OSError as e:
             self.reply(unique, error=e.errno or errno.EIO)
+            return
+        except Exception as e:                           # a bug here must not wedge the kernel
+            print(f"{OPNAMES.get(opcode, opcode)}: {type(e).__name__}: {e}", file=sys.stderr)
+            self.reply(unique, error=errno.EIO)
             return
         self.reply(unique, *parts)
 

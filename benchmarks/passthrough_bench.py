@@ -2,6 +2,7 @@
 
     python benchmarks/passthrough_bench.py probe [--json out.json]
     python benchmarks/passthrough_bench.py bench [--runs 7] [--small 200] [--json out.json]
+    python benchmarks/passthrough_bench.py disk [--runs 7] [--files 16] [--json out.json]
 
 ``probe`` mounts the spike server (benchmarks/passthrough_spike.py) and checks, counting the
 requests that reach it: does passthrough negotiate; do read, pread, readv, mmap (shared and
@@ -15,6 +16,9 @@ a 2 MiB and a 64 MiB file just written (tmpfs directly, the spike with passthrou
 answering READ from Python, the current kvfs mount with a 256 MiB RAM tier), a second read of
 the same file, an mmap read, and open + read + close of 32 KiB files (first open of each, then
 again). Buffers are page aligned and warmed; the load average is reported before and after.
+
+``disk`` reads 2 MiB files on ext4 (/var/tmp) with O_DIRECT after dropping their pages, then
+buffered twice: the directory itself, the spike with passthrough over it, the spike's READ.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kvfs.bench import BenchMount, aligned_buffer  # noqa: E402
+from kvfs.bench import BenchMount, aligned_buffer, forget_pages  # noqa: E402
+from kvfs.bench import read_file as bench_read, write_file as bench_write  # noqa: E402
 
 SPIKE = Path(__file__).resolve().parent / "passthrough_spike.py"
 URING = Path("/sys/module/fuse/parameters/enable_uring")
@@ -481,17 +486,62 @@ def bench(root: Path, runs: int, count: int) -> dict:
     return res
 
 
+def bench_disk(root: Path, runs: int, files: int) -> dict:
+    """2 MiB files on the disk (ext4, the NVMe tier's kind of filesystem): GB/s of open +
+    read + close with O_DIRECT (the files' pages dropped first; vLLM's fs tier reads so), then
+    buffered (from the disk: O_DIRECT left no pages), then buffered again (page-cache hot); the
+    directory itself against the spike over it."""
+    size, buf = 2 * MiB, aligned_buffer(2 * MiB)
+    disk = Path(tempfile.mkdtemp(prefix="passthru-disk-", dir="/var/tmp"))
+    res: dict = {"load_before": os.getloadavg(), "files": files, "runs": runs}
+    try:
+        with SpikeMount(root / "mnt-dp", disk / "back-pt", "--per-inode", "--noflush") as pt, \
+                SpikeMount(root / "mnt-dy", disk / "back-py", "--no-passthrough") as py:
+            (disk / "ext4").mkdir()
+            targets = [Target("ext4", disk / "ext4", disk / "ext4"),
+                       Target("passthrough_inode_noflush", pt.backing, pt.mnt),
+                       Target("python_read", py.backing, py.mnt)]
+            rows = {t.name: {"direct": [], "buffered": [], "hot": []} for t in targets}
+            for run in range(runs + 1):
+                for t in targets:
+                    names = [f"D{run}_{i}.bin" for i in range(files)]
+                    for n in names:
+                        bench_write(t.write_dir / n, buf, size, size, fsync=True)
+                        forget_pages(t.write_dir / n)
+                    for key, direct in (("direct", True), ("buffered", False), ("hot", False)):
+                        t0 = time.perf_counter()
+                        for n in names:
+                            bench_read(t.read_dir / n, buf, MiB, size, direct=direct)
+                        if run:
+                            rows[t.name][key].append(size * files / (time.perf_counter() - t0) / 1e9)
+                    for n in names:
+                        os.unlink(t.write_dir / n)
+            res["GBps"] = {n: {k: round(med(v), 2) for k, v in r.items()} for n, r in rows.items()}
+            res["spikes"] = {"passthrough_inode_noflush": pt.stats()["requests"],
+                             "python_read": py.stats()["requests"]}
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+    res["load_after"] = os.getloadavg()
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=("probe", "bench"))
+    ap.add_argument("what", choices=("probe", "bench", "disk"))
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--small", type=int, default=200, help="32 KiB files per run")
+    ap.add_argument("--files", type=int, default=16, help="2 MiB files per run (disk)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # run the finally clauses
     root = Path(tempfile.mkdtemp(prefix="passthru-", dir="/dev/shm"))
     try:
-        res = probe(root) if args.what == "probe" else bench(root, args.runs, args.small)
+        if args.what == "probe":
+            res = probe(root)
+        elif args.what == "disk":
+            res = bench_disk(root, args.runs, args.files)
+        else:
+            res = bench(root, args.runs, args.small)
     finally:
         for mnt in root.glob("mnt*"):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)

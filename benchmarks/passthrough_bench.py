@@ -71,6 +71,7 @@ class SpikeMount:
                                       *self.flags], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if not wait_until(lambda: os.path.ismount(self.mnt) or self.proc.poll() is not None):
+            self.__exit__(None, None, None)
             raise RuntimeError("spike did not mount")
         if self.proc.poll() is not None:
             raise RuntimeError(f"spike failed: {self.proc.stderr.read().decode()}")

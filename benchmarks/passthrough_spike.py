@@ -185,7 +185,7 @@ class Spike:
             fh, self.next_fh = self.next_fh, self.next_fh + 1
         if ino == STATS_INO:
             self.files[fh] = (-1, -1)
-            return [OPEN_OUT.pack(fh, FOPEN_DIRECT_IO, 0)]
+            return [OPEN_OUT.pack(fh, FOPEN_DIRECT_IO | self.noflush, 0)]
         if self.per_inode and ino in self.backing_by_ino:
             self.files[fh] = (-2, -1)
             self.info["passthrough_opens"] += 1

@@ -110,3 +110,29 @@ def test_without_cap_sys_admin_registration_is_eperm_and_reads_still_work(bench,
         assert reads(s) >= 2                              # served by READ requests
     finally:
         m.__exit__(None, None, None)
+
+
+def test_one_backing_per_inode_serves_every_open_and_release_waits_for_munmap(bench, tmp_path):
+    m = spike(bench, tmp_path, "--per-inode", "--noflush")
+    try:
+        data = os.urandom(2 << 20)
+        (m.backing / "b.bin").write_bytes(data)
+        before = m.stats()
+        fds = [os.open(m.mnt / "b.bin", os.O_RDONLY) for _ in range(3)]
+        assert all(os.pread(fd, len(data), 0) == data for fd in fds)
+        mm = mmap.mmap(fds[0], len(data), prot=mmap.PROT_READ)
+        for fd in fds:
+            os.close(fd)
+        mid = m.stats()
+        assert mid["backing_opens"] - before["backing_opens"] == 1     # registered once
+        assert mid["passthrough_opens"] - before["passthrough_opens"] == 3
+        assert reads(mid) - reads(before) == 1                        # the stats file's own
+        assert mid["requests"].get("flush", 0) == before["requests"].get("flush", 0)
+        # two of the three were released at close; the mapped one is not released yet
+        assert bench.wait_until(lambda: m.stats()["data_releases"] - before["data_releases"] == 2, 30)
+        assert mm[:] == data
+        assert m.stats()["data_releases"] - before["data_releases"] == 2
+        mm.close()
+        assert bench.wait_until(lambda: m.stats()["data_releases"] - before["data_releases"] == 3, 30)
+    finally:
+        m.__exit__(None, None, None)

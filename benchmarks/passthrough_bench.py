@@ -307,6 +307,51 @@ def probe_uring(root: Path) -> dict:
     return res
 
 
+def _write_into(path: Path, buf, size: int) -> float:
+    """open O_WRONLY (existing file, no truncate) + write 1 MiB at a time + close; seconds."""
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY)
+    off = 0
+    while off < size:
+        off += os.write(fd, view[off:off + MiB])
+    os.close(fd)
+    return time.perf_counter() - t0
+
+
+def probe_writes(root: Path, runs: int = 5) -> dict:
+    """64 MiB written into an existing empty file opened write-only (the spike has no CREATE):
+    do the writes reach the daemon, do the bytes land in the backing file, does the mount see
+    the new size, and how fast (GB/s, median of ``runs``) against tmpfs."""
+    size = 64 * MiB
+    buf = aligned_buffer(size)
+    direct = root / "w-tmpfs"
+    direct.mkdir(parents=True, exist_ok=True)
+    res: dict = {}
+    with SpikeMount(root / "mnt-wp", root / "back-wp", "--writable") as pt, \
+            SpikeMount(root / "mnt-wy", root / "back-wy", "--writable", "--no-passthrough") as py:
+        rows: dict = {"tmpfs": [], "passthrough": [], "python_write": []}
+        for run in range(runs + 1):
+            for name, wdir, rdir in (("tmpfs", direct, direct), ("passthrough", pt.backing, pt.mnt),
+                                     ("python_write", py.backing, py.mnt)):
+                (wdir / "w.bin").write_bytes(b"")        # an empty file: every write extends it
+                os.stat(rdir / "w.bin")                  # its attributes cached: size 0
+                before = pt.stats() if name == "passthrough" else py.stats()
+                dt = _write_into(rdir / "w.bin", buf, size)
+                if run:
+                    rows[name].append(size / dt / 1e9)
+                if run == 0 and name != "tmpfs":
+                    m = pt if name == "passthrough" else py
+                    after = m.stats()
+                    res[name] = {"write_requests": after["requests"].get("write", 0)
+                                 - before["requests"].get("write", 0),
+                                 "bytes_in_backing_ok": (wdir / "w.bin").read_bytes() == bytes(buf[:size]),
+                                 "size_seen_through_mount": os.stat(rdir / "w.bin").st_size,
+                                 "backing_error": after["backing_error"]}
+        res["GBps"] = {n: round(med(v), 2) for n, v in rows.items()}
+    return res
+
+
 def _cached_mib() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("Cached:"):
@@ -385,6 +430,7 @@ def probe(root: Path) -> dict:
         ok = (m.mnt / "n.bin").read_bytes() == b"n" * 8192
         res["not_negotiated_registration"] = {"backing_error": m.stats()["backing_error"],
                                               "read_ok": ok}
+    res["writes"] = probe_writes(root)
     res["users"] = probe_users(root)
     ext4 = Path(tempfile.mkdtemp(prefix="passthru-ext4-", dir="/var/tmp"))
     try:

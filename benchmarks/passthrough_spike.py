@@ -35,10 +35,12 @@ import time
 from collections import Counter
 
 # -- the protocol (include/uapi/linux/fuse.h) -----------------------------------------------
-LOOKUP, FORGET, GETATTR, OPEN, READ, STATFS, RELEASE, FLUSH, INIT = 1, 2, 3, 14, 15, 17, 18, 25, 26
+LOOKUP, FORGET, GETATTR, OPEN, READ, WRITE, STATFS = 1, 2, 3, 14, 15, 16, 17
+RELEASE, FLUSH, INIT = 18, 25, 26
 OPENDIR, READDIR, RELEASEDIR, ACCESS, INTERRUPT, DESTROY, BATCH_FORGET = 27, 28, 29, 34, 36, 38, 42
 GETXATTR, LISTXATTR, READDIRPLUS, LSEEK, STATX = 22, 23, 44, 46, 52
 OPNAMES = {LOOKUP: "lookup", FORGET: "forget", GETATTR: "getattr", OPEN: "open", READ: "read",
+           WRITE: "write",
            STATFS: "statfs", RELEASE: "release", FLUSH: "flush", INIT: "init", OPENDIR: "opendir",
            READDIR: "readdir", RELEASEDIR: "releasedir", ACCESS: "access", INTERRUPT: "interrupt",
            DESTROY: "destroy", BATCH_FORGET: "batch_forget", GETXATTR: "getxattr",
@@ -61,6 +63,8 @@ OPEN_IN = struct.Struct("<II")
 OPEN_OUT = struct.Struct("<QIi")                         # fh open_flags backing_id
 READ_IN = struct.Struct("<QQII")                         # fh offset size read_flags
 RELEASE_IN = struct.Struct("<QII")
+WRITE_IN = struct.Struct("<QQIIQII")                     # fh offset size write_flags lock_owner ...
+WRITE_OUT = struct.Struct("<II")
 STATFS_OUT = struct.Struct("<QQQQQIIII24x")
 DIRENT = struct.Struct("<QQII")
 BACKING_MAP = struct.Struct("<iIQ")                      # fd flags padding
@@ -110,6 +114,7 @@ class Spike:
         self.file_mode = 0o444
         self.noflush = 0                                 # FOPEN_NOFLUSH: close sends no FLUSH
         self.ioctl_anyway = False                        # register even if not negotiated
+        self.writable = False                            # allow write opens of existing files
         self.want_passthrough, self.want_uring = passthrough, uring
         self.counts: Counter = Counter()
         self.ino_by_name: dict[str, int] = {STATS_NAME: STATS_INO}
@@ -179,28 +184,30 @@ class Spike:
 
     def do_open(self, ino: int, body: memoryview) -> list[bytes]:
         flags, _ = OPEN_IN.unpack_from(body)
-        if flags & os.O_ACCMODE != os.O_RDONLY:
+        access = flags & os.O_ACCMODE
+        if access != os.O_RDONLY and not self.writable:
             raise OSError(errno.EROFS, "read-only")
+        per_inode = self.per_inode and access == os.O_RDONLY
         with self.lock:
             fh, self.next_fh = self.next_fh, self.next_fh + 1
         if ino == STATS_INO:
             self.files[fh] = (-1, -1)
             return [OPEN_OUT.pack(fh, FOPEN_DIRECT_IO | self.noflush, 0)]
-        if self.per_inode and ino in self.backing_by_ino:
+        if per_inode and ino in self.backing_by_ino:
             self.files[fh] = (-2, -1)
             self.info["passthrough_opens"] += 1
             return [OPEN_OUT.pack(fh, FOPEN_PASSTHROUGH | self.noflush, self.backing_by_ino[ino])]
-        fd = os.open(os.path.join(self.backing, self.name_by_ino[ino]), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(os.path.join(self.backing, self.name_by_ino[ino]), access | os.O_CLOEXEC)
         backing_id, open_flags = -1, FOPEN_KEEP_CACHE | self.noflush
         if self.info.get("negotiated", {}).get("passthrough") or self.ioctl_anyway:
             try:
                 backing_id = self.backing_open(fd)
                 self.info["passthrough_opens"] += 1
                 open_flags = FOPEN_PASSTHROUGH | self.noflush
-                if self.close_early or self.per_inode:   # the kernel holds the file by the id
+                if self.close_early or per_inode:        # the kernel holds the file by the id
                     os.close(fd)
                     fd = -2
-                if self.per_inode:
+                if per_inode:
                     self.backing_by_ino[ino] = backing_id
                     self.files[fh] = (fd, -1)
                     return [OPEN_OUT.pack(fh, open_flags, backing_id)]
@@ -290,6 +297,10 @@ class Spike:
                 parts = self.do_open(nodeid, body) if opcode == OPEN else [OPEN_OUT.pack(0, 0, 0)]
             elif opcode == READ:
                 parts = self.do_read(body, buf)
+            elif opcode == WRITE:
+                fh, offset, size, *_ = WRITE_IN.unpack_from(body)
+                n = os.pwrite(self.files[fh][0], body[WRITE_IN.size:WRITE_IN.size + size], offset)
+                parts = [WRITE_OUT.pack(n, 0)]
             elif opcode == RELEASE:
                 parts = self.do_release(body)
             elif opcode in (FLUSH, RELEASEDIR):
@@ -344,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="register one backing per inode at its first open, close it at FORGET")
     ap.add_argument("--ioctl-anyway", action="store_true",
                     help="try FUSE_DEV_IOC_BACKING_OPEN even when passthrough was not negotiated")
+    ap.add_argument("--writable", action="store_true",
+                    help="allow write opens of existing files (files 0644; no create/truncate)")
     ap.add_argument("--noflush", action="store_true", help="answer OPEN with FOPEN_NOFLUSH")
     ap.add_argument("--private", action="store_true",
                     help="files 0400 and the default_permissions mount option (the kernel checks)")
@@ -360,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.noflush:
         spike.noflush = FOPEN_NOFLUSH
     spike.ioctl_anyway = args.ioctl_anyway
+    if args.writable:
+        spike.writable, spike.file_mode = True, 0o644
     workers = [threading.Thread(target=spike.serve, daemon=True) for _ in range(args.threads)]
     for w in workers:
         w.start()

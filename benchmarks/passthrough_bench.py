@@ -438,6 +438,15 @@ def probe(root: Path) -> dict:
             res["methods_ext4_backing"] = probe_methods(m)
     finally:
         shutil.rmtree(ext4, ignore_errors=True)
+    huge = root / "huge"                                 # kvfs's RAM tier as root: huge pages
+    huge.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,huge=within_size,mode=0755",
+                       "kvfs-spike-huge", str(huge)], capture_output=True).returncode == 0:
+        try:
+            with SpikeMount(root / "mnt-huge", huge / "back") as m:
+                res["methods_huge_tmpfs_backing"] = probe_methods(m)
+        finally:
+            subprocess.run(["umount", "-l", str(huge)], capture_output=True)
     res["uring"] = probe_uring(root)
     return res
 

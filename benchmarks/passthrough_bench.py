@@ -355,6 +355,39 @@ def probe_writes(root: Path, runs: int = 5) -> dict:
     return res
 
 
+def probe_close_id_while_open(root: Path) -> dict:
+    """Per-inode backing ids closed by the daemon (as at eviction) while a reader holds the
+    file open and mapped: does the reader go on, and what does a new open of that inode get
+    (the daemon registers the same file again: a second backing for the inode)?"""
+    res: dict = {}
+    with SpikeMount(root / "mnt-ci", root / "back-ci", "--per-inode") as m:
+        data = os.urandom(2 * MiB)
+        (m.backing / "e.bin").write_bytes(data)
+        fd = os.open(m.mnt / "e.bin", os.O_RDONLY)
+        mm = mmap.mmap(fd, len(data), prot=mmap.PROT_READ)
+        closes = m.stats()["backing_closes"]
+        try:
+            os.stat(m.mnt / ".close-backings")
+        except FileNotFoundError:
+            pass
+        res["ids_closed"] = m.stats()["backing_closes"] - closes
+        res["held_fd_after_id_close"] = os.pread(fd, len(data), 0) == data
+        res["held_mmap_after_id_close"] = mm[:] == data
+        second = _try_read(m.mnt / "e.bin")
+        res["new_open_new_id_while_held"] = second if isinstance(second, str) else second == data
+        mm.close()
+        os.close(fd)
+        wait_until(lambda: m.stats()["data_releases"] >= 2, 10)
+        m.stats()
+        try:
+            os.stat(m.mnt / ".close-backings")
+        except FileNotFoundError:
+            pass
+        third = _try_read(m.mnt / "e.bin")
+        res["new_open_new_id_after_release"] = third if isinstance(third, str) else third == data
+    return res
+
+
 def _cached_mib() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("Cached:"):
@@ -433,6 +466,7 @@ def probe(root: Path) -> dict:
         ok = (m.mnt / "n.bin").read_bytes() == b"n" * 8192
         res["not_negotiated_registration"] = {"backing_error": m.stats()["backing_error"],
                                               "read_ok": ok}
+    res["close_id_while_open"] = probe_close_id_while_open(root)
     res["writes"] = probe_writes(root)
     res["users"] = probe_users(root)
     ext4 = Path(tempfile.mkdtemp(prefix="passthru-ext4-", dir="/var/tmp"))

@@ -136,3 +136,14 @@ def test_one_backing_per_inode_serves_every_open_and_release_waits_for_munmap(be
         assert bench.wait_until(lambda: m.stats()["data_releases"] - before["data_releases"] == 3, 30)
     finally:
         m.__exit__(None, None, None)
+
+
+def test_an_inode_takes_no_second_registration_while_it_is_open(bench, tmp_path):
+    """The daemon closing an inode's backing id (as at eviction) leaves its readers reading;
+    a fresh id for the same inode, even on the same file, is EIO until the last RELEASE."""
+    spike(bench, tmp_path / "check").__exit__(None, None, None)   # skips without passthrough
+    res = bench.probe_close_id_while_open(tmp_path)
+    assert res == {"ids_closed": 1, "held_fd_after_id_close": True,
+                   "held_mmap_after_id_close": True,
+                   "new_open_new_id_while_held": "OSError: Input/output error",
+                   "new_open_new_id_after_release": True}

@@ -6,11 +6,14 @@
     python benchmarks/passthrough_bench.py opens [--opens 2000] [--json out.json]
 
 ``probe`` mounts the spike server (benchmarks/passthrough_spike.py) and checks, counting the
-requests that reach it: does passthrough negotiate; do read, pread, readv, mmap (shared and
-private), sendfile and splice of an open file reach the daemon; what a reader holding the file
-open sees when its backing file is replaced or unlinked (and whether tmpfs frees the space);
-what the backing registration needs (CAP_SYS_ADMIN dropped after mount); and whether
-FUSE-over-io_uring can be negotiated (the fuse module's ``enable_uring``, restored after).
+requests that reach it: does passthrough negotiate; do read, pread, readv, O_DIRECT, mmap
+(shared and private), sendfile and splice of an open file reach the daemon (backings on tmpfs,
+a huge-page tmpfs, ext4); what a reader holding the file open sees when its backing file is
+replaced or unlinked (and when tmpfs frees the space, when RELEASE comes, what page cache a
+read adds); what happens when the daemon closes a backing id under a reader; writes through a
+passthrough file; what the registration needs (CAP_SYS_ADMIN, a negotiated connection); whose
+permissions count; and whether FUSE-over-io_uring can be negotiated (the fuse module's
+``enable_uring``: global, set and restored).
 
 ``bench`` measures in one run, interleaved, medians of ``--runs``: open + readinto + close of
 a 2 MiB and a 64 MiB file just written (tmpfs directly, the spike with passthrough, the spike
@@ -70,14 +73,16 @@ class SpikeMount:
     def __enter__(self) -> "SpikeMount":
         self.mnt.mkdir(parents=True, exist_ok=True)
         self.backing.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.mnt.parent / f"{self.mnt.name}.log", "w+b")   # never a full pipe
         self.proc = subprocess.Popen([sys.executable, str(SPIKE), str(self.mnt), str(self.backing),
                                       *self.flags], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     stdout=subprocess.DEVNULL, stderr=self.log)
         if not wait_until(lambda: os.path.ismount(self.mnt) or self.proc.poll() is not None):
             self.__exit__(None, None, None)
             raise RuntimeError("spike did not mount")
         if self.proc.poll() is not None:
-            raise RuntimeError(f"spike failed: {self.proc.stderr.read().decode()}")
+            self.log.seek(0)
+            raise RuntimeError(f"spike failed: {self.log.read().decode()}")
         self.stats()                                     # INIT has been answered once this returns
         dev = os.stat(self.mnt).st_dev                   # 1 MiB read-ahead, as kvfs sets it
         with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb", "w") as f:
@@ -100,6 +105,7 @@ class SpikeMount:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            self.log.close()
 
 
 def cpu_seconds(pid: int) -> float:

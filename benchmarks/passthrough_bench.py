@@ -5,6 +5,9 @@
     python benchmarks/passthrough_bench.py disk [--runs 7] [--files 16] [--json out.json]
     python benchmarks/passthrough_bench.py opens [--opens 2000] [--json out.json]
 
+As root (the spike mounts with mount(2); the probe also mounts a tmpfs and flips a module
+parameter, restoring it). Each subcommand cleans up its mounts and scratch directories.
+
 ``probe`` mounts the spike server (benchmarks/passthrough_spike.py) and checks, counting the
 requests that reach it: does passthrough negotiate; do read, pread, readv, O_DIRECT, mmap
 (shared and private), sendfile and splice of an open file reach the daemon (backings on tmpfs,

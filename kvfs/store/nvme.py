@@ -388,6 +388,10 @@ class NvmeTier(Tier):
             return None
         return info
 
+    def leftovers(self) -> list[tuple[int, str]]:
+        """Files of puts cut off by a crash (for fsck, with the mount down)."""
+        return nvmerecord.leftovers(self._shards)
+
     async def scan_records(self, progress=None) -> AsyncIterator[tuple[ObjectInfo, bytes]]:
         """Every object file whose own record reads back (for the index rebuild)."""
         rows = await trio.to_thread.run_sync(self._listing)

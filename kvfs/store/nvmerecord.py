@@ -82,10 +82,23 @@ def _write_side(shard: int, side: str, body: bytes, sync: bool) -> None:
 
 
 def remove_side(shard: int, side: str) -> None:
+    """Unlink ``side`` in ``shard`` (gone already: fine)."""
     try:
         os.unlink(side, dir_fd=shard)
     except FileNotFoundError:
         pass
+
+
+def leftovers(shards: list[int]) -> list[tuple[int, str]]:
+    """(shard descriptor, name) of each file a put cut off by a crash left: its ``.tmp``
+    object file, or a side file whose object file never got its name. Offline only (fsck):
+    a put in flight has both for a moment."""
+    out = []
+    for shard in shards:
+        names = set(os.listdir(shard))
+        out += [(shard, n) for n in sorted(names) if n.endswith(".tmp")
+                or (n.endswith(SIDE_SUFFIX) and n[:-len(SIDE_SUFFIX)] not in names)]
+    return out
 
 
 def load(fd: int, shard: int, name: str) -> bytes | None:

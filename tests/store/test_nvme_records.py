@@ -7,8 +7,13 @@ now go to an ``<id>.rec`` side file; small ones stay in the xattr (the old forma
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import shutil
+import subprocess
 
+import pytest
 import trio
 
 from kvfs.store import checksum, nvmerecord
@@ -16,6 +21,29 @@ from kvfs.store.nvme import NvmeTier
 from kvfs.store.tier import ObjectInfo
 
 MiB = 1 << 20
+
+
+@pytest.fixture
+def ext4_dir(tmp_path):
+    """A directory on a fresh ext4 of 1 KiB blocks (its xattr cap is 960 bytes, the smallest
+    ext4 has) on a loop device, whatever filesystem holds the test's tmp_path; skipped where
+    this machine cannot make or mount one (not root, no loop devices)."""
+    img, mnt = tmp_path / "ext4.img", tmp_path / "ext4"
+    mnt.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4"):
+        pytest.skip("making an ext4 image needs root and mkfs.ext4")
+    with open(img, "wb") as f:
+        f.truncate(160 * MiB)
+    made = subprocess.run(["mkfs.ext4", "-q", "-b", "1024", str(img)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"mkfs.ext4 failed: {made.stderr.strip()}")
+    res = subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"no loop mount here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _info(oid: int, data: bytes, chunk: int, key: str) -> ObjectInfo:
@@ -35,9 +63,12 @@ def _has_xattr(path) -> bool:
         return False
 
 
-def test_big_records_go_to_a_side_file_and_read_back(tmp_path):
+@pytest.mark.parametrize("where", ["tmp", "ext4"])
+def test_big_records_go_to_a_side_file_and_read_back(tmp_path, request, where):
+    base = tmp_path if where == "tmp" else request.getfixturevalue("ext4_dir")
+
     async def main():
-        tier = NvmeTier(256 * MiB, tmp_path / "nvme")
+        tier = NvmeTier(128 * MiB, base / "nvme")
         await tier.open()
         try:
             small = os.urandom(3 * MiB)
@@ -97,3 +128,26 @@ def test_record_survives_a_reopen_of_the_tier(tmp_path):
         finally:
             await tier.close()
     trio.run(main)
+
+
+def test_an_xattr_refused_as_too_big_is_a_side_file_not_a_full_disk(ext4_dir):
+    """A record under XATTR_MAX that the filesystem still refuses (ENOSPC: here the file's
+    one xattr block is taken by another name) goes to the side file."""
+    shard = os.open(ext4_dir, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(ext4_dir / "obj.tmp", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.setxattr(fd, "user.other", b"o" * 800)
+        with pytest.raises(OSError) as e:
+            os.setxattr(fd, "user.probe", b"r" * 500)
+        assert e.value.errno == errno.ENOSPC          # what ext4 says: not a full disk
+        raw = b"r" * 500
+        assert nvmerecord.store(fd, shard, "obj", raw, sync=True) == "side"
+        os.rename("obj.tmp", "obj", src_dir_fd=shard, dst_dir_fd=shard)
+        assert nvmerecord.load(fd, shard, "obj") == raw
+        assert nvmerecord.leftovers([shard]) == []
+        os.unlink("obj", dir_fd=shard)
+        assert nvmerecord.leftovers([shard]) == [(shard, "obj.rec")]
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(shard)

@@ -181,6 +181,6 @@ async def test_the_tier_reports_its_mappings():
         s = t.new_staging()
         await s.write(0, os.urandom(MIN))
         seal(t, 1, s)
-        assert t.status() == {"mapped": 1, "mapped_budget": 5}
+        assert t.status() == {"mapped": 1, "mapped_budget": 5, "fs_spills": 0}
     finally:
         await t.close()

@@ -2,7 +2,8 @@
 
     python benchmarks/ram_full_spill.py [--files 64] [--rounds 5] [--json OUT]
 
-One kvfs mount (RAM budget 256 MiB, on the daemon's own huge-page tmpfs when run as root).
+One kvfs mount (RAM budget 768 MiB: a state's writes stay below its watermark; on the
+daemon's own huge-page tmpfs when run as root).
 Each round, in a rotated order, two states: "room" (the tmpfs has room) and "full" (another
 file takes every free byte of the tmpfs: space the RAM tier's accounting does not know of,
 kvfs/store/ramroom.py). In each state, ``--files`` new 2 MiB files written through the mount
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     res: dict = {"load": os.getloadavg(), "files": a.files, "size": SIZE, "rounds": a.rounds,
                  "room": {"fuse": [], "commit": []}, "full": {"fuse": [], "commit": []}}
     try:
-        with BenchMount(root / "m", ram="256MiB", nvme_size="8GiB", promote_hits=None) as m:
+        with BenchMount(root / "m", ram="768MiB", nvme_size="8GiB", promote_hits=None) as m:
             st = m.stats()
             tmpfs = Path(st["ram_dir"]).parent
             res["ram_dir"] = st["ram_dir"]

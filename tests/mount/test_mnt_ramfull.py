@@ -108,3 +108,26 @@ def test_a_write_no_tier_can_hold_fails_and_leaves_no_file(kvfs_mount, tmp_path)
             m.cleanup()
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_the_name_table_cannot_grow_on_a_full_tmpfs_and_the_daemon_lives(kvfs_mount):
+    """The name table lives in the RAM tier's tmpfs and grows by a new file: on a full tmpfs
+    that is ENOSPC (the table is dropped, clients look names up) -- a mapped sparse file
+    would have killed the daemon with SIGBUS at its first write to a new page."""
+    m = kvfs_mount(ram="16MiB", nvme_size="256MiB")
+    d = m.path / "many"
+    d.mkdir()
+    assert m.stats()["names"] is not None
+    tmpfs = Path(m.stats()["ram_dir"]).parent
+    fill(tmpfs)
+    try:
+        for i in range(1500):                   # past the first table's 60 % of 1,024 slots
+            (d / f"n{i}").write_bytes(b"x" * (i % 7))
+        assert len(os.listdir(d)) == 1500
+        assert m.stats()["names"] is None       # dropped: it could not grow
+        assert (d / "n1499").read_bytes() == b"x" * (1499 % 7)
+        data = content("big", 3 * MiB)
+        (d / "big").write_bytes(data)
+        assert read(d / "big") == data
+    finally:
+        os.unlink(tmpfs / "filler")

@@ -91,7 +91,19 @@ async def write(staging, offset: int, data, n: int) -> int:
                 raise
             why = str(e)
         await spill(staging, why)
-    return await trio.to_thread.run_sync(os.pwrite, staging.fd, data, offset)
+    return await trio.to_thread.run_sync(_pwrite_all, staging.fd, data, offset, n)
+
+
+def _pwrite_all(fd: int, data, offset: int, n: int) -> int:
+    """All ``n`` bytes or an error (a short write on a full disk would leave the buffer
+    shorter than its accounted size)."""
+    view, done = memoryview(data).cast("B"), 0
+    while done < n:
+        got = os.pwrite(fd, view[done:], offset + done)
+        if got <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += got
+    return n
 
 
 def put_file(home: int, name: str, data) -> int:

@@ -287,7 +287,7 @@ class RamTier(Tier):
 
     def status(self) -> dict:
         """``mapped``: objects held as mappings (leasable), at most ``mapped_budget``."""
-        return {"mapped": self.mapped, "mapped_budget": self.max_mapped, "fs_spills": getattr(self, "fs_spills", 0)}
+        return {"mapped": self.mapped, "mapped_budget": self.max_mapped, **ramroom.status(self)}
 
     async def scan(self) -> AsyncIterator[tuple[int, bytes, int]]:
         for oid, (_, size) in list(self._maps.items()):

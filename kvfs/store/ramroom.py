@@ -15,8 +15,8 @@ nor leave a half-written buffer, because of that while a lower tier has room. So
   through a mapping (a write to a mapped tmpfs page the filesystem cannot back is a SIGBUS
   that kills the daemon); ENOSPC there is TierFull (the object stays where it was).
 
-``spills`` counts buffers spilled because the filesystem, not the budget, was full
-(``.kvfs/stats``: ``tiers.ram.fs_spills``).
+``.kvfs/stats`` shows ``tiers.ram.fs_spills`` (buffers spilled because the filesystem, not the
+budget, was full) and ``tiers.ram.fs_free`` (the filesystem's free bytes, beside the books).
 """
 from __future__ import annotations
 
@@ -49,6 +49,16 @@ def has_room(ram, size: int) -> bool:
         return fs_free(home.fd) >= size + RESERVE
     except OSError:
         return True             # the write itself will tell
+
+
+def status(ram) -> dict:
+    """``fs_spills``, and ``fs_free``: the bytes free on the tier's filesystem, beside its books
+    (``capacity - used``): less than that means something else holds the tmpfs's pages."""
+    try:
+        free = fs_free(ram.home.fd) if ram.home is not None else None
+    except OSError:
+        free = None
+    return {"fs_spills": getattr(ram, "fs_spills", 0), "fs_free": free}
 
 
 async def spill(staging, why: str) -> None:

@@ -478,7 +478,7 @@ class Staging:
             return
         await self.truncate(len(data))
         if len(data):
-            await trio.to_thread.run_sync(os.pwrite, self.fd, data, 0)
+            await ramroom.write(self, 0, data, len(data), threaded=True)
 
     def mapped(self) -> "_MappedView":
         """The buffer's bytes, read-only, while the block runs (writes must wait meanwhile):

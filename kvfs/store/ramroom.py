@@ -87,12 +87,16 @@ async def to_file(staging, end: int) -> None:
         await spill(staging, str(e))
 
 
-async def write(staging, offset: int, data, n: int) -> int:
+async def write(staging, offset: int, data, n: int, threaded: bool = False) -> int:
     """pwrite ``data`` (``n`` bytes) at ``offset`` into the buffer's file: its tmpfs file (a
-    memory copy, in this thread) unless spilled; a tmpfs without room spills it first."""
+    memory copy, in this thread unless ``threaded``) unless spilled; a tmpfs without room
+    spills it first."""
     if not staging.spilled:
         try:
-            got = os.pwrite(staging.fd, data, offset)
+            if threaded:
+                got = await trio.to_thread.run_sync(os.pwrite, staging.fd, data, offset)
+            else:
+                got = os.pwrite(staging.fd, data, offset)
             if got == n:
                 return got
             why = f"short write ({got} of {n} bytes)"

@@ -134,3 +134,24 @@ async def test_a_freed_shared_object_file_keeps_no_bytes_under_other_names(tmp_p
         finally:
             await ram.close()
             await nvme.close()
+
+
+async def test_a_buffer_filled_from_a_sealed_version_spills_on_a_full_tmpfs(tmp_path):
+    """Opening a sealed file for writing copies its bytes into a new buffer: on a full tmpfs
+    that copy goes to NVMe too."""
+    data = os.urandom(3 * MiB)
+    with small_tmpfs(tmp_path / "shm") as shm:
+        ram, nvme = await tiers(shm, tmp_path)
+        try:
+            s = ram.new_staging()
+            await s.truncate(MiB)               # a tmpfs file (sparse): made while there is room
+            fill(shm)
+            s.discard()
+            s = ram.new_staging()
+            await s.fill_from(memoryview(data))
+            assert s.spilled and await s.read(0, len(data)) == data
+            assert ram.used == 0
+            s.discard()
+        finally:
+            await ram.close()
+            await nvme.close()

@@ -19,7 +19,7 @@ import time
 
 import trio
 
-from kvfs.errors import NamespaceError
+from kvfs.errors import NamespaceError, TierFull
 from kvfs.store.objects import Obj
 from kvfs.store.ram import Staging
 from kvfs.store.sniff import peek_block_header
@@ -47,6 +47,7 @@ class WriteState:
     # a different mtime later would make it drop the cached pages.
     mtime: int | None = None
     created: int = 0
+    failed: str | None = None       # a write into the buffer failed: this version is never sealed
 
     def touch(self) -> None:
         """A write or truncate changed the buffer now."""
@@ -279,7 +280,11 @@ class FileHandles:
         staging = await self._staging(ws)
         if h.append:
             offset = staging.size
-        n = await staging.write(offset, data)
+        try:
+            n = await staging.write(offset, data)
+        except Exception as e:              # the buffer may lack bytes: sealing it would keep them lost
+            ws.failed = f"{type(e).__name__}: {e}"
+            raise
         await self._written(ws, staging)
         return n
 
@@ -367,6 +372,8 @@ class FileHandles:
             await ws.sealing.wait()
         if not ws.dirty:
             return
+        if ws.failed:                        # close answers the error; a never-sealed file goes
+            raise TierFull(f"a write to this file failed, not sealed ({ws.failed})")
         staging = await self._staging(ws)
         rec = self.index.get_inode(ws.ino)
         if rec is None:                      # unlinked while open: nothing to keep

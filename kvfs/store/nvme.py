@@ -330,13 +330,14 @@ class NvmeTier(Tier):
         """Free the object's file (``counted=False``: an orphan the sweep found, never in
         ``used``/``objects``)."""
         shard, name = self._shard(oid)
-        self.grants.revoke(oid, name)
+        self.grants.drop(oid, name, -1)             # its bytes are scrubbed by rm, in the thread
         def rm() -> int:
             nvmerecord.remove_side(shard, nvmerecord.side_name(name))    # first: see nvmerecord
             try:
-                size = os.stat(name, dir_fd=shard, follow_symlinks=False).st_size
+                st = os.stat(name, dir_fd=shard, follow_symlinks=False)
+                self.grants.scrub(shard, name, st)     # what an owner kept of it holds no space
                 os.unlink(name, dir_fd=shard)
-                return size
+                return st.st_size
             except FileNotFoundError:
                 return -1
         size = await trio.to_thread.run_sync(rm, limiter=self._limiter)

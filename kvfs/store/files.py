@@ -23,7 +23,7 @@ from kvfs.errors import NamespaceError
 from kvfs.store.objects import Obj
 from kvfs.store.ram import Staging
 from kvfs.store.sniff import peek_block_header
-from kvfs.store.versions import cut, fit
+from kvfs.store.versions import fit
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,6 @@ class Handle:
     append: bool = False            # writes go to the end of the buffer (see KvfsOperations)
     ws: WriteState | None = None    # writers and readers of a file being written
     obj: Obj | None = None          # readers of a sealed version
-    floor: int | None = None        # an older version's: zeros from here (kvfs/store/versions.py)
 
     def content_key(self) -> tuple[str, int]:
         """What this handle reads: a sealed object, or one write state's buffer."""
@@ -124,7 +123,6 @@ class FileHandles:
                 ws.handles += 1                      # held: its writers may release meanwhile
                 try:
                     await (await self._staging(ws)).truncate(size)
-                    self._cut(ino, size, ws)
                     ws.dirty = True
                     ws.touch()
                     if mtime is not None:
@@ -139,7 +137,6 @@ class FileHandles:
                 ws.handles += 1
                 try:
                     await (await self._staging(ws)).truncate(size)
-                    self._cut(ino, size, ws)
                     ws.dirty = True
                     ws.mtime = mtime if mtime is not None else time.time_ns()
                     await self._seal(ws)
@@ -198,7 +195,6 @@ class FileHandles:
                         ws.writers -= 1
                         await self._end(ws)
                     raise
-                self._cut(ino, 0, ws)
                 ws.dirty = True
                 ws.touch()
             return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws))
@@ -241,15 +237,9 @@ class FileHandles:
         try:
             if truncate or base is None:
                 ws.staging = self.store.ram.new_staging()
-                self._cut(ino, 0, ws)
         finally:
             ws.ready.set()
         return ws
-
-    def _cut(self, ino: int, size: int, ws: WriteState) -> None:
-        """``ws``'s buffer of ``ino`` was cut to ``size``: what older versions' handles read."""
-        if self.open_count.get(ino, 0):
-            cut(self.handles.values(), ino, size, ws)
 
     async def _staging(self, ws: WriteState) -> Staging:
         """The write buffer, materialised from the sealed base on first need. Waits while
@@ -291,7 +281,7 @@ class FileHandles:
             cur = self.getattr(h.ino)["size"]
         except NamespaceError:
             cur = None
-        return fit(data, offset, size, n, h.floor, cur)
+        return fit(data, offset, size, n, cur)
 
     async def write(self, fh: int, offset: int, data) -> int:
         h = self.handles[fh]

@@ -3,8 +3,8 @@
 
 A read-only descriptor reads the version it opened; the kernel keeps one size per inode, the
 current one, which fstat shows on every descriptor. So an older version's descriptor reads its
-bytes up to its floor (its size, lowered by every cut of the file since), zeros from there to
-the current size, and EOF there: never EOF and never SIGBUS inside the size it is told.
+version's bytes up to the current size, zeros past their end, and EOF at the current size:
+never EOF and never SIGBUS inside the size it is told, never a byte of another version.
 Every way to change a size (truncate by path, ftruncate, write past EOF, O_APPEND,
 copy_file_range, O_TRUNC) x a reader opened before the change (on a sealed file; on a new name
 opened O_RDONLY|O_CREAT) x read/pread/mmap, with the write state in the daemon's memory, in a
@@ -57,17 +57,17 @@ def mmap_digest(fd: int, size: int) -> str:
     return res.stdout.split()[0]
 
 
-def expected(old: bytes, size: int, floor: int | None) -> bytes:
-    keep = min(len(old), size, len(old) if floor is None else floor)
+def expected(old: bytes, size: int) -> bytes:
+    keep = min(len(old), size)
     return old[:keep] + bytes(size - keep)
 
 
-def check_reader(fd: int, path, old: bytes, floor: int | None = None, *, mapped: bool = True) -> int:
-    """fstat, pread, read to EOF and mmap of ``fd`` agree, and hold ``old``'s bytes up to
-    ``floor``, then zeros up to the size fstat gives."""
+def check_reader(fd: int, path, old: bytes, *, mapped: bool = True) -> int:
+    """fstat, pread, read to EOF and mmap of ``fd`` agree, and hold ``old``'s bytes, then
+    zeros, up to the size fstat gives (the file's current size)."""
     size = os.fstat(fd).st_size
     assert os.stat(path).st_size == size
-    want = expected(old, size, floor)
+    want = expected(old, size)
     spots = [(0, 4096), (size // 2, 2931), (1_064_312, 2931), (max(0, size - 1), 1),
              (max(0, size - 5000), 10_000), (size, 10)]
     for off, ln in spots:
@@ -89,40 +89,40 @@ def _open_w(p, extra=0):
     return os.open(p, os.O_WRONLY | extra)
 
 
-# each change: (path, the other file, sizes) -> (the writer's descriptor or None, floor)
+# each change: (path, the other file, sizes) -> the writer's descriptor (None: by path)
 def ch_truncate_grow(p, src, old, big, small):
     os.truncate(p, big)
-    return None, None
+    return None
 
 
 def ch_truncate_shrink(p, src, old, big, small):
     os.truncate(p, small)
-    return None, small
+    return None
 
 
 def ch_ftruncate_grow(p, src, old, big, small):
     w = _open_w(p)
     os.ftruncate(w, big)
-    return w, None
+    return w
 
 
 def ch_ftruncate_shrink(p, src, old, big, small):
     w = _open_w(p)
     os.ftruncate(w, small)
-    return w, small
+    return w
 
 
 def ch_write_past_eof(p, src, old, big, small):
     w = _open_w(p)
     assert os.pwrite(w, content("past", 4321), big - 4321) == 4321
-    return w, None
+    return w
 
 
 def ch_append(p, src, old, big, small):
     w = _open_w(p, os.O_APPEND)
     data = content("append", big - os.fstat(w).st_size)
     assert os.write(w, data) == len(data)
-    return w, None
+    return w
 
 
 def ch_copy_file_range(p, src, old, big, small):
@@ -133,20 +133,20 @@ def ch_copy_file_range(p, src, old, big, small):
         assert n == 77_777
     finally:
         os.close(s)
-    return w, None
+    return w
 
 
 def ch_shrink_then_grow(p, src, old, big, small):
     w = _open_w(p)
     os.ftruncate(w, small)
     assert os.pwrite(w, content("regrow", 999), big - 999) == 999
-    return w, small
+    return w
 
 
 def ch_o_trunc(p, src, old, big, small):
     w = _open_w(p, os.O_TRUNC)
     assert os.write(w, content("otrunc", big)) == big
-    return w, 0
+    return w
 
 
 CHANGES = {f.__name__[3:]: f for f in (ch_truncate_grow, ch_truncate_shrink, ch_ftruncate_grow,
@@ -171,13 +171,13 @@ def test_reader_opened_before_a_size_change(prof, request, change, reader):
         r = os.open(p, os.O_RDONLY | os.O_CREAT, 0o640)
     try:
         check_reader(r, p, old)
-        w, floor = CHANGES[change](p, src, old, big, small)
+        w = CHANGES[change](p, src, old, big, small)
         try:
-            check_reader(r, p, old, floor)                  # while the new version is written
+            check_reader(r, p, old)                  # while the new version is written
         finally:
             if w is not None:
                 os.close(w)
-        size = check_reader(r, p, old, floor)               # and once it is sealed
+        size = check_reader(r, p, old)               # and once it is sealed
         new = read(p)                                        # a new open reads the new version
         assert len(new) == size
         r2 = os.open(p, os.O_RDONLY)                        # direct_io beside r: no mmap
@@ -185,7 +185,7 @@ def test_reader_opened_before_a_size_change(prof, request, change, reader):
             assert os.fstat(r2).st_size == size and os.pread(r2, size + 10, 0) == new
         finally:
             os.close(r2)
-        check_reader(r, p, old, floor)
+        check_reader(r, p, old)
     finally:
         os.close(r)
     assert read(p) == new

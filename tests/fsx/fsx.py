@@ -331,6 +331,9 @@ class Worker:
         its version's bytes, zeros past their end, EOF at the file's current size."""
         want = max(0, min(off + ln, self.rsize(h)) - off)
         got = os.pread(h.rfd, want, off) if want else b""
+        self.counts["old_version_reads"] += 1
+        if len(got) < want:
+            self.counts["old_version_zeros"] += 1      # past its version's end: zeros
         return got + bytes(want - len(got))
 
     def cmp_fsize(self, h: Handle, what: str) -> None:

@@ -12,7 +12,7 @@ every file must be exactly its last sealed version or absent.
 Random tiers (``test_fsx_random_tiers``): each seed mounts with its own tier sizes
 (``fsx.tier_sizes``: RAM 4 MiB to 1 GiB), since what a descriptor reads must not depend on
 them; ``FSX_SEEDS=101,102 FSX_OPS=10000`` runs those seeds with 1 and 4 processes instead of
-the short default.
+the short default (``FSX_PHASES=4``: in 4 phases, with a kill -9 and remount between two).
 
 ``FSX_RESULTS=FILE`` appends one JSON line per run (seed, processes, operations, seconds,
 tiers, counts) for ``tests/fsx/plot_fsx.py``, which draws docs/fsx.png.
@@ -177,11 +177,12 @@ def _seeds() -> list[tuple[int, int]]:
 @pytest.mark.parametrize("seed,procs", _seeds())
 def test_fsx_random_tiers(kvfs_mount, tmp_path, seed, procs):
     """Tier sizes picked per seed (RAM 4 MiB to 1 GiB); every mmap read goes up to fstat's
-    size; no mismatch, no worker killed by a signal (``FSX_OPS``: operations per run)."""
+    size; no mismatch, no worker killed by a signal (``FSX_OPS``: operations per run;
+    ``FSX_PHASES``: phases, with a kill -9 and remount between two)."""
     tiers = fsx.tier_sizes(seed)
     m = kvfs_mount(**tiers)
     s = run_fsx(m, tmp_path / "ref", seed=seed, procs=procs, ops=int(os.environ.get("FSX_OPS", "1500")),
-                tiers=tiers)
+                phases=int(os.environ.get("FSX_PHASES", "1")), tiers=tiers)
     _no_mismatch(s)
     assert s["counts"].get("mmap_read", 0) > 0
 

@@ -17,7 +17,7 @@ OLD = bytes(range(1, 101))        # a 100-byte version, no zero byte in it
     (130, 50, 130, b""),                             # EOF at the current size
     (0, 50, 30, OLD[:30]),                           # shrunk: cut at the current size
     (40, 50, 30, b""),
-    (0, 200, 250, OLD + bytes(150)),
+    (0, 200, 250, OLD + bytes(100)),                 # the read asked 200 bytes
 ])
 def test_fit_to_the_current_size(offset, size, cur, want):
     data = memoryview(OLD)[offset:offset + size]     # what the content read gives

@@ -7,7 +7,8 @@ version's bytes up to the current size, zeros past their end, and EOF at the cur
 never EOF and never SIGBUS inside the size it is told, never a byte of another version.
 Every way to change a size (truncate by path, ftruncate, write past EOF, O_APPEND,
 copy_file_range, O_TRUNC) x a reader opened before the change (on a sealed file; on a new name
-opened O_RDONLY|O_CREAT) x read/pread/mmap, with the write state in the daemon's memory, in a
+opened O_RDONLY|O_CREAT; on a version that a longer one replaced before the change) x
+read/pread/mmap, with the write state in the daemon's memory, in a
 tmpfs file and spilled to NVMe, and with small and large RAM tiers.
 """
 from __future__ import annotations
@@ -154,7 +155,7 @@ CHANGES = {f.__name__[3:]: f for f in (ch_truncate_grow, ch_truncate_shrink, ch_
                                        ch_copy_file_range, ch_shrink_then_grow, ch_o_trunc)}
 
 
-@pytest.mark.parametrize("reader", ["sealed", "rdonly_creat"])
+@pytest.mark.parametrize("reader", ["sealed", "rdonly_creat", "older"])
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_reader_opened_before_a_size_change(prof, request, change, reader):
     m, (old_size, big, small) = prof
@@ -162,15 +163,22 @@ def test_reader_opened_before_a_size_change(prof, request, change, reader):
     d.mkdir()
     p, src = d / "f", d / "src"
     put(src, content("src", 100_000))
-    if reader == "sealed":
+    if reader == "rdonly_creat":
+        old = b""
+        r = os.open(p, os.O_RDONLY | os.O_CREAT, 0o640)
+    else:
         old = content("old", old_size)
         put(p, old)
         r = os.open(p, os.O_RDONLY)
-    else:
-        old = b""
-        r = os.open(p, os.O_RDONLY | os.O_CREAT, 0o640)
     try:
         check_reader(r, p, old)
+        if reader == "older":                # a newer, longer version sealed under it first
+            w = os.open(p, os.O_WRONLY)
+            try:
+                os.pwrite(w, content("newer", (big - old_size) // 2), old_size)
+            finally:
+                os.close(w)
+            assert check_reader(r, p, old) == old_size + (big - old_size) // 2
         w = CHANGES[change](p, src, old, big, small)
         try:
             check_reader(r, p, old)                  # while the new version is written

@@ -23,6 +23,7 @@ from kvfs.errors import NamespaceError, TierFull
 from kvfs.store.objects import Obj
 from kvfs.store.ram import Staging
 from kvfs.store.sniff import peek_block_header
+from kvfs.store.versions import fit
 
 log = logging.getLogger(__name__)
 
@@ -262,15 +263,26 @@ class FileHandles:
 
     # ---- data ---------------------------------------------------------------
     async def read(self, fh: int, offset: int, size: int):
+        """The handle's bytes, fitted to the size the kernel reports for the inode (an older
+        version's handle: zeros past its end, EOF at the current size; kvfs/store/versions.py)."""
         h = self.handles[fh]
         if h.ws is not None:
             ws = h.ws
-            if ws.staging is not None:
-                return await ws.staging.read(offset, size)
-            if ws.base is None:
-                return b""
-            return await self.store.read(ws.base, offset, size)
-        return await self.store.read(h.obj, offset, size)
+            staging = ws.staging
+            if staging is not None:
+                data = await staging.read(offset, size)
+                n = staging.size
+            elif ws.base is None:
+                data, n = b"", 0
+            else:
+                data, n = await self.store.read(ws.base, offset, size), ws.base.size
+        else:
+            data, n = await self.store.read(h.obj, offset, size), h.obj.size
+        try:
+            cur = self.getattr(h.ino)["size"]
+        except NamespaceError:
+            cur = None
+        return fit(data, offset, size, n, cur)
 
     async def write(self, fh: int, offset: int, data) -> int:
         h = self.handles[fh]

@@ -17,6 +17,7 @@ import click
 from kvfs.cli.common import KVFS_FSTYPES, CLIError, fail, mount_fstype, pid_alive, read_stats, stderr, wait_until
 from kvfs.config import Config
 from kvfs.errors import ConfigError
+from kvfs.protocol import UNMOUNT_REPORT
 
 log = logging.getLogger(__name__)
 
@@ -234,9 +235,10 @@ def umount_cmd(mountpoint, timeout, lazy):
         raise fail(f"not mounted: {mp}")
     if fstype not in KVFS_FSTYPES:
         raise fail(f"not a kvfs mount ({fstype}): {mp}")
-    pid = None
+    pid = state = None
     try:
-        pid = int(read_stats(mp)["pid"])
+        st = read_stats(mp)
+        pid, state = int(st["pid"]), st.get("state_dir")
     except Exception as e:  # noqa: BLE001 - a dead daemon still has to be unmountable
         if not lazy:
             raise fail(f"{e if str(e) else 'cannot read stats'}; use kvfs umount --lazy {mp}") from None
@@ -256,4 +258,21 @@ def umount_cmd(mountpoint, timeout, lazy):
             done = wait_until(lambda: not pid_alive(pid), timeout, interval=0.05)
         if not done:
             raise fail(f"unmounted {mp}, but daemon pid {pid} is still running after {timeout:.0f}s")
+    if state is not None and not lazy:
+        _check_unmount_report(mp, pid, Path(state))
     click.echo(f"unmounted {mp}")
+
+
+def _check_unmount_report(mp: str, pid: int, state: Path) -> None:
+    """Fail (exit 1) unless the daemon reported that its clean unmount kept every file."""
+    try:
+        report = json.loads((state / UNMOUNT_REPORT).read_text())
+    except (OSError, ValueError):
+        report = None
+    if not isinstance(report, dict) or report.get("pid") != pid:
+        raise fail(f"unmounted {mp}, but the daemon (pid {pid}) exited without reporting a clean "
+                   f"unmount (see {state / 'kvfs.log'})")
+    lost = int(report.get("lost") or 0)
+    if lost:
+        raise fail(f"unmounted {mp}, but {lost} of {report.get('ram_only')} RAM-only files could not "
+                   f"be kept across the restart (see {state / 'kvfs.log'})")

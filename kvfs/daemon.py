@@ -134,8 +134,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
     mountpoint = os.path.abspath(cfg.mountpoint)
     holder = safedir.holder_text(mountpoint)
     index = Index(cfg.state_dir, holder=holder)
-    with contextlib.suppress(FileNotFoundError):        # the last unmount's (it holds the lock now)
-        os.unlink(cfg.state_dir / UNMOUNT_REPORT)
+    _report_unmount(cfg, None)          # the last unmount's goes (the index holds the lock now)
     tiers = build_tiers(cfg, index, holder)
     opened = []
     metrics = None
@@ -195,14 +194,9 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 index.names, names = None, index.names
                 names.close()
         log.info("unmounted; writing down")
-        store.flush_stats()
-        n = lost = 0
-        if not cfg.volatile_ram:
-            n = await store.write_down_volatile()
-            lost = getattr(store, "unkept", 0)
-            log.info("wrote %d RAM-only objects down", n - lost)
+        report = await _write_down(cfg, store)
         cache.mark_clean()
-        _report_unmount(cfg, {"pid": os.getpid(), "ram_only": n, "lost": lost})
+        _report_unmount(cfg, report)
     finally:
         if index.names is not None:
             index.names, names = None, index.names
@@ -216,11 +210,26 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         log.info("daemon exiting")
 
 
-def _report_unmount(cfg: Config, report: dict) -> None:
+async def _write_down(cfg: Config, store) -> dict:
+    """The clean unmount's write-down of RAM-only objects; returns the unmount report."""
+    store.flush_stats()
+    n = lost = 0
+    if not cfg.volatile_ram:
+        n = await store.write_down_volatile()
+        lost = getattr(store, "unkept", 0)
+        log.info("wrote %d RAM-only objects down", n - lost)
+    return {"pid": os.getpid(), "ram_only": n, "lost": lost}
+
+
+def _report_unmount(cfg: Config, report: dict | None) -> None:
     """``<state>/unmount.json``: what the clean unmount kept, for ``kvfs umount``'s exit status
-    (it is not the daemon's parent and cannot wait for its status)."""
+    (it is not the daemon's parent and cannot wait for its status); None removes it."""
     tmp = cfg.state_dir / (UNMOUNT_REPORT + ".tmp")
     try:
+        if report is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cfg.state_dir / UNMOUNT_REPORT)
+            return
         with open(tmp, "w") as f:
             json.dump(report, f)
         os.replace(tmp, cfg.state_dir / UNMOUNT_REPORT)

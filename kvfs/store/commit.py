@@ -42,7 +42,6 @@ from kvfs.store import checksum, ramroom
 from kvfs.store.caller import CallerFile, CallerMemory, CallerProcess, _err  # noqa: F401 -- CallerProcess: the commit file's
 from kvfs.store.cred import Cred
 from kvfs.store.index import ROOT_INO
-from kvfs.store.namespace import PATH_MAX
 from kvfs.store.sniff import HEAD, peek_block_header
 
 log = logging.getLogger(__name__)
@@ -123,8 +122,6 @@ class Commits:
         comps = path.split(b"/")
         if any(c in (b"", b".", b"..") or len(c) > NAME_MAX for c in comps):
             raise _err(errno.EINVAL, "a commit path has empty, '.', '..' or too long components")
-        if len(path) + 1 > PATH_MAX:
-            raise _err(errno.ENAMETOOLONG)
         *dirs, name = comps
         ino = ROOT_INO
         for c in dirs:

@@ -21,12 +21,6 @@ from kvfs.store.objects import Obj, ObjectStore
 log = logging.getLogger(__name__)
 
 NAME_MAX = 255
-# Longest path inside the mount, in bytes from its root ("/a/b" is 4): each object's record on
-# the NVMe tier carries its path (for ``kvfs fsck --repair``), and that record must fit in one
-# xattr block (4 KiB on ext4). Longer paths are refused with ENAMETOOLONG at create, mkdir,
-# symlink, rename and commit (a directory renamed deeper can still carry longer ones below it:
-# kvfs.store.nvme then keeps such an object without its path in the record).
-PATH_MAX = 3072
 
 
 def _err(code: int, msg: str = "") -> NamespaceError:
@@ -83,7 +77,6 @@ class Namespace:
         self.renames = 0        # renames so far: a path taken before an await holds if unchanged
         self.dir_renames = 0    # renames of directories: what top_of remembers holds if unchanged
         self._tops: dict[int, tuple[int, str]] = {}
-        self._plens: dict[int, tuple[int, int]] = {}    # dir -> (dir_renames, its path's length)
         self.is_open: Callable[[int], bool] = lambda ino: False     # set by the cache
         # regular files made in this session and not sealed yet (dropped at a clean unmount,
         # as recovery would drop them: the next mount need not look for them)
@@ -232,24 +225,6 @@ class Namespace:
         names.reverse()                 # no byte of a multi-byte UTF-8 sequence is b"/": decode once
         return "/" + b"/".join(names).decode("utf-8", "surrogateescape")
 
-    def path_len(self, ino: int) -> int:
-        """``len(path_of(ino))`` in bytes (remembered for directories until one is renamed)."""
-        if ino == ROOT_INO:
-            return 1
-        hit = self._plens.get(ino)
-        if hit is not None and hit[0] == self.dir_renames:
-            return hit[1]
-        n = sum(len(c) + 1 for c in self._names_up(ino))
-        if len(self._plens) >= 4096:
-            self._plens.clear()
-        self._plens[ino] = (self.dir_renames, n)
-        return n
-
-    def check_path(self, parent: int, name: bytes) -> None:
-        """ENAMETOOLONG when ``parent/name`` is longer than PATH_MAX bytes."""
-        if len(name) > NAME_MAX or self.path_len(parent) + 1 + len(name) > PATH_MAX:
-            raise _err(errno.ENAMETOOLONG)
-
     # ---- namespace changes --------------------------------------------------
     def _check_new(self, txn: Txn, parent: int, name: bytes) -> dict:
         """The parent directory's record (a copy the caller may change and put back)."""
@@ -264,7 +239,6 @@ class Namespace:
             raise _err(errno.ENOTDIR)
         if txn.lookup(parent, name) is not None:
             raise _err(errno.EEXIST)
-        self.check_path(parent, name)
         return prec
 
     def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, **extra) -> tuple[int, dict]:
@@ -356,7 +330,6 @@ class Namespace:
                 raise _err(errno.ENOENT)
             if not stat.S_ISDIR(prec["mode"]):
                 raise _err(errno.ENOTDIR)
-            self.check_path(new_parent, new)
             if stat.S_ISDIR(rec["mode"]):
                 self.dir_renames += 1
                 p = new_parent

@@ -470,8 +470,11 @@ class KvfsOperations(pyfuse3.Operations):
             await self.control.close(h)        # closing a lease descriptor ends its lease
             return
         self._closed(fh)
-        self.quotas.forget_handle(fh)
-        await self.cache.release(fh)
+        h = self.cache.handles.get(fh)
+        try:
+            await self.cache.release(fh)
+        finally:
+            await self.quotas.settle(fh, h.ino if h is not None else None)
 
     # ---- xattrs -------------------------------------------------------------
     @translate

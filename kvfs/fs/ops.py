@@ -52,7 +52,10 @@ def _entry(ino: int, rec: dict) -> pyfuse3.EntryAttributes:
     a.entry_timeout = ENTRY_TIMEOUT
     a.attr_timeout = ATTR_TIMEOUT
     a.st_mode = rec["mode"]
-    a.st_nlink = max(1, rec["nlink"])
+    if stat.S_ISDIR(rec["mode"]):       # 1: not counted (a directory older than the count)
+        a.st_nlink = 2 + rec["subdirs"] if "subdirs" in rec else 1
+    else:
+        a.st_nlink = rec["nlink"]       # 0 for an unlinked file still open
     a.st_uid = rec["uid"]
     a.st_gid = rec["gid"]
     a.st_rdev = 0
@@ -322,6 +325,16 @@ class KvfsOperations(pyfuse3.Operations):
         ino, rec = self.cache.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
                                    target=bytes(target))
         return _entry(ino, rec)
+
+    @translate
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        """A regular file (an empty one, as create + release); FIFOs, sockets and devices:
+        EPERM, what mknod(2) gives where the filesystem does not support the type."""
+        if not stat.S_ISREG(mode):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        fi, entry = await self.create(parent_inode, name, mode, os.O_WRONLY, ctx)
+        await self.release(fi.fh)
+        return entry
 
     @translate
     async def link(self, inode, new_parent_inode, new_name, ctx):

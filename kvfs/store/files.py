@@ -118,6 +118,8 @@ class FileHandles:
         if size is not None:
             if not stat.S_ISREG(rec["mode"]):
                 raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec["mode"]) else errno.EINVAL)
+            if size > max(t.capacity for t in self.store.tiers):    # no tier could ever hold it
+                raise NamespaceError(errno.EFBIG, "larger than the largest tier")
             ws = await self._live_writer(ino, writing=True)
             if ws is not None:
                 ws.handles += 1                      # held: its writers may release meanwhile
@@ -129,6 +131,8 @@ class FileHandles:
                         ws.mtime = mtime
                     if ws.writers == 0:              # they did: nobody else will seal this
                         await self._seal(ws)
+                    else:
+                        self.ns.update(ino)          # ctime now (the seal sets it later too)
                 finally:
                     with trio.CancelScope(shield=True):
                         await self._end(ws)

@@ -456,6 +456,8 @@ class KvfsOperations(pyfuse3.Operations):
             ino, key = self._fh_key.get(fh, (None, None))
             if self._page_key.get(ino) == key:
                 del self._page_key[ino]
+        if off + len(buf) > self.cache.max_file_size():    # before a buffer grows toward it
+            raise pyfuse3.FUSEError(errno.EFBIG)
         t0 = time.perf_counter()
         try:
             if self.quotas.limits:

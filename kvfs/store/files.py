@@ -95,6 +95,10 @@ class FileHandles:
     def is_open(self, ino: int) -> bool:
         return self.open_count.get(ino, 0) > 0
 
+    def max_file_size(self) -> int:
+        """The largest tier's capacity: no tier could ever hold a larger file (EFBIG)."""
+        return max(t.capacity for t in self.store.tiers)
+
     async def setattr(self, ino: int, *, size=None, mode=None, uid=None, gid=None,
                       atime=None, mtime=None) -> dict:
         rec = self.ns.inode(ino)
@@ -118,7 +122,7 @@ class FileHandles:
         if size is not None:
             if not stat.S_ISREG(rec["mode"]):
                 raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec["mode"]) else errno.EINVAL)
-            if size > max(t.capacity for t in self.store.tiers):    # no tier could ever hold it
+            if size > self.max_file_size():
                 raise NamespaceError(errno.EFBIG, "larger than the largest tier")
             ws = await self._live_writer(ino, writing=True)
             if ws is not None:

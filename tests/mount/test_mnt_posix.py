@@ -100,6 +100,20 @@ def test_truncate_past_the_largest_tier_is_efbig_at_once(m):
         assert f.read(200) == b"z" * 100 + bytes(100)
 
 
+def test_a_write_past_the_largest_tier_is_efbig_at_once(m):
+    """It was ENOSPC after about 90 s of the daemon's time, then ENOMEM at close."""
+    p = m.path / "far"
+    fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        os.write(fd, b"near")
+        assert errno_of(os.pwrite, fd, b"x", 999_999_999_999_999) == errno.EFBIG
+        assert errno_of(os.pwrite, fd, b"x", 256 << 20) == errno.EFBIG     # ends one past it
+        assert os.fstat(fd).st_size == 4
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"near"
+
+
 def test_special_files_are_refused_with_eperm(m):
     assert errno_of(os.mkfifo, m.path / "fifo") == errno.EPERM
     assert errno_of(os.mknod, m.path / "chr", stat.S_IFCHR | 0o600, os.makedev(1, 3)) == errno.EPERM

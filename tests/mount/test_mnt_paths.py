@@ -1,9 +1,9 @@
 """Long paths under a real mount, and what a clean ``kvfs umount`` reports.
 
-Each object's record on the NVMe tier carries its path, in one xattr (4 KiB on ext4): a file
-4 KiB deep was lost at unmount (ENOSPC from setxattr) while ``kvfs umount`` exited 0. Now a
-record that does not fit is kept without its path, and ``kvfs umount`` exits 1 whenever the
-unmount could not keep a file.
+Each object's record on the NVMe tier carries its path: a file 4 KiB deep was lost at unmount
+(ENOSPC from setxattr) while ``kvfs umount`` exited 0. Records too big for an xattr now go to
+a side file (kvfs.store.nvmerecord), and ``kvfs umount`` exits 1 whenever the unmount could
+not keep a file.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from mounthelp import MiB, content, open_mount, read, run_kvfs
 
-from kvfs.store.nvme import RECORD_XATTR
+from kvfs.store import nvmerecord
 
 pytestmark = pytest.mark.mount
 
@@ -65,17 +65,26 @@ def fsck(m):
 
 
 def nvme_records(m) -> list[dict]:
+    """Each NVMe object file's own record (its xattr, or its side file when too big)."""
     out = []
     for p in (m.nvme / "objects").glob("*/*"):
-        if p.is_file() and not p.name.endswith(".tmp"):
-            out.append(cbor2.loads(os.getxattr(p, RECORD_XATTR)))
+        if p.is_file() and not p.name.endswith((".tmp", nvmerecord.SIDE_SUFFIX)):
+            shard = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY)
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                out.append(cbor2.loads(nvmerecord.load(fd, shard, p.name)))
+            finally:
+                os.close(fd)
+                os.close(shard)
     return out
 
 
 def test_a_4k_deep_file_survives_a_clean_umount(tmp_path):
-    """The issue's case: 1,990 nested directories (a 3,982-byte path here), one 1 MiB file, a clean
-    unmount. Its record no longer fits the xattr, so it is kept without its path; one at
-    3,942 bytes (which fits) keeps its path; both read back after a remount."""
+    """The issue's case: 1,990 nested directories (a 3,982-byte path here), one 1 MiB file, a
+    clean unmount: its record no longer fits an ext4 xattr (setxattr said ENOSPC, taken for a
+    full disk, and the file was lost while umount exited 0). Now the record goes to its side
+    file, path and all; the one at 3,942 bytes (which used to fit) too; both read back after
+    a remount."""
     m = open_mount(tmp_path / "kvfs", ram="64MiB", nvme_size="256MiB")
     fits, past = ["a"] * 1970, ["a"] * 1990
     fits_path, past_path = "/" + "/".join(fits + ["f"]), "/" + "/".join(past + ["f"])
@@ -92,8 +101,8 @@ def test_a_4k_deep_file_survives_a_clean_umount(tmp_path):
         os.close(d2)
         res = run_kvfs("umount", m.path)
         assert res.returncode == 0, res.stderr + m.log_tail()
-        assert "kept without its 3982-byte path" in m.log_tail(100)
-        assert sorted(r["key"] for r in nvme_records(m)) == ["", fits_path]
+        assert "could not keep" not in m.log_tail(100)
+        assert sorted(r["key"] for r in nvme_records(m)) == sorted([fits_path, past_path])
         res = fsck(m)
         assert res.returncode == 0, res.stdout + res.stderr
         m.mount()

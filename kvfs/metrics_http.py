@@ -35,6 +35,8 @@ class _QuietHandler(WSGIRequestHandler):
 class BoundedServer(WSGIServer):
     """``serve_forever`` on one thread (started by ``start``); ``stop`` ends it and the pool."""
 
+    request_queue_size = 128    # listen backlog (socketserver's 5 drops SYNs of a burst: 1 s retries)
+
     def __init__(self, host: str, port: int, app):
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         self.address_family = family

@@ -285,7 +285,7 @@ class Commits:
         m = _Pending(e, parent, name, tmp, fh, ino, None)
         try:
             if quotas is not None and quotas.limits and e.length:
-                await quotas.admit_write(fh, 0, e.length)
+                await quotas.admit_write(fh, 0, e.length, whole=True)
             m.staging = await self._staging(self.handles[fh].ws)
         except BaseException:
             if quotas is not None:

@@ -96,6 +96,10 @@ class FileHandles:
     def is_open(self, ino: int) -> bool:
         return self.open_count.get(ino, 0) > 0
 
+    def max_file_size(self) -> int:
+        """The largest tier's capacity: no tier could ever hold a larger file (EFBIG)."""
+        return max(t.capacity for t in self.store.tiers)
+
     async def setattr(self, ino: int, *, size=None, mode=None, uid=None, gid=None,
                       atime=None, mtime=None) -> dict:
         rec = self.ns.inode(ino)
@@ -119,6 +123,8 @@ class FileHandles:
         if size is not None:
             if not stat.S_ISREG(rec["mode"]):
                 raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec["mode"]) else errno.EINVAL)
+            if size > self.max_file_size():
+                raise NamespaceError(errno.EFBIG, "larger than the largest tier")
             ws = await self._live_writer(ino, writing=True)
             if ws is not None:
                 ws.handles += 1                      # held: its writers may release meanwhile
@@ -130,6 +136,8 @@ class FileHandles:
                         ws.mtime = mtime
                     if ws.writers == 0:              # they did: nobody else will seal this
                         await self._seal(ws)
+                    else:
+                        self.ns.update(ino)          # ctime now (the seal sets it later too)
                 finally:
                     with trio.CancelScope(shield=True):
                         await self._end(ws)

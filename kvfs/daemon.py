@@ -23,7 +23,7 @@ from kvfs.config import Config
 from kvfs.errors import ConfigError
 from kvfs.fs import loop
 from kvfs.fs.ops import KvfsOperations
-from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY
+from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY, UNMOUNT_REPORT
 from kvfs.store.cache import Cache
 from kvfs.store.index import Index
 from kvfs.store.names import NameTable, build_in_background, dirent_count
@@ -134,6 +134,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
     mountpoint = os.path.abspath(cfg.mountpoint)
     holder = safedir.holder_text(mountpoint)
     index = Index(cfg.state_dir, holder=holder)
+    _report_unmount(cfg, None)          # the last unmount's goes (the index holds the lock now)
     tiers = build_tiers(cfg, index, holder)
     opened = []
     metrics = None
@@ -193,11 +194,9 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 index.names, names = None, index.names
                 names.close()
         log.info("unmounted; writing down")
-        store.flush_stats()
-        if not cfg.volatile_ram:
-            n = await store.write_down_volatile()
-            log.info("wrote %d RAM-only objects down", n)
+        report = await _write_down(cfg, store)
         cache.mark_clean()
+        _report_unmount(cfg, report)
     finally:
         if index.names is not None:
             index.names, names = None, index.names
@@ -209,6 +208,33 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 await t.close()
         index.close()
         log.info("daemon exiting")
+
+
+async def _write_down(cfg: Config, store) -> dict:
+    """The clean unmount's write-down of RAM-only objects; returns the unmount report."""
+    store.flush_stats()
+    n = lost = 0
+    if not cfg.volatile_ram:
+        n = await store.write_down_volatile()
+        lost = getattr(store, "unkept", 0)
+        log.info("wrote %d RAM-only objects down", n - lost)
+    return {"pid": os.getpid(), "ram_only": n, "lost": lost}
+
+
+def _report_unmount(cfg: Config, report: dict | None) -> None:
+    """``<state>/unmount.json``: what the clean unmount kept, for ``kvfs umount``'s exit status
+    (it is not the daemon's parent and cannot wait for its status); None removes it."""
+    tmp = cfg.state_dir / (UNMOUNT_REPORT + ".tmp")
+    try:
+        if report is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cfg.state_dir / UNMOUNT_REPORT)
+            return
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, cfg.state_dir / UNMOUNT_REPORT)
+    except OSError as e:
+        log.error("could not write %s: %s", UNMOUNT_REPORT, e)
 
 
 async def _on_signals(events) -> None:

@@ -1,6 +1,7 @@
 """Prometheus metrics of a running daemon (``kvfs mount --metrics ADDR:PORT``).
 
-prometheus-client serves ``/metrics`` from its own HTTP thread. Nothing is added to the
+prometheus-client's exposition answers ``/metrics`` on a bounded HTTP server of our own
+(kvfs.metrics_http: a fixed pool of threads, idle connections closed). Nothing is added to the
 filesystem's hot paths for it: at each scrape the collector asks the trio thread for one
 snapshot of the counters the store keeps anyway (``.kvfs/stats``, kvfs.telemetry) and turns
 it into metric families on the HTTP thread. Names follow the Prometheus conventions: a
@@ -12,10 +13,11 @@ from __future__ import annotations
 import logging
 
 import trio
-from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kvfs.errors import ConfigError
+from kvfs.metrics_http import BoundedServer
 
 log = logging.getLogger(__name__)
 
@@ -195,14 +197,13 @@ class MetricsServer:
         self.registry.register(KvfsCollector(cache, trio_token))
         ProcessCollector(registry=self.registry)
         try:
-            self.httpd, self.thread = start_http_server(port, host, registry=self.registry)
+            self.httpd = BoundedServer(host, port, make_wsgi_app(self.registry))
         except OSError as e:
             raise ConfigError(f"cannot serve metrics on {address}: {e.strerror or e}") from None
+        self.httpd.start()
         h, p = self.httpd.server_address[:2]
         self.address = f"[{h}]:{p}" if ":" in h else f"{h}:{p}"
         log.info("serving Prometheus metrics on http://%s/metrics", self.address)
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=10)
+        self.httpd.stop()

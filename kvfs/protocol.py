@@ -32,6 +32,7 @@ EVENTS_FILE = "events"
 COMMIT_FILE = "commit"
 GET_FILE = "get"
 BACKING_XATTR = "user.kvfs.backing"
+UNMOUNT_REPORT = "unmount.json"         # in the state directory: what the last clean unmount kept
 
 # ---- alignment ---------------------------------------------------------------------------
 ALIGN = 4096        # O_DIRECT unit: block payload offsets, NVMe object placement, read buffers

@@ -2,9 +2,12 @@
 
 Root sets one with ``setfattr -n user.kvfs.quota -v 10GiB MOUNT/NS`` (``kvfs quota set``); the
 value ``none`` removes it. Quotas are kept in the index (meta key ``quotas``), so they survive
-restarts. A write that would take a namespace past its quota first evicts that namespace's own
-least-recently-used sealed files (not open, not leased, not pinned) down to QUOTA_LOW of the
-quota, then fails with EDQUOT if it still does not fit. Usage is the namespace's sealed bytes
+restarts. A write that would take a namespace past its quota fails with EDQUOT, evicting
+nothing, if it could not fit even with all of that namespace's idle sealed files (not open, not
+leased, not pinned) gone; otherwise it goes on, and when the file is closed the namespace's
+least-recently-used idle files are evicted down to QUOTA_LOW of the quota (a write(2) reaches
+the daemon in 1 MiB requests: evicting at the first one lost files for writes that then failed).
+A file whose write got EDQUOT is itself evicted at close if its namespace is still over. Usage is the namespace's sealed bytes
 (kvfs.telemetry) plus the buffer of the file being written: other files being written at the
 same moment are counted once they are sealed.
 """
@@ -36,6 +39,8 @@ class Quotas:
         self.evicted = 0                # files evicted to make room within a quota
         self.refused = 0                # writes answered EDQUOT
         self._fh_ns: dict[int, str] = {}
+        self._owed: dict[int, str] = {}         # handles written past the quota on credit
+        self._refused_fh: dict[int, str] = {}   # handles a write of which got EDQUOT
 
     # ---- setting ----------------------------------------------------------------
     def namespace_dir(self, ino: int) -> str:
@@ -70,9 +75,12 @@ class Quotas:
     # ---- enforcing ------------------------------------------------------------------
     def forget_handle(self, fh: int) -> None:
         self._fh_ns.pop(fh, None)
+        self._owed.pop(fh, None)
+        self._refused_fh.pop(fh, None)
 
-    async def admit_write(self, fh: int, off: int, length: int) -> None:
-        """Make room for a write of ``length`` bytes at ``off`` through ``fh``, or EDQUOT."""
+    async def admit_write(self, fh: int, off: int, length: int, whole: bool = False) -> None:
+        """Admit a write of ``length`` bytes at ``off`` through ``fh``, or EDQUOT (``whole``:
+        nothing more will be written through ``fh``: make room now, not at its close)."""
         if not self.limits:
             return
         ns = self._fh_ns.get(fh)
@@ -96,10 +104,43 @@ class Quotas:
         victims = self._victims(ns, keep=ws.base if ws else None)
         if used - sum(o.size for o in victims) + growth > limit:   # cannot fit: evict nothing
             self.refused += 1
+            self._refused_fh[fh] = ns
             raise NamespaceError(errno.EDQUOT, f"quota of {ns} ({format_size(limit)}) exceeded")
-        need = used + growth - int(limit * QUOTA_LOW)
+        if whole:           # the whole write is known (a commit entry): make room now
+            await self._evict_down(ns, used + growth - int(limit * QUOTA_LOW), keep=ws.base if ws else None)
+            if self._ns_bytes(ns) + current + growth > limit:
+                self.refused += 1
+                raise NamespaceError(errno.EDQUOT, f"quota of {ns} ({format_size(limit)}) exceeded")
+            return
+        # it fits once idle files go, but a write(2) arrives in 1 MiB requests and may still
+        # grow past the quota: evict them when the file is closed, not for a write that fails
+        self._owed[fh] = ns
+
+    async def settle(self, fh: int, ino: int | None) -> None:
+        """At release of ``fh`` (after its seal): a file written on credit evicts its
+        namespace's LRU idle files down to QUOTA_LOW of the quota; a file whose write was
+        refused is evicted itself if its namespace is still over the quota (its partial
+        bytes are not kept at the expense of idle files)."""
+        self._fh_ns.pop(fh, None)
+        owed, refused = self._owed.pop(fh, None), self._refused_fh.pop(fh, None)
+        ns = refused or owed
+        limit = self.limits.get(ns) if ns is not None else None
+        if limit is None:
+            return
+        if refused is not None:
+            obj = self.cache.ns.sealed.get(ino) if ino is not None else None
+            if obj is not None and self._ns_bytes(ns) > limit and not (obj.refs or obj.busy or obj.dead):
+                await self.store.evict(obj)
+                self.evicted += 1
+            return
+        if self._ns_bytes(ns) > limit:
+            mine = self.cache.ns.sealed.get(ino) if ino is not None else None
+            await self._evict_down(ns, self._ns_bytes(ns) - int(limit * QUOTA_LOW), keep=mine)
+
+    async def _evict_down(self, ns: str, need: int, keep) -> None:
+        """Evict ``ns``'s idle files, least recently used first, until ``need`` bytes are freed."""
         freed = 0
-        for obj in victims:
+        for obj in self._victims(ns, keep=keep):
             if freed >= need:
                 break
             if obj.dead or obj.refs or obj.busy:     # opened or moved while we evicted others
@@ -107,10 +148,10 @@ class Quotas:
             await self.store.evict(obj)
             freed += obj.size
             self.evicted += 1
+
+    def _ns_bytes(self, ns: str) -> int:
         counters = self.store.telemetry.namespaces.get(ns)
-        if (counters.bytes if counters else 0) + current + growth > limit:
-            self.refused += 1
-            raise NamespaceError(errno.EDQUOT, f"quota of {ns} ({format_size(limit)}) exceeded")
+        return counters.bytes if counters else 0
 
     def _victims(self, ns: str, keep) -> list:
         """``ns``'s idle sealed files, least recently used first (prefix-aware: a block whose

@@ -51,15 +51,28 @@ def mount_fstype(path: str | os.PathLike, mountinfo: str = "/proc/self/mountinfo
     dead FUSE daemon answers ENOTCONN, so ``os.path.ismount`` calls it "not a mountpoint".
     With several mounts stacked on ``path``, the last one (the visible one) counts.
     """
-    wants = {os.path.abspath(os.fspath(path)), os.path.realpath(os.fspath(path))}
-    found = None
+    p = os.path.abspath(os.fspath(path))
+    # the parent resolved, the last name as given: realpath() would lstat the mountpoint itself,
+    # which waits on a stopped daemon (kvfs umount --lazy); only a name no mount matches is
+    # resolved in full (a symlink to a mountpoint)
+    near = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))
     try:
-        for m in mounts(mountinfo):
-            if m.mountpoint in wants:
-                found = m.fstype
+        found = _fstype_at(mountinfo, {p, near})
+        if found is None:
+            far = os.path.realpath(p)
+            if far not in (p, near):
+                found = _fstype_at(mountinfo, {far})
     except OSError as e:
         log.debug("cannot read %s: %s", mountinfo, e)
         return None
+    return found
+
+
+def _fstype_at(mountinfo: str, wants: set[str]) -> str | None:
+    found = None
+    for m in mounts(mountinfo):
+        if m.mountpoint in wants:
+            found = m.fstype
     return found
 
 

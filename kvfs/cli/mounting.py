@@ -1,11 +1,13 @@
 """``kvfs mount`` and ``kvfs umount``: pre-checks, spawning the daemon, waiting for it."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,10 +19,12 @@ import click
 from kvfs.cli.common import KVFS_FSTYPES, CLIError, fail, mount_fstype, pid_alive, read_stats, stderr, wait_until
 from kvfs.config import Config
 from kvfs.errors import ConfigError
+from kvfs.protocol import UNMOUNT_REPORT
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 120.0      # seconds to wait for the daemon's READY line
+LAZY_STATS_TIMEOUT = 2.0   # seconds kvfs umount --lazy waits for the daemon's pid before detaching
 
 
 def build_config(config_file: str | None, mountpoint: str | None = None, **flags) -> Config:
@@ -219,7 +223,7 @@ def _run_foreground(cfg: Config) -> None:
 
 
 @click.command("umount")
-@click.argument("mountpoint", type=click.Path(readable=False))   # a dead mount is not readable
+@click.argument("mountpoint")     # a plain string: click.Path would stat() a stuck mount
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Seconds to wait for the daemon to finish flushing and exit.")
 @click.option("--lazy", "-z", is_flag=True, help="Lazy unmount (fusermount3 -z), e.g. a dead daemon.")
@@ -234,11 +238,16 @@ def umount_cmd(mountpoint, timeout, lazy):
         raise fail(f"not mounted: {mp}")
     if fstype not in KVFS_FSTYPES:
         raise fail(f"not a kvfs mount ({fstype}): {mp}")
-    pid = None
-    try:
-        pid = int(read_stats(mp)["pid"])
-    except Exception as e:  # noqa: BLE001 - a dead daemon still has to be unmountable
-        if not lazy:
+    pid = state = None
+    if lazy:            # a stuck daemon must not hold the detach: ask in a child, briefly
+        st = _stats_in_child(mp, LAZY_STATS_TIMEOUT)
+        if st is not None:
+            pid, state = int(st["pid"]), st.get("state_dir")
+    else:
+        try:
+            st = read_stats(mp)
+            pid, state = int(st["pid"]), st.get("state_dir")
+        except Exception as e:  # noqa: BLE001 - a dead daemon still has to be unmountable
             raise fail(f"{e if str(e) else 'cannot read stats'}; use kvfs umount --lazy {mp}") from None
     cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), mp]
     try:
@@ -256,4 +265,55 @@ def umount_cmd(mountpoint, timeout, lazy):
             done = wait_until(lambda: not pid_alive(pid), timeout, interval=0.05)
         if not done:
             raise fail(f"unmounted {mp}, but daemon pid {pid} is still running after {timeout:.0f}s")
+    if state is not None and not lazy:
+        _check_unmount_report(mp, pid, Path(state))
     click.echo(f"unmounted {mp}")
+
+
+def _stats_in_child(mp: str, timeout: float) -> dict | None:
+    """``.kvfs/stats`` read by a forked child, or None if it has not answered in ``timeout``
+    seconds (a stopped or dying daemon: the child is killed and left to its fate; a read of a
+    FUSE file waits killably, but a daemon stuck in uninterruptible I/O may keep it a while)."""
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:                  # pragma: no cover - the child
+        try:
+            os.close(r)
+            os.write(w, json.dumps(read_stats(mp)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data, deadline = b"", time.monotonic() + timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0 and select.select([r], [], [], left)[0]:
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        else:
+            os.kill(child, signal.SIGKILL)
+            data = b""
+    finally:
+        os.close(r)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, os.WNOHANG)
+    try:
+        st = json.loads(data) if data else None
+    except ValueError:
+        return None
+    return st if isinstance(st, dict) and "pid" in st else None
+
+
+def _check_unmount_report(mp: str, pid: int, state: Path) -> None:
+    """Fail (exit 1) unless the daemon reported that its clean unmount kept every file."""
+    try:
+        report = json.loads((state / UNMOUNT_REPORT).read_text())
+    except (OSError, ValueError):
+        report = None
+    if not isinstance(report, dict) or report.get("pid") != pid:
+        raise fail(f"unmounted {mp}, but the daemon (pid {pid}) exited without reporting a clean "
+                   f"unmount (see {state / 'kvfs.log'})")
+    lost = int(report.get("lost") or 0)
+    if lost:
+        raise fail(f"unmounted {mp}, but {lost} of {report.get('ram_only')} RAM-only files could not "
+                   f"be kept across the restart (see {state / 'kvfs.log'})")

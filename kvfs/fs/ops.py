@@ -52,7 +52,10 @@ def _entry(ino: int, rec: dict) -> pyfuse3.EntryAttributes:
     a.entry_timeout = ENTRY_TIMEOUT
     a.attr_timeout = ATTR_TIMEOUT
     a.st_mode = rec["mode"]
-    a.st_nlink = max(1, rec["nlink"])
+    if stat.S_ISDIR(rec["mode"]):       # 1: not counted (a directory older than the count)
+        a.st_nlink = 2 + rec["subdirs"] if "subdirs" in rec else 1
+    else:
+        a.st_nlink = rec["nlink"]       # 0 for an unlinked file still open
     a.st_uid = rec["uid"]
     a.st_gid = rec["gid"]
     a.st_rdev = 0
@@ -324,6 +327,16 @@ class KvfsOperations(pyfuse3.Operations):
         return _entry(ino, rec)
 
     @translate
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        """A regular file (an empty one, as create + release); FIFOs, sockets and devices:
+        EPERM, what mknod(2) gives where the filesystem does not support the type."""
+        if not stat.S_ISREG(mode):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        fi, entry = await self.create(parent_inode, name, mode, os.O_WRONLY, ctx)
+        await self.release(fi.fh)
+        return entry
+
+    @translate
     async def link(self, inode, new_parent_inode, new_name, ctx):
         raise pyfuse3.FUSEError(errno.EPERM)      # kvfs objects have exactly one name
 
@@ -443,6 +456,8 @@ class KvfsOperations(pyfuse3.Operations):
             ino, key = self._fh_key.get(fh, (None, None))
             if self._page_key.get(ino) == key:
                 del self._page_key[ino]
+        if off + len(buf) > self.cache.max_file_size():    # before a buffer grows toward it
+            raise pyfuse3.FUSEError(errno.EFBIG)
         t0 = time.perf_counter()
         try:
             if self.quotas.limits:
@@ -470,8 +485,11 @@ class KvfsOperations(pyfuse3.Operations):
             await self.control.close(h)        # closing a lease descriptor ends its lease
             return
         self._closed(fh)
-        self.quotas.forget_handle(fh)
-        await self.cache.release(fh)
+        h = self.cache.handles.get(fh)
+        try:
+            await self.cache.release(fh)
+        finally:
+            await self.quotas.settle(fh, h.ino if h is not None else None)
 
     # ---- xattrs -------------------------------------------------------------
     @translate

@@ -37,6 +37,7 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
         self.ns = Namespace(index, store)
         self.ns.is_open = self.is_open
         self.spill_dir = spill_dir
+        store.ram.overflow = spill_dir      # where a write goes when RAM's tmpfs is full (kvfs.store.ramroom)
         self.handles: dict[int, Handle] = {}
         self.writers: dict[int, WriteState] = {}
         self.open_count: dict[int, int] = {}

@@ -38,7 +38,7 @@ import trio
 
 from kvfs.errors import NamespaceError
 from kvfs.protocol import CONTROL_NAME_B
-from kvfs.store import checksum
+from kvfs.store import checksum, ramroom
 from kvfs.store.caller import CallerFile, CallerMemory, CallerProcess, _err  # noqa: F401 -- CallerProcess: the commit file's
 from kvfs.store.cred import Cred
 from kvfs.store.index import ROOT_INO
@@ -285,7 +285,7 @@ class Commits:
         m = _Pending(e, parent, name, tmp, fh, ino, None)
         try:
             if quotas is not None and quotas.limits and e.length:
-                await quotas.admit_write(fh, 0, e.length)
+                await quotas.admit_write(fh, 0, e.length, whole=True)
             m.staging = await self._staging(self.handles[fh].ws)
         except BaseException:
             if quotas is not None:
@@ -343,6 +343,15 @@ class Commits:
             await self.on_renamed(m.parent, m.name)
         return m.parent, m.name
 
+    async def _recopy(self, m: "_Pending"):
+        """The copy of an entry into its tmpfs buffer ran out of room (space the RAM tier's
+        accounting does not know of): the buffer spills to NVMe (kvfs.store.ramroom) and the
+        bytes are copied again, into that file; the copy's result, as :func:`_copy_all`'s."""
+        await ramroom.spill(m.staging, "a commit's copy ran out of room")
+        chunk = self.store.chunk_size if m.fh is None else None
+        job = (m.entry.src, m.staging.fd, m.entry.offset, m.entry.length, chunk, False)
+        return (await trio.to_thread.run_sync(_copy_all, [job]))[0]
+
     def _copy_target(self, m: "_Pending") -> int | None:
         """The staging file the bytes are copied to; None: a buffer below the RAM tier's
         ``mapped_min`` stays in memory (the bytes are read, then written to it)."""
@@ -355,6 +364,8 @@ class Commits:
 
     async def _finish(self, m: "_Pending", got, noreplace: bool) -> tuple[int, bytes]:
         """Account the copied bytes, seal as the last close would, rename over the name."""
+        if isinstance(got, OSError) and got.errno == errno.ENOSPC and not m.staging.spilled:
+            got = await self._recopy(m)     # the RAM tier's tmpfs was full: again, below it
         if isinstance(got, BaseException):
             raise got
         summary = head = None

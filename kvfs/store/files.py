@@ -19,10 +19,11 @@ import time
 
 import trio
 
-from kvfs.errors import NamespaceError
+from kvfs.errors import NamespaceError, TierFull
 from kvfs.store.objects import Obj
 from kvfs.store.ram import Staging
 from kvfs.store.sniff import peek_block_header
+from kvfs.store.versions import fit
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class WriteState:
     # a different mtime later would make it drop the cached pages.
     mtime: int | None = None
     created: int = 0
+    failed: str | None = None       # a write into the buffer failed: this version is never sealed
 
     def touch(self) -> None:
         """A write or truncate changed the buffer now."""
@@ -94,6 +96,10 @@ class FileHandles:
     def is_open(self, ino: int) -> bool:
         return self.open_count.get(ino, 0) > 0
 
+    def max_file_size(self) -> int:
+        """The largest tier's capacity: no tier could ever hold a larger file (EFBIG)."""
+        return max(t.capacity for t in self.store.tiers)
+
     async def setattr(self, ino: int, *, size=None, mode=None, uid=None, gid=None,
                       atime=None, mtime=None) -> dict:
         rec = self.ns.inode(ino)
@@ -117,6 +123,8 @@ class FileHandles:
         if size is not None:
             if not stat.S_ISREG(rec["mode"]):
                 raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec["mode"]) else errno.EINVAL)
+            if size > self.max_file_size():
+                raise NamespaceError(errno.EFBIG, "larger than the largest tier")
             ws = await self._live_writer(ino, writing=True)
             if ws is not None:
                 ws.handles += 1                      # held: its writers may release meanwhile
@@ -128,6 +136,8 @@ class FileHandles:
                         ws.mtime = mtime
                     if ws.writers == 0:              # they did: nobody else will seal this
                         await self._seal(ws)
+                    else:
+                        self.ns.update(ino)          # ctime now (the seal sets it later too)
                 finally:
                     with trio.CancelScope(shield=True):
                         await self._end(ws)
@@ -261,15 +271,26 @@ class FileHandles:
 
     # ---- data ---------------------------------------------------------------
     async def read(self, fh: int, offset: int, size: int):
+        """The handle's bytes, fitted to the size the kernel reports for the inode (an older
+        version's handle: zeros past its end, EOF at the current size; kvfs/store/versions.py)."""
         h = self.handles[fh]
         if h.ws is not None:
             ws = h.ws
-            if ws.staging is not None:
-                return await ws.staging.read(offset, size)
-            if ws.base is None:
-                return b""
-            return await self.store.read(ws.base, offset, size)
-        return await self.store.read(h.obj, offset, size)
+            staging = ws.staging
+            if staging is not None:
+                data = await staging.read(offset, size)
+                n = staging.size
+            elif ws.base is None:
+                data, n = b"", 0
+            else:
+                data, n = await self.store.read(ws.base, offset, size), ws.base.size
+        else:
+            data, n = await self.store.read(h.obj, offset, size), h.obj.size
+        try:
+            cur = self.getattr(h.ino)["size"]
+        except NamespaceError:
+            cur = None
+        return fit(data, offset, size, n, cur)
 
     async def write(self, fh: int, offset: int, data) -> int:
         h = self.handles[fh]
@@ -279,7 +300,11 @@ class FileHandles:
         staging = await self._staging(ws)
         if h.append:
             offset = staging.size
-        n = await staging.write(offset, data)
+        try:
+            n = await staging.write(offset, data)
+        except Exception as e:              # the buffer may lack bytes: sealing it would keep them lost
+            ws.failed = f"{type(e).__name__}: {e}"
+            raise
         await self._written(ws, staging)
         return n
 
@@ -367,6 +392,8 @@ class FileHandles:
             await ws.sealing.wait()
         if not ws.dirty:
             return
+        if ws.failed:                        # close answers the error; a never-sealed file goes
+            raise TierFull(f"a write to this file failed, not sealed ({ws.failed})")
         staging = await self._staging(ws)
         rec = self.index.get_inode(ws.ino)
         if rec is None:                      # unlinked while open: nothing to keep

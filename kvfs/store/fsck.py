@@ -26,7 +26,7 @@ import trio
 
 from kvfs.config import Config
 from kvfs.errors import IndexDamaged, NamespaceError, StoreError
-from kvfs.store import checksum, records, tally
+from kvfs.store import checksum, nvmerecord, records, tally
 from kvfs.store.index import ENV_NAME, HEADER_NAME, ROOT_INO, Index
 from kvfs.store.objects import Obj
 
@@ -77,6 +77,7 @@ async def _fsck(cfg: Config, repair: bool, rebuild_remote: bool, progress: Progr
         _check_names(index, report, repair)
         await _check_objects(index, by_name, report, repair, progress)
         await _check_orphans(index, tiers, report, repair, progress)
+        await _check_leftovers(tiers, report, repair)
         _check_totals(index, by_name, report, repair)
     finally:
         for t in opened:
@@ -209,6 +210,19 @@ async def _check_orphans(index: Index, tiers: list, report: FsckReport, repair: 
                 await tier.delete(oid, loc)
                 report.repaired += 1
         progress(1, 1, f"orphans on {tier.name}")
+
+
+async def _check_leftovers(tiers: list, report: FsckReport, repair: bool) -> None:
+    """No NVMe shard holds a temporary object file or a record side file without its object
+    file (what a put cut off by a crash leaves: kvfs.store.nvmerecord)."""
+    for tier in tiers:
+        if not tier.available or not hasattr(tier, "leftovers"):
+            continue
+        for shard, name in await trio.to_thread.run_sync(tier.leftovers):
+            _problem(report, f"leftover file {name} of an unfinished write on {tier.name}")
+            if repair:
+                nvmerecord.remove_side(shard, name)
+                report.repaired += 1
 
 
 async def _rebuild_index(cfg: Config, report: FsckReport, progress: Progress) -> Index:

@@ -136,7 +136,7 @@ class Index:
                 txn.put(b"format", _dumps(make_header(inst)), db=self.meta)
                 txn.put(b"instance", inst.encode(), db=self.meta)
                 now = time.time_ns()
-                root = dict(mode=0o40755, uid=os.getuid(), gid=os.getgid(), size=0, nlink=1,
+                root = dict(mode=0o40755, uid=os.getuid(), gid=os.getgid(), size=0, nlink=1, subdirs=0,
                             atime=now, mtime=now, ctime=now, parent=ROOT_INO, name=b"", xattrs={})
                 txn.put(k64(ROOT_INO), _dumps(root), db=self.inodes)
                 txn.put(b"next_ino", k64(ROOT_INO + 1), db=self.meta)

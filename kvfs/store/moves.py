@@ -146,6 +146,7 @@ class Moves:
             for t in lower:
                 if t.available:
                     await t.sync_deferred()
+        self.unkept = lost          # the daemon's unmount report (kvfs umount's exit status)
         if lost:
             log.error("%d of %d RAM-only files could not be written to a durable tier and are lost",
                       lost, len(todo))
@@ -159,6 +160,9 @@ class Moves:
         for i in range(1, len(self.tiers)):
             tier = self.tiers[i]
             if not tier.available:
+                continue
+            if tier.footprint(obj.size) > tier.capacity:    # evict nothing for what never fits
+                errors.append(f"{tier.name} tier: {obj.size} bytes exceed its capacity")
                 continue
             try:
                 if tier.footprint(obj.size) > tier.free():

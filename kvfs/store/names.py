@@ -72,7 +72,13 @@ class _Mapped:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
+            # every page now: a full tmpfs answers ENOSPC here (the table is disabled), where a
+            # sparse file would SIGBUS the daemon at a write into the mapping
+            os.posix_fallocate(fd, 0, size)
             self.map = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self.words = memoryview(self.map).cast("Q")

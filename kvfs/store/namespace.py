@@ -27,6 +27,14 @@ def _err(code: int, msg: str = "") -> NamespaceError:
     return NamespaceError(code, msg or os.strerror(code))
 
 
+def _count_subdir(rec: dict, delta: int) -> None:
+    """Count a subdirectory in or out of a directory's record. Directories made before
+    kvfs counted them (or rebuilt by fsck) have no count and report st_nlink 1 ("unknown",
+    as find(1) reads it) for good."""
+    if delta and "subdirs" in rec:
+        rec["subdirs"] = max(0, rec["subdirs"] + delta)
+
+
 class SealedMap(dict):
     """inode -> its sealed object, for regular files that have one. After a clean mount
     it starts empty and ``get``/``[]`` fill it from the inode record and the object table
@@ -251,6 +259,9 @@ class Namespace:
                        parent=parent, name=name, xattrs={}, **extra)
             if stat.S_ISLNK(mode):
                 rec["size"] = len(extra["target"])
+            if stat.S_ISDIR(mode):
+                rec["subdirs"] = 0              # st_nlink 2 + subdirs (kvfs.fs.ops._entry)
+                _count_subdir(prec, 1)
             txn.put_inode(ino, rec, new=True)
             txn.link(parent, name, ino, new=True)
             prec["mtime"] = prec["ctime"] = now
@@ -259,10 +270,11 @@ class Namespace:
             self.unsealed.add(ino)
         return ino, rec
 
-    def _touch_dir(self, txn: Txn, ino: int) -> None:
+    def _touch_dir(self, txn: Txn, ino: int, subdirs: int = 0) -> None:
         rec = txn.get_inode(ino)
         if rec is not None:
             rec["mtime"] = rec["ctime"] = time.time_ns()
+            _count_subdir(rec, subdirs)
             txn.put_inode(ino, rec)
 
     def _remove(self, txn: Txn, parent: int, name: bytes, ino: int, rec: dict, keep_open: bool) -> Obj | None:
@@ -302,7 +314,7 @@ class Namespace:
             if not stat.S_ISDIR(rec["mode"]):
                 raise _err(errno.ENOTDIR)
             self._remove_empty_dir(txn, parent, name, ino)
-            self._touch_dir(txn, parent)
+            self._touch_dir(txn, parent, -1)
 
     def _remove_empty_dir(self, txn: Txn, parent: int, name: bytes, ino: int) -> None:
         if txn.has_children(ino):
@@ -350,6 +362,7 @@ class Namespace:
                     if not stat.S_ISDIR(rec["mode"]):
                         raise _err(errno.EISDIR)
                     self._remove_empty_dir(txn, new_parent, new, target)
+                    _count_subdir(prec, -1)
                 elif stat.S_ISDIR(rec["mode"]):
                     raise _err(errno.ENOTDIR)
                 else:
@@ -360,9 +373,12 @@ class Namespace:
             rec["parent"], rec["name"], rec["ctime"] = new_parent, new, now
             txn.put_inode(ino, rec)
             prec["mtime"] = prec["ctime"] = now
+            moved_dir = stat.S_ISDIR(rec["mode"]) and new_parent != old_parent
+            if moved_dir:
+                _count_subdir(prec, 1)
             txn.put_inode(new_parent, prec)
             if new_parent != old_parent:
-                self._touch_dir(txn, old_parent)
+                self._touch_dir(txn, old_parent, -1 if moved_dir else 0)
         return dropped
 
     def publish(self, parent: int, name: bytes, mode: int, uid: int, gid: int, obj: Obj,

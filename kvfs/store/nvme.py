@@ -5,9 +5,10 @@ filesystem allows it (otherwise buffered), fsynced, and renamed into place befor
 the store records them in the index. Reads use O_DIRECT into aligned buffers, so
 they cost a real disk read and never pollute the page cache.
 
-Each object file carries its own record in the ``user.kvfs.object`` xattr (CBOR: id,
-size, checksums, path, generation), so ``kvfs fsck --repair`` can rebuild a lost index
-from the files alone. The directory is private (0700, checked, held by descriptor, see
+Each object file carries its own record (CBOR: id, size, checksums, path, generation) in
+its ``user.kvfs.object`` xattr, or in an ``<id>.rec`` side file when the record is too big
+for one (kvfs.store.nvmerecord), so ``kvfs fsck --repair`` can rebuild a lost index from
+the files alone. The directory is private (0700, checked, held by descriptor, see
 kvfs.store.safedir), locked by one daemon at a time, and bound to one index: its
 ``instance`` file names the index instance whose objects it holds, and a daemon with
 another index is refused (its orphan sweep would delete the other's objects).
@@ -28,7 +29,7 @@ import trio
 
 from kvfs.errors import ConfigError, NoSuchObject, TierFull
 from kvfs.protocol import ALIGN
-from kvfs.store import checksum, safedir
+from kvfs.store import checksum, nvmerecord, safedir
 from kvfs.store.ownerlinks import OwnerLinks, can_grant
 from kvfs.store.safedir import Dir, DirLock
 from kvfs.store.tier import ObjectInfo, Tier
@@ -49,7 +50,7 @@ def _syncfs(fd: int) -> None:
 
 
 _BOUNCE = 4 << 20
-RECORD_XATTR = "user.kvfs.object"
+RECORD_XATTR = nvmerecord.RECORD_XATTR
 INSTANCE_FILE = "instance"
 
 
@@ -251,11 +252,12 @@ class NvmeTier(Tier):
                     off += done
             if self._xattrs:
                 try:
-                    os.setxattr(fd, RECORD_XATTR, self._record(info))
+                    # a record too big for an xattr goes to a side file, never reads as a full disk
+                    nvmerecord.store(fd, shard, name, self._record(info), sync=not self.defer_sync)
                 except OSError as e:
                     # EPERM: a filesystem that refuses this name (under another kvfs mount the
                     # user.kvfs.* names are its own); as without user xattrs, not a failed write
-                    if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM):
+                    if e.errno not in nvmerecord.UNSUPPORTED:
                         raise
                     self._xattrs = False
                     log.warning("nvme tier at %s: no user xattrs (%s); objects are not self-describing "
@@ -268,6 +270,7 @@ class NvmeTier(Tier):
                 os.unlink(tmp, dir_fd=shard)
             except FileNotFoundError:
                 pass
+            nvmerecord.remove_side(shard, nvmerecord.side_name(name))
             raise
         os.close(fd)
         os.rename(tmp, name, src_dir_fd=shard, dst_dir_fd=shard)
@@ -327,12 +330,14 @@ class NvmeTier(Tier):
         """Free the object's file (``counted=False``: an orphan the sweep found, never in
         ``used``/``objects``)."""
         shard, name = self._shard(oid)
-        self.grants.revoke(oid, name)
+        self.grants.drop(oid, name, -1)             # its bytes are scrubbed by rm, in the thread
         def rm() -> int:
+            nvmerecord.remove_side(shard, nvmerecord.side_name(name))    # first: see nvmerecord
             try:
-                size = os.stat(name, dir_fd=shard, follow_symlinks=False).st_size
+                st = os.stat(name, dir_fd=shard, follow_symlinks=False)
+                self.grants.scrub(shard, name, st)     # what an owner kept of it holds no space
                 os.unlink(name, dir_fd=shard)
-                return size
+                return st.st_size
             except FileNotFoundError:
                 return -1
         size = await trio.to_thread.run_sync(rm, limiter=self._limiter)
@@ -364,12 +369,14 @@ class NvmeTier(Tier):
         except OSError:
             return None
         try:
-            raw = os.getxattr(fd, RECORD_XATTR)
+            raw = nvmerecord.load(fd, shard, name)
             size = os.fstat(fd).st_size
         except OSError:
             return None
         finally:
             os.close(fd)
+        if raw is None:
+            return None
         try:
             r = cbor2.loads(raw, tag_hook=lambda d, t: None)
             info = ObjectInfo(int(r["oid"]), int(r["size"]), int(r["checksum"]), int(r["chunk_size"]),
@@ -381,6 +388,10 @@ class NvmeTier(Tier):
             log.warning("nvme object %x: record disagrees with the file; skipped", oid)
             return None
         return info
+
+    def leftovers(self) -> list[tuple[int, str]]:
+        """Files of puts cut off by a crash (for fsck, with the mount down)."""
+        return nvmerecord.leftovers(self._shards)
 
     async def scan_records(self, progress=None) -> AsyncIterator[tuple[ObjectInfo, bytes]]:
         """Every object file whose own record reads back (for the index rebuild)."""

@@ -3,19 +3,28 @@
 A tier's object files live in a directory only the daemon's user can enter (0700). For a
 namespace whose top-level directory is owned by another user, the lease and
 ``user.kvfs.backing`` hand that owner (and only that owner) a second name of the file in
-``<grants>/<uid>/``: a directory owned by that user with mode 0500, inside a grants directory
-of the daemon's that others may traverse but not list (0711). The object file itself is made
+``<grants>/<uid>/links/``: ``<uid>/`` is owned by that user with mode 0500 (so nobody else can
+pass it), inside a grants directory of the daemon's that others may traverse but not list
+(0711); ``links/`` is the daemon's (mode 0555), so the owner can neither rename, unlink nor
+add a name there, even after a ``chmod`` of its own ``<uid>/``. The object file itself is made
 0644 then, which exposes it to nobody else: its only names are in the daemon's 0700 directory
-and in the owner's 0500 one. Revoking a grant (the namespace changed owner, the file moved to
-another namespace or changed mode, the object was deleted) unlinks that name; the grants
-directory is emptied at every mount, so no grant outlives the daemon that made it.
+and in the daemon's ``links/`` behind the owner's 0500 one. Revoking a grant (the namespace
+changed owner, the file moved to another namespace or changed mode, the object was deleted)
+unlinks that name through the descriptor the daemon holds of ``links/`` (found wherever the
+owner moved it); the grants directory is emptied at every mount.
 
-The owner can chmod its own directory and add or remove names in it: that only touches its own
-access (a name it planted makes the daemon's link fail and the lease answer ``null``). The
-daemon needs root for this (chown); a daemon that is not root hands out no grants (``null``).
+No grant is kept past its object: when the daemon frees an object file that was ever shared
+(mode 0644) or that has a name it did not make (a hard link elsewhere, possible where
+``fs.protected_hardlinks`` is 0), it punches the file's bytes out first (:meth:`OwnerLinks.scrub`),
+so a name or an open descriptor a grantee kept holds no space once the object is gone.
+
+The owner can chmod its own ``<uid>/`` and add names beside ``links/``, and move ``links/``
+within it: that only touches its own access (the daemon then answers ``null``). The daemon
+needs root for this (chown); a daemon that is not root hands out no grants (``null``).
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -29,6 +38,10 @@ log = logging.getLogger(__name__)
 OWNER_DIR_MODE = 0o500
 GRANTS_DIR_MODE = 0o711
 SHARED_FILE_MODE = 0o644
+LINKS_DIR = "links"             # the daemon's directory of an owner's links, in <grants>/<uid>/
+LINKS_DIR_MODE = 0o555
+_PUNCH = 0x01 | 0x02            # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+_libc: ctypes.CDLL | None = None
 
 
 def can_grant() -> bool:
@@ -41,8 +54,10 @@ class OwnerLinks:
     def __init__(self):
         self.path: Path | None = None
         self.fd = -1
-        self._users: dict[int, int] = {}        # uid -> descriptor of <grants>/<uid>
+        self._users: dict[int, tuple[int, int]] = {}    # uid -> descriptors of <uid>/, <uid>/links/
         self.links: dict[int, set[int]] = {}    # oid -> uids holding a link
+        self.exposed: set[int] = set()          # oids whose file was made 0644 (scrubbed when freed)
+        self.scrubbed = 0                       # object files whose bytes were punched out when freed
 
     @property
     def active(self) -> bool:
@@ -54,35 +69,53 @@ class OwnerLinks:
         self.path, self.fd = path, fd
 
     def close(self) -> None:
-        for fd in self._users.values():
-            os.close(fd)
+        for fds in self._users.values():
+            for fd in fds:
+                os.close(fd)
         self._users.clear()
         self.links.clear()
+        self.exposed.clear()
         if self.fd >= 0:
             os.close(self.fd)
         self.fd, self.path = -1, None
 
     def _user_dir(self, uid: int) -> int:
-        fd = self._users.get(uid)
-        if fd is not None:
-            return fd
+        """The descriptor of ``<grants>/<uid>/links/``, made when first needed. The owner may
+        have moved it within its ``<uid>/`` (the held descriptor still revokes what is in it,
+        but the answered path would not name it: EPERM, the lease answers ``null``) or removed
+        it once empty (made again)."""
+        held = self._users.get(uid)
+        if held is not None:
+            top, links = held
+            if _names(top, LINKS_DIR, links):
+                return links
+            if os.fstat(links).st_nlink:
+                raise OSError(errno.EPERM, f"{self.path}/{uid}/{LINKS_DIR} was moved by its owner")
+            del self._users[uid]            # removed by its owner (it was empty): made again
+            os.close(top)
+            os.close(links)
         name = str(uid)
         try:
             os.mkdir(name, 0o700, dir_fd=self.fd)
         except FileExistsError:
             pass
-        fd = os.open(name, safedir.DIR_FLAGS, dir_fd=self.fd)
+        top = os.open(name, safedir.DIR_FLAGS, dir_fd=self.fd)
         try:
-            st = os.fstat(fd)
+            st = os.fstat(top)
             if st.st_uid not in (uid, os.geteuid()):
                 raise OSError(errno.EPERM, f"grants directory of uid {uid} has another owner")
-            os.fchown(fd, uid, -1)
-            os.fchmod(fd, OWNER_DIR_MODE)
+            links = _links_dir(top)
+            try:
+                os.fchown(top, uid, -1)
+                os.fchmod(top, OWNER_DIR_MODE)
+            except BaseException:
+                os.close(links)
+                raise
         except BaseException:
-            os.close(fd)
+            os.close(top)
             raise
-        self._users[uid] = fd
-        return fd
+        self._users[uid] = (top, links)
+        return links
 
     def grant(self, src_dir_fd: int, name: str, oid: int, uid: int) -> str | None:
         """A path under ``uid``'s directory naming the file ``name`` of ``src_dir_fd`` (the
@@ -90,25 +123,26 @@ class OwnerLinks:
         if not self.active:
             return None
         try:
-            udir = self._user_dir(uid)
             if uid not in self.links.get(oid, ()):
+                udir = self._user_dir(uid)
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=src_dir_fd)
                 try:
                     if not stat.S_ISREG(os.fstat(fd).st_mode):
                         return None
                     os.fchmod(fd, SHARED_FILE_MODE)
+                    self.exposed.add(oid)
                 finally:
                     os.close(fd)
                 try:
                     os.link(name, name, src_dir_fd=src_dir_fd, dst_dir_fd=udir, follow_symlinks=False)
-                except FileExistsError:        # planted by the owner, or left by a revoked grant
+                except FileExistsError:        # left by a revoked grant
                     os.unlink(name, dir_fd=udir)
                     os.link(name, name, src_dir_fd=src_dir_fd, dst_dir_fd=udir, follow_symlinks=False)
                 self.links.setdefault(oid, set()).add(uid)
         except OSError as e:
             log.warning("cannot grant uid %d its backing file %s: %s", uid, name, e)
             return None
-        return f"{self.path}/{uid}/{name}"
+        return f"{self.path}/{uid}/{LINKS_DIR}/{name}"
 
     def revoke(self, oid: int, name: str, uid: int | None = None) -> None:
         """Unlink ``uid``'s name of the object (every owner's when ``uid`` is None)."""
@@ -119,13 +153,89 @@ class OwnerLinks:
             if u not in uids:
                 continue
             uids.discard(u)
-            fd = self._users.get(u)
-            if fd is not None:
+            fds = self._users.get(u)
+            if fds is not None:
                 try:
-                    os.unlink(name, dir_fd=fd)
+                    os.unlink(name, dir_fd=fds[1])
                 except FileNotFoundError:
                     pass
                 except OSError as e:
                     log.warning("cannot revoke uid %d's link %s: %s", u, name, e)
         if not uids:
             del self.links[oid]
+
+    def drop(self, oid: int, name: str, src_dir_fd: int) -> None:
+        """The object ``oid`` (the file ``name`` of ``src_dir_fd``) is being freed: every
+        grant goes, and a file that was shared has its bytes punched out (:meth:`scrub`)."""
+        self.revoke(oid, name)
+        if oid in self.exposed:
+            self.exposed.discard(oid)
+            if src_dir_fd >= 0:
+                self.scrub(src_dir_fd, name)
+
+    def scrub(self, dir_fd: int, name: str, st: os.stat_result | None = None) -> bool:
+        """Before the daemon unlinks the object file ``name`` of ``dir_fd`` (``st``: its
+        ``lstat``, if taken): if it was ever shared (any permission for group or others) or
+        has more names than the daemon's, punch its bytes out (truncate where the filesystem
+        cannot), so that no name or descriptor a grantee kept holds space after the object is
+        freed. Returns whether it did."""
+        try:
+            if st is None:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or not (st.st_mode & 0o077 or st.st_nlink > 1):
+                return False
+            fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                punch(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("cannot free the bytes of shared object file %s: %s", name, e)
+            return False
+        self.scrubbed += 1
+        log.debug("freed the bytes of shared object file %s (%d names)", name, st.st_nlink)
+        return True
+
+
+def _names(dir_fd: int, name: str, fd: int) -> bool:
+    """Whether ``name`` in ``dir_fd`` is still the directory ``fd``."""
+    try:
+        a = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    b = os.fstat(fd)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _links_dir(top: int) -> int:
+    """``links/`` in an owner's directory ``top``: the daemon's (a directory the owner made
+    there is refused: EPERM), mode LINKS_DIR_MODE."""
+    try:
+        os.mkdir(LINKS_DIR, 0o700, dir_fd=top)
+    except FileExistsError:
+        pass
+    fd = os.open(LINKS_DIR, safedir.DIR_FLAGS, dir_fd=top)
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            raise OSError(errno.EPERM, "an owner's links directory is not the daemon's")
+        os.fchmod(fd, LINKS_DIR_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def punch(fd: int, size: int) -> None:
+    """Free the bytes of the file ``fd`` (its size stays: readers that kept it read zeros, not
+    SIGBUS); truncate it to 0 where the filesystem cannot punch holes."""
+    global _libc
+    if size <= 0:
+        return
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if _libc.fallocate(fd, _PUNCH, 0, size) != 0:
+        e = ctypes.get_errno()
+        if e not in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise OSError(e, os.strerror(e))
+        os.ftruncate(fd, 0)

@@ -35,7 +35,7 @@ from typing import AsyncIterator
 import trio
 
 from kvfs.errors import NoSuchObject, TierFull
-from kvfs.store import hugefs, names, safedir
+from kvfs.store import hugefs, names, ramroom, safedir
 from kvfs.store.ownerlinks import OwnerLinks, can_grant
 from kvfs.store.safedir import Dir
 from kvfs.store.tier import ObjectInfo, Tier
@@ -213,16 +213,8 @@ class RamTier(Tier):
             raise TierFull(f"ram tier: {info.size} bytes do not fit")
         self.used += info.size
         try:
-            self._ensure_dir()
-            home = self.home.fd
-
-            def write() -> int:
-                fd = safedir.create_file(home, f"{info.oid:016x}")
-                os.ftruncate(fd, info.size)
-                with mmap.mmap(fd, info.size) as mm:
-                    mm[:] = data
-                return fd
-            fd = await trio.to_thread.run_sync(write)
+            self._ensure_dir()      # pwrite, not a mapping: a full tmpfs is ENOSPC, not SIGBUS
+            fd = await trio.to_thread.run_sync(ramroom.put_file, self.home.fd, f"{info.oid:016x}", data)
             try:
                 self._install(info.oid, fd, info.size)
             finally:
@@ -277,7 +269,7 @@ class RamTier(Tier):
         return memoryview(entry[0]) if entry else None
 
     async def delete(self, oid: int, loc: bytes) -> None:
-        self.grants.revoke(oid, f"{oid:016x}")
+        self.grants.drop(oid, f"{oid:016x}", self.home.fd if self.home is not None else -1)
         entry = self._maps.pop(oid, None)
         if entry is None:
             return
@@ -295,7 +287,7 @@ class RamTier(Tier):
 
     def status(self) -> dict:
         """``mapped``: objects held as mappings (leasable), at most ``mapped_budget``."""
-        return {"mapped": self.mapped, "mapped_budget": self.max_mapped}
+        return {"mapped": self.mapped, "mapped_budget": self.max_mapped, **ramroom.status(self)}
 
     async def scan(self) -> AsyncIterator[tuple[int, bytes, int]]:
         for oid, (_, size) in list(self._maps.items()):
@@ -437,11 +429,8 @@ class Staging:
                 if end > self.size:
                     self._account(end)
                 return n
-            self._to_file()
-        if self.spilled:
-            n = await trio.to_thread.run_sync(os.pwrite, self.fd, data, offset)
-        else:
-            n = os.pwrite(self.fd, data, offset)   # tmpfs: a memory copy
+            await ramroom.to_file(self, end)        # or spilled: no room on the tmpfs
+        n = await ramroom.write(self, offset, data, n)     # a full tmpfs spills (kvfs.store.ramroom)
         if end > self.size:
             self._account(end)
         return n
@@ -489,7 +478,7 @@ class Staging:
             return
         await self.truncate(len(data))
         if len(data):
-            await trio.to_thread.run_sync(os.pwrite, self.fd, data, 0)
+            await ramroom.write(self, 0, data, len(data), threaded=True)
 
     def mapped(self) -> "_MappedView":
         """The buffer's bytes, read-only, while the block runs (writes must wait meanwhile):

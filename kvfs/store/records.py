@@ -27,7 +27,7 @@ _BOOL = frozenset((bool,))
 INODE_FIELDS = (
     {"mode": _INT, "uid": _INT, "gid": _INT, "size": _INT, "nlink": _INT, "atime": _INT, "mtime": _INT,
      "ctime": _INT, "parent": _INT, "name": _BYTES, "xattrs": _DICT},
-    {"oid": _OPTINT, "target": _BYTES, "pin": _BOOL, "gen": _INT, "kv": _DICT},
+    {"oid": _OPTINT, "target": _BYTES, "pin": _BOOL, "gen": _INT, "kv": _DICT, "subdirs": _INT},
 )
 OBJECT_FIELDS = (
     {"size": _INT, "checksum": _INT, "chunk_size": _INT, "sums": _BYTES, "place": _DICT, "ino": _INT},

@@ -14,8 +14,14 @@ The reference models kvfs's documented semantics where they are not POSIX (docs/
 * Versions. A read-only descriptor opened while no writer has the file open reads the sealed
   version it opened, even after a new version is written (the file is opened for writing, or
   truncated by path). In the reference such a descriptor is moved onto a private snapshot copy
-  of the file when the next write session of that inode starts. A read-only descriptor opened
-  while writers are open shares their buffer (POSIX), and keeps the version they seal.
+  of the file when the next write session of that inode starts (and keeps a descriptor of the
+  file itself: its size). A read-only descriptor opened while writers are open shares their
+  buffer (POSIX), and keeps the version they seal. Such an older version's descriptor is told
+  the file's current size (the kernel keeps one per inode) and its read, pread, O_DIRECT read
+  and mmap must agree with it exactly: the snapshot's bytes, zeros past their end, EOF at the
+  current size (docs/design.md, "Versions and sizes"); never EOF or SIGBUS inside that size.
+* mmap reads map ``fstat``'s size and read up to its last byte (a SIGBUS kills the worker:
+  the parent reports the signal).
 * Eviction. A file that is neither open nor pinned may vanish (ENOENT) under pressure: on
   ENOENT from kvfs for a closed file, the reference drops it too (counted as ``evicted``). A
   name recreated by O_CREAT after an unnoticed eviction is recognised by its new inode number.
@@ -37,7 +43,8 @@ or when its only writer called fsync/msync or closed another descriptor of the s
 Python's mmap closes the dup it maps — which seal) or be absent. The reference is then set to
 what kvfs kept. ``FSX_HISTORY=N`` in the environment shows N earlier checks per mismatch.
 
-Run it from the command line on a mount you made yourself::
+Run it from the command line on a mount you made yourself (``--tiers`` prints the tier sizes
+a run of that seed mounts with: ``tier_sizes``, as tests/fsx/test_fsx.py does)::
 
     python tests/fsx/fsx.py MOUNT_DIR REF_DIR --seed 1 --ops 20000 --procs 4
 """
@@ -83,6 +90,15 @@ WEIGHTS = {"open": 14, "close": 10, "pread": 14, "pwrite": 12, "append": 5, "ftr
            "odirect": 3, "read_file": 5, "bulk_write": 2}
 
 
+def tier_sizes(seed: int) -> dict:
+    """The tier sizes of a run's mount, picked at random per seed (what a version's reads
+    answer must not depend on them): RAM log-uniform from 4 MiB to 1 GiB, NVMe 16 to 256 MiB
+    (small ones make demotion, spilling and eviction run during the sequence)."""
+    rng = random.Random(f"fsx-tiers-{seed}")
+    ram = max(4, min(1024, round(4 * 2 ** rng.uniform(0, 8))))
+    return {"ram": f"{ram}MiB", "nvme_size": f"{rng.choice([16, 32, 64, 256])}MiB"}
+
+
 @dataclasses.dataclass
 class Config:
     kvfs_dir: str
@@ -112,6 +128,7 @@ class Handle:
     frozen: bool = False         # the reference side reads a private snapshot (old version)
     maybe_direct_io: bool = False   # kvfs may have opened it direct_io (mmap gives ENODEV)
     snap: str | None = None
+    live: int | None = None      # frozen: the reference's descriptor of the file itself (its size)
 
 
 class Mismatch(Exception):
@@ -277,8 +294,7 @@ class Worker:
             with open(snap, "wb") as f:
                 f.write(sealed or b"")
             fd = os.open(snap, os.O_RDONLY)
-            os.close(h.rfd)
-            h.rfd, h.frozen, h.snap = fd, True, snap
+            h.live, h.rfd, h.frozen, h.snap = h.rfd, fd, True, snap
             self.counts["old_version_readers"] += 1
 
     def synced(self, h: Handle) -> None:
@@ -302,23 +318,26 @@ class Worker:
 
     def in_place_old(self, h: Handle) -> bool:
         """``h`` reads an old version of a file rewritten in place (a reader frozen on its
-        snapshot when a writer opened the same inode): the kernel keeps one size per inode, so
-        its size is the newest version's and its reads end there (documented in
-        docs/design.md); its bytes must still be the old version's."""
+        snapshot when a writer opened the same inode)."""
         return h.frozen
 
-    def old_bytes(self, what: str, got, want: bytes) -> None:
-        """An in-place old-version read: a prefix of the old version, then only zeros."""
-        if not got[0]:
-            self.fail(f"{what}: kvfs {got[1]}")
-        elif want[:len(got[1])] != got[1][:len(want)] or any(got[1][len(want):]):
-            self.fail(f"{what}: {len(got[1])} bytes that are not the old version's "
-                      f"({len(want)} bytes) followed by zeros")
+    def rsize(self, h: Handle) -> int:
+        """The size the reference says ``h`` is told: its file's current size (for an older
+        version's descriptor too: the kernel keeps one size per inode)."""
+        return os.fstat(h.live if h.frozen else h.rfd).st_size
+
+    def old_read(self, h: Handle, ln: int, off: int) -> bytes:
+        """What an older version's descriptor reads (docs/design.md, "Versions and sizes"):
+        its version's bytes, zeros past their end, EOF at the file's current size."""
+        want = max(0, min(off + ln, self.rsize(h)) - off)
+        got = os.pread(h.rfd, want, off) if want else b""
+        self.counts["old_version_reads"] += 1
+        if len(got) < want:
+            self.counts["old_version_zeros"] += 1      # past its version's end: zeros
+        return got + bytes(want - len(got))
 
     def cmp_fsize(self, h: Handle, what: str) -> None:
-        if self.in_place_old(h):
-            return
-        rk, rr = _call(lambda: os.fstat(h.kfd).st_size), _call(lambda: os.fstat(h.rfd).st_size)
+        rk, rr = _call(lambda: os.fstat(h.kfd).st_size), _call(self.rsize, h)
         self.check(f"{what}: fstat size of {h.name}", rk, rr)
 
     # -- the run ------------------------------------------------------------------------
@@ -416,6 +435,8 @@ class Worker:
         rk, rr = _call(os.close, h.kfd), _call(os.close, h.rfd)
         if h.snap:
             os.unlink(h.snap)
+        if h.live is not None:
+            os.close(h.live)
         self.check(f"close({h.name})", rk, rr)
         self.end_session_if_done(h.rino)
         return True
@@ -424,12 +445,12 @@ class Worker:
         h = self.pick_handle(lambda h: h.acc != os.O_WRONLY and not h.direct)
         if h is None:
             return False
-        size = os.fstat(h.rfd).st_size
+        size = self.rsize(h)
         off = self.rng.randrange(0, size + 1) if size and self.rng.random() < 0.9 else self.rng.randrange(0, self.cfg.max_size)
         ln = self.rng.randrange(1, self.cfg.max_io)
         if self.in_place_old(h):
-            self.old_bytes(f"pread old version ({h.name}, {ln}, {off})", _call(os.pread, h.kfd, ln, off),
-                           os.pread(h.rfd, ln, off))
+            self.check(f"pread old version ({h.name}, {ln}, {off})", _call(os.pread, h.kfd, ln, off),
+                       (True, self.old_read(h, ln, off)))
             return True
         self.check(f"pread({h.name}, {ln}, {off})", _call(os.pread, h.kfd, ln, off), _call(os.pread, h.rfd, ln, off))
         return True
@@ -584,10 +605,9 @@ class Worker:
         return True
 
     def _map_len(self, h: Handle) -> int | None:
-        """Both sides' size if they agree and are > 0 (mapping past EOF would SIGBUS)."""
-        ks, rs = os.fstat(h.kfd).st_size, os.fstat(h.rfd).st_size
-        if ks != rs and self.in_place_old(h):
-            return None
+        """``fstat``'s size if both sides agree and it is > 0: the mapping is read up to its
+        last byte (a SIGBUS inside that size kills the worker)."""
+        ks, rs = os.fstat(h.kfd).st_size, self.rsize(h)
         if ks != rs:
             self.fail(f"mmap: fstat size of {h.name}: kvfs {ks} reference {rs}")
             return None
@@ -613,6 +633,8 @@ class Worker:
         if not rk[0] and rk[1] == errno.ENODEV and h.maybe_direct_io:
             self.counts["mmap_enodev"] += 1     # documented: direct_io handle (another version open)
             return True
+        if h.frozen and rk[0]:                # an older version: against its snapshot (not mapped)
+            return self._mmap_old(h, rk[1], size)
         rr = _call(mmap.mmap, h.rfd, size, mmap.MAP_SHARED, prot)
         if not self.check(f"mmap({h.name}, {size})", (rk[0], None if rk[0] else rk[1]), (rr[0], None if rr[0] else rr[1])):
             for ok, m in (rk, rr):
@@ -634,9 +656,27 @@ class Worker:
             else:
                 if km[off:off + ln] != rm[off:off + ln]:
                     self.fail(f"mmap read {h.name} [{off}:{off + ln}]: bytes differ")
+                tail = max(0, size - self.rng.randrange(1, 2 * PAGE))     # up to fstat's size
+                if km[tail:size] != rm[tail:size]:
+                    self.fail(f"mmap read {h.name} [{tail}:{size}] (to fstat's size): bytes differ")
         finally:
             km.close()
             rm.close()
+        self.cmp_fsize(h, "after mmap")
+        return True
+
+    def _mmap_old(self, h: Handle, km, size: int):
+        """An older version's mapping of ``size`` bytes (fstat's): a random range and the tail
+        up to the last byte, against its snapshot fitted to that size."""
+        try:
+            off = self.rng.randrange(0, size)
+            ln = min(size - off, self.rng.randrange(1, self.cfg.max_io))
+            tail = max(0, size - self.rng.randrange(1, 2 * PAGE))
+            for a, b in ((off, off + ln), (tail, size)):
+                if km[a:b] != self.old_read(h, b - a, a):
+                    self.fail(f"mmap read old version {h.name} [{a}:{b}] of {size}: bytes differ")
+        finally:
+            km.close()
         self.cmp_fsize(h, "after mmap")
         return True
 
@@ -781,9 +821,9 @@ class Worker:
             got = bytes(mv[:rk[1]]) if rk[0] else None
             rr = _call(os.preadv, h.rfd, [mv], off)
             want = bytes(mv[:rr[1]]) if rr[0] else None
-            if self.in_place_old(h):             # the documented one-size-per-inode limit
-                self.old_bytes(f"O_DIRECT pread old version ({h.name}, {ln}, {off})",
-                               (rk[0], got if rk[0] else rk[1]), want or b"")
+            if self.in_place_old(h):             # its version's bytes fitted to the current size
+                self.check(f"O_DIRECT pread old version ({h.name}, {ln}, {off})",
+                           (rk[0], got if rk[0] else rk[1]), (True, self.old_read(h, ln, off)))
             elif self.check(f"O_DIRECT pread({h.name}, {ln}, {off})", (rk[0], None if rk[0] else rk[1]),
                           (rr[0], None if rr[0] else rr[1])) and rk[0] and got != want:
                 self.fail(f"O_DIRECT pread({h.name}, {ln}, {off}): {len(got)} vs {len(want)} bytes, differ")
@@ -810,12 +850,13 @@ class Worker:
             w = self.handles[-1]
             self._write(w, self.data(self.rng.randrange(1, self.cfg.max_io)), self.rng.randrange(0, self.cfg.max_size), "pwrite")
             self.op_close(w)
-        # documented (docs/design.md): the kernel keeps one size per inode, so a reader of the
-        # old version of a file rewritten in place sees the new version's size; its bytes are
-        # the old version's (then zeros up to that size), never the new version's
-        size = os.fstat(h.rfd).st_size
-        self.old_bytes(f"pread old version of {n}", _call(os.pread, h.kfd, size + 100, 0),
-                       os.pread(h.rfd, size + 100, 0))
+        # documented (docs/design.md, "Versions and sizes"): the kernel keeps one size per
+        # inode, so a reader of the old version of a file rewritten in place is told the new
+        # version's size; it reads the old version's bytes, then zeros, up to that size
+        size = self.rsize(h)
+        want = self.old_read(h, size + 100, 0) if h.frozen else os.pread(h.rfd, size + 100, 0)
+        self.check(f"pread old version of {n}", _call(os.pread, h.kfd, size + 100, 0), (True, want))
+        self.cmp_fsize(h, "old version reader")
         return True
 
     def op_read_file(self):
@@ -852,7 +893,7 @@ class Worker:
         the reference takes what kvfs kept and every descriptor is dropped."""
         self.cur_kind = "crash"
         for h in self.handles:
-            for fd in (h.kfd, h.rfd):
+            for fd in (h.kfd, h.rfd) + ((h.live,) if h.live is not None else ()):
                 try:
                     os.close(fd)
                 except OSError:
@@ -950,8 +991,13 @@ class Exerciser:
         for c, a in zip(self.conns, args):
             c.send((cmd, a))
         out = []
-        for c in self.conns:
-            status, val = c.recv()
+        for c, p in zip(self.conns, self.procs):
+            try:
+                status, val = c.recv()
+            except EOFError:                  # the worker died (SIGBUS: an mmap read past the end)
+                p.join(30)
+                raise AssertionError(f"fsx worker {self.procs.index(p)} died: exit code {p.exitcode}"
+                                     f"{' (SIGBUS)' if p.exitcode == -7 else ''}") from None
             if status != "ok":
                 raise AssertionError(f"fsx worker {status}: {val.get('error')}\n{json.dumps(val.get('counts'))}"
                                      f"\n" + "\n".join(val.get("mismatches", [])[:20]))
@@ -1023,7 +1069,12 @@ def main(argv=None) -> int:
     ap.add_argument("--history", type=int, default=0, help="earlier checks of the file shown per mismatch")
     ap.add_argument("--max-mismatches", type=int, default=200)
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--tiers", action="store_true", help="print the seed's tier sizes (--ram, --nvme-size) and exit")
     a = ap.parse_args(argv)
+    if a.tiers:
+        t = tier_sizes(a.seed)
+        print(f"--ram {t['ram']} --nvme-size {t['nvme_size']}")
+        return 0
     cfg = Config(a.kvfs_dir, a.ref_dir, seed=a.seed, ops=a.ops, procs=a.procs,
                  exclude=tuple(sorted(KNOWN_BROKEN)) if a.exclude_known_broken else (),
                  history=a.history, max_mismatches=a.max_mismatches)

@@ -9,8 +9,13 @@ Slow runs (``make test-slow``): at least 1M operations in all, across seeds and 
 counts, in phases with kill -9 of the daemon and a remount between them; after each kill
 every file must be exactly its last sealed version or absent.
 
+Random tiers (``test_fsx_random_tiers``): each seed mounts with its own tier sizes
+(``fsx.tier_sizes``: RAM 4 MiB to 1 GiB), since what a descriptor reads must not depend on
+them; ``FSX_SEEDS=101,102 FSX_OPS=10000`` runs those seeds with 1 and 4 processes instead of
+the short default (``FSX_PHASES=4``: in 4 phases, with a kill -9 and remount between two).
+
 ``FSX_RESULTS=FILE`` appends one JSON line per run (seed, processes, operations, seconds,
-counts) for ``tests/fsx/plot_fsx.py``, which draws docs/fsx.png.
+tiers, counts) for ``tests/fsx/plot_fsx.py``, which draws docs/fsx.png.
 """
 from __future__ import annotations
 
@@ -28,17 +33,19 @@ pytestmark = pytest.mark.mount
 TINY = {"ram": "4MiB", "nvme_size": "16MiB"}
 
 
-def _record(seed: int, procs: int, ops: int, seconds: float, summary: dict, phases: int, known_broken: bool):
+def _record(seed: int, procs: int, ops: int, seconds: float, summary: dict, phases: int, known_broken: bool,
+            tiers: dict | None = None):
     path = os.environ.get("FSX_RESULTS")
     if not path:
         return
     with open(path, "a") as f:
-        f.write(json.dumps({"seed": seed, "procs": procs, "ops": ops, "seconds": seconds, "phases": phases,
+        f.write(json.dumps({"seed": seed, "procs": procs, "ops": ops, "seconds": seconds, "phases": phases, "tiers": tiers,
                             "known_broken_excluded": known_broken, "counts": summary["counts"],
                             "mismatches": summary["mismatches"][:20]}) + "\n")
 
 
-def run_fsx(m, ref, *, seed: int, procs: int, ops: int, phases: int = 1, exclude=(), max_mismatches=200):
+def run_fsx(m, ref, *, seed: int, procs: int, ops: int, phases: int = 1, exclude=(), max_mismatches=200,
+            tiers: dict | None = None):
     """``phases`` runs of ``ops / phases`` operations; between two phases the daemon is killed
     with SIGKILL (workers keep their descriptors open through it), remounted, and every file
     checked against its last sealed version."""
@@ -63,9 +70,9 @@ def run_fsx(m, ref, *, seed: int, procs: int, ops: int, phases: int = 1, exclude
         ex.close()
     seconds = time.perf_counter() - t0
     summary = fsx.summarize(ex.reports)
-    _record(seed, procs, ops, seconds, summary, phases, bool(exclude))
+    _record(seed, procs, ops, seconds, summary, phases, bool(exclude), tiers)
     c = summary["counts"]
-    print(f"fsx seed {seed} procs {procs}: {c.get('ops', 0)} ops in {seconds:.1f} s "
+    print(f"fsx seed {seed} procs {procs} tiers {tiers or TINY}: {c.get('ops', 0)} ops in {seconds:.1f} s "
           f"({c.get('ops', 0) / seconds:.0f}/s), evicted {c.get('evicted', 0)}, mismatches {c.get('mismatch', 0)}, "
           f"after kill -9: intact {c.get('crash_intact', 0)} absent {c.get('crash_absent', 0)}")
     return summary
@@ -117,10 +124,10 @@ def test_fsx_crash_model_counts_the_seal_by_an_mmap_close(kvfs_mount, tmp_path):
 
 
 def test_fsx_old_version_reader_with_o_direct_reads_only_old_bytes(kvfs_mount, tmp_path):
-    """The documented one-size-per-inode limit holds for O_DIRECT readers too: a reader of the
-    old version of a file shrunk in place reads old bytes up to the new size, then nothing
-    (seeds 11 and 12 x 1 process: the model compared such reads as if POSIX; 7 mismatches in
-    250k operations, all of this kind)."""
+    """An O_DIRECT reader of the old version of a file shrunk in place reads old bytes up to
+    the new size, then nothing (seeds 11 and 12 x 1 process: the model compared such reads as
+    if POSIX; 7 mismatches in 250k operations, all of this kind); the model now compares them
+    exactly (docs/design.md, "Versions and sizes")."""
     m = kvfs_mount()
     w = fsx.Worker(fsx.Config(str(m.path), str(tmp_path / "ref"), seed=5, max_size=192 << 10), 0)
     w._open("f00", os.O_RDWR, True, False, False, False)
@@ -138,6 +145,46 @@ def test_fsx_old_version_reader_with_o_direct_reads_only_old_bytes(kvfs_mount, t
     w.close_all()                # (an open descriptor would hold the detached daemon at teardown)
     assert not w.mismatches, w.mismatches
     assert w.counts["mismatch"] == 0
+
+
+@pytest.mark.parametrize("ram", ["8MiB", "64MiB"])
+def test_fsx_rdonly_creat_reader_reads_zeros_to_fstat_size(kvfs_mount, tmp_path, ram):
+    """Issue 32's report in the exerciser's terms: a new name opened O_RDONLY|O_CREAT, then
+    extended by path; its descriptor was told the new size and read EOF inside it (and its
+    mapping faulted with SIGBUS). The model and kvfs now agree: zeros up to fstat's size."""
+    m = kvfs_mount(ram=ram, nvme_size="64MiB")
+    w = fsx.Worker(fsx.Config(str(m.path), str(tmp_path / "ref"), seed=5), 0)
+    w._open("f06", os.O_RDONLY, True, False, False, False)
+    h = w.handles[-1]
+    w.begin_session(h.rino)                          # what op_truncate does, with the report's size
+    for p in (w.kp("f06"), w.rp("f06")):
+        os.truncate(p, 1_872_697)
+    w.end_session_if_done(h.rino)
+    assert h.frozen and os.fstat(h.kfd).st_size == 1_872_697
+    w.check("pread", fsx._call(os.pread, h.kfd, 2931, 1_064_312), (True, bytes(2931)))
+    for _ in range(8):
+        w._mmap(h, False)
+        w.op_pread()
+    w.close_all()
+    assert not w.mismatches, w.mismatches
+
+
+def _seeds() -> list[tuple[int, int]]:
+    seeds = [int(x) for x in os.environ.get("FSX_SEEDS", "").split(",") if x.strip()]
+    return [(s, p) for s in seeds for p in (1, 4)] if seeds else [(41, 1), (42, 2)]
+
+
+@pytest.mark.parametrize("seed,procs", _seeds())
+def test_fsx_random_tiers(kvfs_mount, tmp_path, seed, procs):
+    """Tier sizes picked per seed (RAM 4 MiB to 1 GiB); every mmap read goes up to fstat's
+    size; no mismatch, no worker killed by a signal (``FSX_OPS``: operations per run;
+    ``FSX_PHASES``: phases, with a kill -9 and remount between two)."""
+    tiers = fsx.tier_sizes(seed)
+    m = kvfs_mount(**tiers)
+    s = run_fsx(m, tmp_path / "ref", seed=seed, procs=procs, ops=int(os.environ.get("FSX_OPS", "1500")),
+                phases=int(os.environ.get("FSX_PHASES", "1")), tiers=tiers)
+    _no_mismatch(s)
+    assert s["counts"].get("mmap_read", 0) > 0
 
 
 def test_fsx_exercises_every_kind_and_agrees_with_itself(tmp_path):

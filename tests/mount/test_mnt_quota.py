@@ -62,10 +62,15 @@ def test_a_tenant_past_its_quota_evicts_its_own_lru_then_gets_edquot(kvfs_mount,
         assert read(ta / n) == bytes([2]) * MB, n
     st = m.stats()["quotas"]
     assert st["evicted"] == 1 and st["refused"] == 0
-    # a file larger than the quota: the tenant's other files go first, then EDQUOT
+    # one write(2) larger than the quota (it reaches the daemon as 1 MiB requests): EDQUOT,
+    # and the tenant's idle files are all still there (issue 34: they were evicted first);
+    # the refused file is evicted at close, so the namespace is back within its quota
     with reachable(m.path):
         got = json.loads(intruder.run(TENANT, ta, json.dumps([["big", 4 * MB]])).stdout)
     assert got["big"] == errno.EDQUOT
+    assert sorted(p.name for p in ta.iterdir()) == ["f0", "f2", "f3"]
+    for n in ("f0", "f2", "f3"):
+        assert read(ta / n) == bytes([2]) * MB, n
     assert read(tb / "other") == content("other", 5 * MB)     # another namespace: untouched
     st = m.stats()["quotas"]
     assert st["limits"]["tenant-a"]["limit"] == 7 << 19

@@ -181,6 +181,8 @@ async def test_the_tier_reports_its_mappings():
         s = t.new_staging()
         await s.write(0, os.urandom(MIN))
         seal(t, 1, s)
-        assert t.status() == {"mapped": 1, "mapped_budget": 5}
+        st = t.status()
+        assert st["fs_free"] > 0
+        assert st == {"mapped": 1, "mapped_budget": 5, "fs_spills": 0, "fs_free": st["fs_free"]}
     finally:
         await t.close()

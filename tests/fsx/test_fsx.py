@@ -213,3 +213,18 @@ def test_fsx_long_with_kill9_phases(kvfs_mount, tmp_path, seed, procs):
     s = run_fsx(m, tmp_path / "ref", seed=seed, procs=procs, ops=126_000, phases=20, exclude=fsx.KNOWN_BROKEN)
     _no_mismatch(s)
 
+
+
+# Seeds no earlier run was tuned on (issue 32): 20 seeds x (1 and 4 processes) x 5,000 ops =
+# 200,000 ops, each seed on its own random tiers (tiny to 1 GiB RAM), in 4 phases with a
+# kill -9 and remount between two. Every file is its last sealed version or absent after a kill.
+UNSEEN = [(seed, procs) for seed in range(501, 521) for procs in (1, 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed,procs", UNSEEN)
+def test_fsx_unseen_seeds_random_tiers_with_kill9(kvfs_mount, tmp_path, seed, procs):
+    tiers = fsx.tier_sizes(seed)
+    m = kvfs_mount(**tiers)
+    s = run_fsx(m, tmp_path / "ref", seed=seed, procs=procs, ops=5_000, phases=4, tiers=tiers)
+    _no_mismatch(s)

@@ -50,6 +50,7 @@ from kvfs.kv.commit import CommitClient
 mp = sys.argv[1]
 SIZE, UNIT = 2 << 20, 16
 started = threading.Barrier(4)
+stop = threading.Event()            # stdin closed: every thread ends after a whole iteration
 def body(tag, v):
     return (tag + b":%013d" % v)[:UNIT].ljust(UNIT, b".") * (SIZE // UNIT)
 def quit_on_oserror(fn):
@@ -65,7 +66,7 @@ def quit_on_oserror(fn):
 @quit_on_oserror
 def writer(tag):
     v = 0
-    while True:
+    while not stop.is_set():
         tmp, final = os.path.join(mp, tag + ".tmp"), os.path.join(mp, tag + ".bin")
         with open(tmp, "wb") as f:
             f.write(body(tag.encode(), v))
@@ -77,7 +78,7 @@ def writer(tag):
 def reader():
     names = ["w0.bin", "w1.bin", "m.bin", "d.bin"]
     n = 0
-    while True:
+    while not stop.is_set():
         try:
             with open(os.path.join(mp, random.choice(names)), "rb") as f:
                 data = f.read()
@@ -95,7 +96,7 @@ def self_mapped():
     src = os.open(os.path.join(mp, "src.bin"), os.O_RDONLY)
     c = CommitClient(mp)
     k = 0
-    while True:
+    while not stop.is_set():
         os.posix_fadvise(src, 0, 0, os.POSIX_FADV_DONTNEED)      # faults reach the daemon
         mm = mmap.mmap(src, SIZE, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
         r = c.commit("", [("m.bin", [memoryview(mm)])])
@@ -122,6 +123,12 @@ def going():
     except threading.BrokenBarrierError:
         pass
 threading.Thread(target=going, daemon=True).start()
+sys.stdin.read()
+stop.set()
+try:
+    started.abort()
+except Exception:
+    pass
 for t in ts:
     t.join()
 """
@@ -185,13 +192,15 @@ class Loop:
                 f.write(body(b"src", 0))
 
     def start_client(self) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-c", _CLIENT, str(self.m.path)],
+        return subprocess.Popen([sys.executable, "-c", _CLIENT, str(self.m.path)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def kill(self, cycle: int, conn: int, clients: list) -> None:
         """SIGKILL the daemon; a daemon or client alive past the deadline is a wedge."""
         pid = self.m.pid
         os.kill(pid, signal.SIGKILL)
+        for c in clients:
+            c.stdin.close()                     # each ends once its I/O failed (ENOTCONN)
         wedged = []
         if not _deadline(lambda: _gone(pid), DEADLINE):
             wedged.append(f"daemon {pid}: {_threads(pid)}")
@@ -250,8 +259,12 @@ class Loop:
             if point == 0:                      # during the I/O
                 self.kill(cycle, conn, [c])
             else:                               # the client ends; then during the write-down
-                c.kill()
-                c.wait()
+                c.stdin.close()                 # (killed, its open files would be sealed as
+                if not _deadline(lambda: c.poll() is not None, DEADLINE):   # they were at its exit)
+                    c.kill()
+                    raise AssertionError(f"cycle {cycle}: the client did not stop: {_threads(c.pid)}")
+                out = c.stdout.read().decode(errors="replace")
+                assert c.returncode == 0 and "BAD" not in out, f"cycle {cycle}: the client failed: {out}"
                 c.stdout.close()
                 c.stderr.close()
                 self.write_down(cycle, conn)

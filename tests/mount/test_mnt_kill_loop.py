@@ -329,3 +329,41 @@ def test_commit_by_address_of_a_mapping_of_this_mount_is_exdev_and_the_client_co
         mm.close()
         anon.close()
         os.close(fd)
+
+
+def test_a_file_never_closed_before_kill9_is_absent_or_its_previous_sealed_version(kvfs_mount):
+    """The torn temp file of issue 32: a 2 MiB file whose writer had not closed it when the
+    daemon was killed is, after recovery, absent (new) or its previous sealed version (opened
+    over one: with O_TRUNC, or without -- a new header over the old body, the torn shape), never
+    the unfinished write; a reader's close meanwhile seals nothing."""
+    m = kvfs_mount(ram="1MiB", nvme_size="256MiB")      # 2 MiB buffers spill to NVMe
+    p = m.path
+    for name in ("trunc.tmp", "over.tmp", "done.tmp"):
+        with open(p / name, "wb") as f:
+            f.write(body(b"v1", 1))
+        wait_for(lambda: os.getxattr(p / name, "user.kvfs.tier") == b"nvme", 60, f"{name} on NVMe")
+    fds = [os.open(p / "new.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644),
+           os.open(p / "trunc.tmp", os.O_WRONLY | os.O_TRUNC),
+           os.open(p / "over.tmp", os.O_WRONLY)]
+    try:
+        new = body(b"v2", 2)
+        for fd in fds:
+            os.pwrite(fd, new[:UNIT], 0)                 # the header first
+            r = os.open(p / "new.tmp", os.O_RDONLY)      # a reader opens and closes meanwhile
+            os.close(r)
+            os.pwrite(fd, new[:MiB][UNIT:], UNIT)         # half the body
+        with open(p / "done.tmp", "r+b") as f:           # closed: its new version is sealed
+            f.write(new)
+        m.stats()                                        # the index committed
+        m.kill9()
+    finally:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass                                     # ENOTCONN: the daemon is gone
+    m.mount()
+    assert not (p / "new.tmp").exists(), "a file never closed survived its writer's crash"
+    assert read(p / "trunc.tmp") == body(b"v1", 1)
+    assert read(p / "over.tmp") == body(b"v1", 1)
+    assert read(p / "done.tmp") == new

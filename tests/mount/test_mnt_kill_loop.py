@@ -157,6 +157,17 @@ def _threads(pid: int) -> dict[int, tuple[str, str]]:
     return out
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
 def _gone(pid: int) -> bool:
     return all(s in ("Z", "X") for s, _ in _threads(pid).values())
 
@@ -198,12 +209,16 @@ class Loop:
     def kill(self, cycle: int, conn: int, clients: list) -> None:
         """SIGKILL the daemon; a daemon or client alive past the deadline is a wedge."""
         pid = self.m.pid
+        helpers = _children(pid)                # the daemon's notification helper
         os.kill(pid, signal.SIGKILL)
         for c in clients:
             c.stdin.close()                     # each ends once its I/O failed (ENOTCONN)
         wedged = []
         if not _deadline(lambda: _gone(pid), DEADLINE):
             wedged.append(f"daemon {pid}: {_threads(pid)}")
+        for h in helpers:
+            if not _deadline(lambda: _gone(h), 0 if wedged else DEADLINE):
+                wedged.append(f"helper {h}: {_threads(h)}")
         for c in clients:
             if not _deadline(lambda: c.poll() is not None, 0 if wedged else DEADLINE):
                 wedged.append(f"client {c.pid}: {_threads(c.pid)}")

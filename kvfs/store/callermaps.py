@@ -2,8 +2,8 @@
 
 A ``\\0mem`` entry is read with ``process_vm_readv``; a range the caller mapped from a file
 of this very mount would make the daemon's copier thread fault in pages that only the
-daemon's own request loop can serve: the daemon waiting on itself (a deadlock as soon as
-the loop waits for that copier, as a commit's answer does). Such
+daemon's own request loop can serve: the daemon waiting on itself (its copier slots held
+by reads that depend on its own loop). Such
 entries answer EXDEV before anything is read -- as a descriptor of this mount does for
 ``\\0fd`` -- and the client sends them through its memfd (its own copy faults them in).
 

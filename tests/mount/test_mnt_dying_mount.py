@@ -83,3 +83,31 @@ def test_commit_into_a_dead_mount_makes_nothing_under_it(kvfs_mount):
         assert _files_under(m.path) == [] and sorted(os.listdir(m.path)) == ["a"]
     finally:
         c.close()
+
+
+def test_block_writer_of_a_mount_dead_since_the_lookup_writes_nothing_under_it(kvfs_mount, monkeypatch):
+    """KVCache found its namespace on kvfs, then the daemon died before its writer opened the
+    mount's root: the root is opened and checked through itself (ENOTCONN), never the bare
+    mount point's directory, under which every block would then have been written."""
+    torch = pytest.importorskip("torch")
+    import kvfs
+    from kvfs.kv import writer
+    lay = kvfs.KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=16, dtype="float16")
+    m = kvfs_mount()
+    real, died = writer.CommitClient.open, []
+
+    def died_then_opened(root):
+        if not died:                        # the namespace's directory, made again below
+            died.append(root)
+            _die(m, *[m.path / n for n in os.listdir(m.path)])
+        return real(root)
+    monkeypatch.setattr(writer.CommitClient, "open", staticmethod(died_then_opened))
+    with pytest.raises(OSError) as e:
+        cache = kvfs.KVCache(m.path, model="m", layout=lay)
+        try:                                # (before: the cache started, and wrote here)
+            cache.save(list(range(32)), torch.zeros(lay.block_shape(32)).to(lay.torch_dtype))
+            cache.flush()
+        finally:
+            cache.close()
+    assert died and e.value.errno in (errno.ENOTCONN, errno.ENOENT)
+    assert _files_under(m.path) == [], "blocks were written under the bare mount point"

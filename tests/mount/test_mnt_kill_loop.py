@@ -340,7 +340,6 @@ def test_commit_by_address_of_a_mapping_of_this_mount_is_exdev_and_the_client_co
             c.close()
         assert read(m.path / "x") == body(b"src", 7) and read(m.path / "y") == body(b"anon", 1)
     finally:
-        del at, mine
         mm.close()
         anon.close()
         os.close(fd)

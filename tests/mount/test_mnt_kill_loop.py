@@ -4,8 +4,8 @@ Each cycle runs temp+rename writers of 2 MiB files, a verifying reader and a cli
 buffers are pages of this very mount (an ``mmap`` of one of its files) -- handed to
 ``.kvfs/commit`` by address and written with O_DIRECT through the mount -- and kills the
 daemon with SIGKILL at one of three points: during that I/O, during the write-down of a
-clean unmount, and right after a mount. Every cycle has a deadline: a killed daemon or a
-client still alive past it is a wedge, reported with the state and kernel stack of each
+clean unmount, and right after a mount. Every cycle has a deadline: a killed daemon, its
+notification helper or a client still alive past it is a wedge, reported with the state and kernel stack of each
 of its threads, and its FUSE connection is aborted (``/sys/fs/fuse/connections/N/abort``)
 so the suite never hangs. After each remount every file -- final names and temp files
 alike -- must hold one sealed version whole (its 16-byte header repeated over 2 MiB) or be
@@ -13,6 +13,7 @@ absent (docs/design.md, "Durability and crash consistency").
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -210,7 +211,8 @@ class Loop:
         """SIGKILL the daemon; a daemon or client alive past the deadline is a wedge."""
         pid = self.m.pid
         helpers = _children(pid)                # the daemon's notification helper
-        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):   # an unmount that already finished
+            os.kill(pid, signal.SIGKILL)
         for c in clients:
             c.stdin.close()                     # each ends once its I/O failed (ENOTCONN)
         wedged = []

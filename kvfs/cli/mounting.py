@@ -71,6 +71,10 @@ def precheck(cfg: Config) -> None:
         raise fail(f"already mounted: {mp}")
     if not os.path.exists("/dev/fuse"):
         raise fail("/dev/fuse is missing: load the fuse module (modprobe fuse) or install fuse3")
+    from kvfs.fs.loop import binding_problem
+    problem = binding_problem()
+    if problem:
+        raise fail(problem)
     try:
         cfg.validate()
     except ConfigError as e:

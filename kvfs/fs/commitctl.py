@@ -13,7 +13,7 @@ tmpfs file open for reading: any other filesystem answers EINVAL, a file of this
 descriptor not open for reading EBADF); ``\\0mem``: later entries name that process's own
 memory, OFFSET an address, or ``ADDR+LEN,ADDR+LEN,...`` for a file in several pieces (read with
 ``process_vm_readv``: one copy fewer; EPERM for a process its user could not ``ptrace``, EFAULT
-for a range it does not map). One of the two is required
+for a range it does not map, EXDEV for a range mapped from a file of this mount). One of the two is required
 before the first entry; a request may switch between them;
 ``\\0base DIR`` as for ``lookup``; ``\\0mode`` the permission bits of later entries (default
 0644); ``\\0noreplace`` keeps an existing target (its entry answers EEXIST, as
@@ -41,6 +41,7 @@ import trio
 from kvfs import protocol
 from kvfs.errors import NamespaceError
 from kvfs.fs.errmap import to_errno
+from kvfs.store.callermaps import mount_spans, overlaps
 from kvfs.store.commit import CallerFile, CallerProcess, CommitEntry
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class CommitControl:
         fds: dict[int, int | Exception] = {}
         results: list[int] = [0] * len(reqs)
         entries, where = [], []
+        spans = None                        # the caller's mappings of this mount's files
         try:
             for i, (n, off, length, path, mode) in enumerate(reqs):
                 if n not in fds:
@@ -166,6 +168,12 @@ class CommitControl:
                 if isinstance(src, Exception):
                     results[i] = to_errno(src)
                     continue
+                if n == MEM:
+                    if spans is None:
+                        spans = await trio.to_thread.run_sync(mount_spans, h.process.tgid, self.mount_dev())
+                    if overlaps(spans, off):
+                        results[i] = errno.EXDEV        # kvfs.store.callermaps
+                        continue
                 entries.append(CommitEntry(path, src, off, length, mode))
                 where.append(i)
             made: list = []

@@ -25,6 +25,8 @@ cancellation of the loop at unmount) is trio's own.
 """
 from __future__ import annotations
 
+import importlib.metadata
+import itertools
 import logging
 import select
 
@@ -34,6 +36,39 @@ import trio
 log = logging.getLogger(__name__)
 
 BURST = 8           # requests read without a scheduler pass in between
+# pyfuse3 versions this loop is tested with (pyproject.toml pins the same range): the facade
+# replaces what pyfuse3's worker loop takes from its ``trio`` attribute, so another release,
+# whose loop may take other things or in another way, is refused at mount (binding_problem)
+TESTED = ((3, 5), (3, 6))           # >= 3.5, < 3.6
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    out = []
+    for part in version.split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def binding_problem(version: str | None = None) -> str | None:
+    """None when the installed pyfuse3 (or ``version``) is one the loop is tested with and
+    has the shape it hooks (a ``trio`` module attribute that is trio, ``main``, ``init``);
+    otherwise the reason, one line."""
+    if version is None:
+        try:
+            version = importlib.metadata.version("pyfuse3")
+        except importlib.metadata.PackageNotFoundError:
+            version = getattr(pyfuse3, "__version__", "unknown")
+    lo, hi = TESTED
+    want = f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
+    if not lo <= _numbers(version)[:2] < hi:
+        return (f"kvfs's request loop is tested with pyfuse3 {want}, not {version}: "
+                f"install pyfuse3{want} (pip install 'pyfuse3{want}')")
+    if getattr(pyfuse3, "trio", None) is not trio or not callable(getattr(pyfuse3, "main", None)):
+        return f"pyfuse3 {version} does not reach trio through its 'trio' attribute: kvfs's request loop cannot hook it"
+    return None
 
 
 class ReadLock:

@@ -13,7 +13,7 @@ import pyfuse3
 import trio
 
 from kvfs.errors import NamespaceError
-from kvfs.fs import control
+from kvfs.fs import control, notifyproc
 from kvfs.fs.errmap import translate
 from kvfs.protocol import ALIGN, CONTROL_NAME_B
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
@@ -82,9 +82,11 @@ class Notifier:
         self._q: queue.Queue = queue.Queue(maxsize)
         self._thread: threading.Thread | None = None
         self.dropped = 0
+        self.channel: notifyproc.Channel | None = None      # the helper process (kvfs.fs.notifyproc)
 
-    def start(self) -> None:
+    def start(self, channel: "notifyproc.Channel | None" = None) -> None:
         if self._thread is None:
+            self.channel = channel
             self._thread = threading.Thread(target=self._run, name="kvfs-notify", daemon=True)
             self._thread.start()
 
@@ -104,6 +106,26 @@ class Notifier:
         t.join(timeout)
         if t.is_alive():
             log.warning("kernel notification thread did not stop within %.0fs", timeout)
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            channel.close(timeout)
+
+    def deliver(self, fn, *args) -> None:
+        """Send one invalidation now (``pyfuse3.invalidate_entry`` / ``invalidate_inode`` and
+        their arguments) through the helper process when there is one; OSError as pyfuse3's."""
+        channel = self.channel
+        if channel is not None and fn in (pyfuse3.invalidate_entry, pyfuse3.invalidate_inode):
+            msg = notifyproc.inval_entry(*args) if fn is pyfuse3.invalidate_entry else notifyproc.inval_inode(*args)
+            try:
+                err = channel.send(msg)
+            except (OSError, ValueError) as e:
+                log.warning("notification helper gone (%s): notifying from the daemon", e)
+                self.channel = None
+            else:
+                if err:
+                    raise OSError(err, os.strerror(err))
+                return
+        fn(*args)
 
     def send(self, fn, *args) -> None:
         if self._thread is None:
@@ -134,7 +156,7 @@ class Notifier:
                 return
             fn, args = item
             try:
-                fn(*args)
+                self.deliver(fn, *args)
             except OSError as e:          # ENOENT: the kernel did not cache it
                 log.debug("%s%s: %s", fn.__name__, args, e)
             except Exception:             # noqa: BLE001 - a notification never kills the thread
@@ -177,7 +199,7 @@ class KvfsOperations(pyfuse3.Operations):
         def send() -> None:
             for parent, name in names:
                 try:
-                    pyfuse3.invalidate_entry(parent, name)
+                    self.notifier.deliver(pyfuse3.invalidate_entry, parent, name)
                 except OSError:             # ENOENT: the kernel has no entry for it
                     pass
         with trio.move_on_after(INVALIDATE_WAIT):
@@ -199,7 +221,7 @@ class KvfsOperations(pyfuse3.Operations):
         (stops it: no notification may reach a destroyed session)."""
         self._mounted = value
         if value:
-            self.notifier.start()
+            self.notifier.start(notifyproc.open_channel())
         else:
             self.notifier.stop()
 

@@ -24,6 +24,7 @@ import xxhash
 from kvfs.kv.block import ChecksumMismatch
 from kvfs.kv.blockio import PAGE, AlignedBuffer, Backing, mismatch, page_aligned, read_backing, read_backing_into
 from kvfs.integrations.pagetypes import PIECE, cuts as _cuts
+from kvfs.kv.mapcheck import maps_fuse_file
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def _helpers() -> cf.ThreadPoolExecutor:
 def in_place(b: Backing | None, segs: list[memoryview], size: int) -> bool:
     """Whether leased page ``b`` can be read with O_DIRECT straight into its destination."""
     return (b is not None and b.direct and b.size == size and b.offset % PAGE == 0 and len(segs) == 1
-            and size % PAGE == 0 and page_aligned(segs[0]))
+            and size % PAGE == 0 and page_aligned(segs[0]) and not maps_fuse_file(segs[0]))
 
 
 def ahead_of(j: int, backs, dests: list[list[memoryview]], sizes: list[int], batched) -> tuple | None:

@@ -38,6 +38,7 @@ from kvfs.kv.getbatch import EBADMSG, GetClient
 from kvfs.kv.blockio import Backing, LeaseClient, VerifiedObjects, preadv_full
 from kvfs.integrations.leased import Ahead, ahead_of, read_leased
 from kvfs.integrations.pagewrite import PageWrites
+from kvfs.kv import mapcheck
 from kvfs.kv.lookup import PrefixLookup, find_control, makedirs_under
 from kvfs.kv.names import REVALIDATE, NameView
 from kvfs.integrations.pagetypes import (PIECE, Counters, LeaseHold, NotOnKvfs, PageSizeError,  # noqa: F401
@@ -373,7 +374,7 @@ class PageStore(PageWrites):
         on_kvfs = held is not None and held.client is not None
         backings = held.backings if held is not None else {}
         try:
-            with self._call() as progress:
+            with self._call() as progress, mapcheck.batch():     # one reading of the maps per call
                 sizes = [sum(len(s) for s in d) for d in dests]
                 batched = self._batch_get(names, dests, [i for i, name in enumerate(names) if on_kvfs and (
                     backings.get(name) is None or backings[name].size != sizes[i])])
@@ -420,7 +421,7 @@ class PageStore(PageWrites):
             return ok
         fallbacks = [0]
         try:
-            with self._call() as progress:
+            with self._call() as progress, mapcheck.batch():
                 self._read_batch(names, dests, ok, fallbacks, progress)
         except ChecksumMismatch as e:
             self._count(checksum_errors=1)

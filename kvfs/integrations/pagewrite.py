@@ -10,12 +10,19 @@ import os
 
 from kvfs.kv.blockio import write_all
 from kvfs.kv.commit import CommitClient
+from kvfs.kv.lookup import open_mount_root
 
 log = logging.getLogger("kvfs.integrations.pages")
 
 
 class PageWrites:
     """``write_many`` and its helpers; the state (``dir``, ``_local``, counters, ...) is PageStore's."""
+
+    @property
+    def mount_root(self) -> str | None:
+        """The root of the kvfs mount this store is on (None: a plain directory)."""
+        self._connect()
+        return self._mount_root
 
     def write_many(self, names: list[str], bufs_of) -> list[bool]:
         """Store pages ``names`` (``bufs_of(i)``: page i's buffers), skipping the leading ones
@@ -87,25 +94,46 @@ class PageWrites:
     def _write(self, name: str, bufs: list) -> int:
         if self.require_kvfs:
             self._connect()             # never write under an unmounted mount point
-        final = os.path.join(self.dir, name)
-        sub, base = os.path.split(final)
-        tmp = os.path.join(sub, f".{base}.{os.urandom(6).hex()}.tmp")
+        mount_root = self._mount_root
+        # on a mount: every step relative to a descriptor of its root, checked through itself,
+        # so a mount that dies after the check above fails (ENOTCONN) instead of the temp file
+        # and its directories landing under the bare mount point
+        at = open_mount_root(mount_root) if mount_root is not None else None
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileNotFoundError:
-            if sub == self.dir:
-                raise
-            self.makedirs(sub)                # names with subdirectories (vLLM's fs layout)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            total = write_all(fd, bufs)
-            os.close(fd)
-            fd = -1
-            os.rename(tmp, final)
-        except BaseException:
-            if fd >= 0:
+            top = self.dir if at is None else os.path.relpath(os.path.realpath(self.dir), mount_root)
+            final = os.path.normpath(os.path.join(top, name))
+            sub, base = os.path.split(final)
+            tmp = os.path.join(sub, f".{base}.{os.urandom(6).hex()}.tmp")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=at)
+            except FileNotFoundError:
+                if sub == os.path.normpath(top):
+                    raise
+                _makedirs(at, sub)              # names with subdirectories (vLLM's fs layout)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=at)
+            try:
+                total = write_all(fd, bufs)
                 os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+                fd = -1
+                os.rename(tmp, final, src_dir_fd=at, dst_dir_fd=at)
+            except BaseException:
+                if fd >= 0:
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=at)
+                raise
+        finally:
+            if at is not None:
+                os.close(at)
         return total
+
+
+def _makedirs(at: int | None, path: str) -> None:
+    """``mkdir -p`` of ``path`` (relative to the directory descriptor ``at``; None: as is)."""
+    if at is None:
+        os.makedirs(path, exist_ok=True)
+        return
+    parts = [p for p in path.split(os.sep) if p not in ("", os.curdir)]
+    for k in range(1, len(parts) + 1):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(os.path.join(*parts[:k]), dir_fd=at)

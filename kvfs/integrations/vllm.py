@@ -62,6 +62,7 @@ from vllm.v1.kv_offload.tiering.base import (JobId, JobResult, RequestOffloading
                                              SecondaryTierManager, TransferJob)
 
 from kvfs.integrations.pages import PageStore, PageStoreStats
+from kvfs.kv.lookup import open_mount_root, replace_at
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -210,11 +211,20 @@ class KvfsTierManager(SecondaryTierManager):
             return
         try:
             self.store.makedirs(os.path.dirname(path))     # through the mount's root (it may be gone)
-            if not os.path.exists(path):
-                tmp = f"{path}.{os.urandom(6).hex()}.tmp"
-                with open(tmp, "w") as f:
-                    json.dump(self.file_mapper.get_run_config(), f, indent=2, sort_keys=True)
-                os.replace(tmp, path)
+            root = self.store.mount_root
+            # and the file too: through a descriptor of that root, checked through itself (a
+            # mount dead since the makedirs fails instead of writing under the bare mount point)
+            at = open_mount_root(root) if root is not None else None
+            try:
+                rel = os.path.relpath(os.path.realpath(path), root) if at is not None else path
+                try:
+                    os.stat(rel, dir_fd=at)
+                except FileNotFoundError:
+                    text = json.dumps(self.file_mapper.get_run_config(), indent=2, sort_keys=True)
+                    replace_at(at, f"{rel}.{os.urandom(6).hex()}.tmp", rel, text.encode())
+            finally:
+                if at is not None:
+                    os.close(at)
         except OSError as e:
             log.warning("kvfs vLLM tier: cannot write %s (%s)", path, e)
 

@@ -39,7 +39,8 @@ _MAX_RANGES = 4096           # address ranges of one item named by address (the 
 
 
 # an entry named by address that failed for a reason of the memory read itself: sent again by memfd
-_REFUSED_MEMORY = (errno.EPERM, errno.ENOSYS, errno.EFAULT)
+# (EXDEV: a range mapped from a file of the mount itself, which the daemon never reads)
+_REFUSED_MEMORY = (errno.EPERM, errno.ENOSYS, errno.EFAULT, errno.EXDEV)
 
 
 class CommitUnavailable(OSError):
@@ -166,9 +167,12 @@ class CommitClient:
             return self.commit(base, items, mode, noreplace, dirmode)
         again = [k for k, r in enumerate(results) if memory and r in _REFUSED_MEMORY]
         if again:                       # refused the memory read (not dumpable, ...)? by memfd
+            mapped = all(results[k] == errno.EXDEV for k in again)   # only those buffers: keep \0mem
             self.use_memory = False
             retried = self.commit(base, [items[k] for k in again], mode, noreplace, dirmode)
-            if any(r in (0, errno.EEXIST) for r in retried):
+            if mapped:
+                self.use_memory = True
+            elif any(r in (0, errno.EEXIST) for r in retried):
                 log.debug("the daemon refused to read this process's memory (%s): copying through a memfd",
                           os.strerror(results[again[0]]))
             else:                       # refused for the entry's own sake (a path it may not write)

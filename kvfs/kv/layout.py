@@ -22,7 +22,7 @@ import os
 import re
 
 from kvfs.blockformat import FORMAT
-from kvfs.kv.lookup import find_control, makedirs_under
+from kvfs.kv.lookup import find_control, makedirs_under, open_mount_root, replace_at
 
 log = logging.getLogger(__name__)
 
@@ -157,20 +157,28 @@ def open_namespace(root: str, model: str, layout: KVLayout, hash_algo: str) -> t
     dev = makedirs_under(ctl[0] if ctl is not None else None, ns_dir)
     meta_path = os.path.join(ns_dir, NAMESPACE_FILE)
     desc = dict(namespace_descriptor(model, layout, hash_algo), namespace=name)
+    # on a mount: read and write namespace.json through a descriptor of its root (a mount
+    # that died since the directory was made fails, ENOTCONN, instead of the file landing
+    # under the bare mount point)
+    at = open_mount_root(ctl[0]) if ctl is not None else None
+    meta = os.path.relpath(os.path.realpath(meta_path), ctl[0]) if ctl is not None else meta_path
     try:
-        with open(meta_path, "rb") as f:
-            existing = json.loads(f.read())
-    except FileNotFoundError:
-        existing = None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{meta_path}: unreadable namespace metadata: {e}") from None
-    if existing is None:
-        tmp = f"{meta_path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(desc, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, meta_path)
-        log.info("created KV namespace %s", ns_dir)
-    elif existing != desc:
-        raise ValueError(f"{meta_path} describes a different cache: {existing} != {desc}")
+        try:
+            fd = os.open(meta, os.O_RDONLY | os.O_CLOEXEC, dir_fd=at)
+            with open(fd, "rb") as f:
+                existing = json.loads(f.read())
+        except FileNotFoundError:
+            existing = None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{meta_path}: unreadable namespace metadata: {e}") from None
+        if existing is None:
+            text = json.dumps(desc, indent=2, sort_keys=True) + "\n"
+            replace_at(at, f"{meta}.{os.getpid()}.{os.urandom(4).hex()}.tmp",
+                       meta, text.encode())
+            log.info("created KV namespace %s", ns_dir)
+        elif existing != desc:
+            raise ValueError(f"{meta_path} describes a different cache: {existing} != {desc}")
+    finally:
+        if at is not None:
+            os.close(at)
     return ns_dir, (dev if ctl is not None else None)

@@ -15,6 +15,7 @@ in principle any block), so the first miss ends the prefix.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -83,6 +84,41 @@ def makedirs_on_mount(mount_root: str, path: str) -> int:
         return os.fstat(fd).st_dev
     finally:
         os.close(fd)
+
+
+def open_mount_root(mount_root: str) -> int:
+    """A descriptor of the kvfs mount's root, checked through itself (its ``.kvfs/lookup``):
+    whatever is made, read or renamed relative to it stays on that mount -- ENOTCONN once its
+    daemon is gone -- never under the bare mount point a dead mount leaves (the check of a
+    path and the act by the same path would leave that window open). ENOTCONN (an OSError)
+    when the path no longer leads to a kvfs mount."""
+    fd = os.open(mount_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.stat(os.path.join(CONTROL_NAME, LOOKUP_FILE), dir_fd=fd).st_mode):
+            raise FileNotFoundError
+    except FileNotFoundError:
+        os.close(fd)
+        raise OSError(errno.ENOTCONN, f"{mount_root} is not a kvfs mount (any more)") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def replace_at(root: int | None, tmp: str, final: str, data: bytes) -> None:
+    """Write ``data`` to the new file ``tmp`` and rename it over ``final`` (both relative to
+    the directory descriptor ``root``; None: to the working directory)."""
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=root)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=root)
+        raise
+    os.close(fd)
+    os.rename(tmp, final, src_dir_fd=root, dst_dir_fd=root)
 
 
 def makedirs_under(mount_root: str | None, path: str) -> int:

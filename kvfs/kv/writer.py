@@ -28,6 +28,7 @@ from kvfs.kv.block import encode_header
 from kvfs.kv.blockio import write_all
 from kvfs.kv.commit import CommitClient
 from kvfs.kv.layout import KVLayout, block_path, block_relpath
+from kvfs.kv.lookup import open_mount_root
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +124,13 @@ class BlockWriter:
         self._commit_base = os.path.relpath(os.path.realpath(ns_dir), mount_root) if mount_root else ""
         # on a mount, blocks the commit refused go through a descriptor of its root
         self._root_fd = -1
-        if mount_root:
-            self._root_fd = os.open(mount_root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if mount_root:                  # checked through itself: a mount dead by now is ENOTCONN,
+            try:                        # not the bare mount point's directory
+                self._root_fd = open_mount_root(mount_root)
+            except BaseException:
+                if self._commit is not None:
+                    self._commit.close()
+                raise
         self.store_token_ids = store_token_ids
         self._q: queue.Queue[SaveJob | None] = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()

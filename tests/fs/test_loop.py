@@ -177,3 +177,39 @@ def test_the_facade_is_trio_but_for_the_read_lock_and_the_wait():
         assert getattr(f, name) is getattr(trio, name)
     for name in ("current_task", "current_trio_token", "notify_closing", "checkpoint"):
         assert getattr(f.lowlevel, name) is getattr(trio.lowlevel, name)
+
+
+def test_the_binding_is_checked_against_the_tested_pyfuse3_range(monkeypatch):
+    """Issue 32 (5): pyfuse3 is pinned to the range the loop is tested with; another release,
+    or one whose loop does not reach trio through its ``trio`` attribute, has a one-line reason."""
+    import tomllib
+    from pathlib import Path
+    assert loop.binding_problem() is None                   # the installed one
+    for v in ("3.5.0", "3.5.2", "3.5.0rc1"):
+        assert loop.binding_problem(v) is None, v
+    for v in ("3.4.0", "3.6.0", "4.0", "unknown"):
+        why = loop.binding_problem(v)
+        assert why and "\n" not in why and v in why and ">=3.5,<3.6" in why, why
+    deps = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "pyfuse3>=3.5,<3.6" in deps, "pyproject.toml pins another range than kvfs.fs.loop.TESTED"
+    monkeypatch.setattr(pyfuse3, "trio", object())          # a loop hooked some other way
+    why = loop.binding_problem("3.5.0")
+    assert why and "\n" not in why and "trio" in why
+
+
+def test_a_mount_with_another_pyfuse3_is_refused_with_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    fake = tmp_path / "site"                                # its metadata first on the path
+    (fake / "pyfuse3-3.6.0.dist-info").mkdir(parents=True)
+    (fake / "pyfuse3-3.6.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: pyfuse3\nVersion: 3.6.0\n")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    repo = Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{repo}"}
+    res = subprocess.run([sys.executable, "-m", "kvfs.cli", "mount", str(mnt), "--nvme", str(tmp_path / "nvme"),
+                          "--state", str(tmp_path / "state")], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode != 0 and not os.path.ismount(mnt)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "3.6.0" in lines[0] and "pyfuse3>=3.5,<3.6" in lines[0], res.stderr

@@ -230,6 +230,29 @@ def test_tier_starting_as_the_mount_dies_writes_nothing_under_it(v, kvfs_mount, 
     assert os.listdir(m.path) == []
 
 
+def test_config_is_not_written_under_a_mount_that_died_after_its_directory_was_made(v, kvfs_mount, tiers,
+                                                                                    monkeypatch):
+    """Issue 32 (4): the daemon killed and its mount detached right after the starting tier
+    made the directory of ``config.json`` through the mount, and the same directory present on
+    the disk below: ``config.json`` goes through a descriptor of the mount's root, so it is
+    not written there (by path it was)."""
+    from kvfs.integrations.pages import PageStore
+    m = kvfs_mount(ram="64MiB")
+    real, killed = PageStore.makedirs, []
+
+    def made_then_killed(store, path):
+        real(store, path)
+        if not killed:
+            killed.append(path)
+            m.kill9()
+            os.makedirs(path, exist_ok=True)     # the same directory on the disk below
+    monkeypatch.setattr(PageStore, "makedirs", made_then_killed)
+    _tier(v, tiers, m.path / "vllm", chunks=4)
+    assert killed and not os.path.ismount(m.path)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(m.path) for f in fs]
+    assert files == [], f"written under the bare mount point: {files}"
+
+
 def test_unmount_gives_misses(v, kvfs_mount, tiers):
     """A lazily unmounted mount: misses, failed jobs, nothing written under the mount point,
     and the detached daemon exits (the tier closed its control files)."""

@@ -73,3 +73,48 @@ def test_nvme_pages_read_straight_into_page_aligned_destinations(kvfs_mount, tmp
         assert ps.statistics().checksum_errors == 4
     finally:
         ps.close()
+
+
+def test_leased_pages_never_go_o_direct_into_a_mapping_of_a_fuse_file(kvfs_mount, tmp_path):
+    """Issue 32 (2): a destination mapped from a file of the mount itself is read through the
+    reader's own aligned buffer, never with O_DIRECT into it (the read would hold the NVMe
+    file's lock while its page faults wait on the daemon); the bytes are the same."""
+    import mmap
+
+    from kvfs.integrations.leased import in_place
+    from kvfs.kv.mapcheck import maps_fuse_file
+    cfg = tmp_path / "stay.toml"
+    cfg.write_text("promote_hits = 1000000\n")
+    m = kvfs_mount(ram="8MiB", config=cfg)
+    ps = PageStore(m.path, "pages")
+    os.makedirs(m.path / "pages")
+    names = [f"p{i:02d}" for i in range(12)]
+    data = [os.urandom(MiB) for _ in names]
+    (m.path / "dest").write_bytes(bytes(len(names) * MiB))
+    fd = os.open(m.path / "dest", os.O_RDONLY)
+    mm = mmap.mmap(fd, len(names) * MiB, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    mv = memoryview(mm)
+    anon = AlignedBuffer(MiB)
+    try:
+        assert maps_fuse_file(mv[MiB:2 * MiB]) and not maps_fuse_file(anon.mv)
+        assert all(ps.write_many(names, lambda i: [data[i]]))
+        wait_for(lambda: m.stats()["settled"], 60, "the pages to settle")
+        lease = LeaseClient(str(m.path), str(m.path / "pages"))
+        backs = lease.acquire(names)
+        lease.release()
+        lease.close()
+        nvme = [i for i, b in enumerate(backs) if b is not None and b.tier == "nvme" and b.direct]
+        assert nvme, "12 MiB through an 8 MiB RAM tier left nothing on NVMe"
+        i = nvme[0]
+        assert in_place(backs[i], [anon.mv], MiB)
+        assert not in_place(backs[i], [mv[i * MiB:(i + 1) * MiB]], MiB)
+        dests = [[mv[k * MiB:(k + 1) * MiB]] for k in range(len(names))]
+        assert all(ps.read_into(names, dests))
+        assert all(bytes(dests[k][0]) == data[k] for k in range(len(names)))
+    finally:
+        del dests
+        mv.release()
+        mm.close()
+        os.close(fd)
+        anon.close()
+        ps.close()

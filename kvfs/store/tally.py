@@ -122,6 +122,25 @@ class Tally:
             self._contribution(rec, 1, d)
         return {k: v for k, v in d.items() if v[0] or v[1]}
 
+    def inconsistency(self) -> str | None:
+        """What is wrong with the totals, checked against what LMDB counts without decoding a
+        record (None: nothing found): the object count is the objects database's number of
+        entries, and the namespaces' object counts add up to it; no total is negative. A
+        start after a crash trusts the sets and totals only if this finds nothing."""
+        self.index.commit()
+        with self.index.env.begin() as t:
+            entries = t.stat(self.index.objects)["entries"]
+        count = self.values.get(OBJECTS, [0])[0]
+        if count != entries:
+            return f"the object count is {count}, the index holds {entries} object records"
+        in_ns = sum(v[1] for k, v in self.values.items() if k[:1] == NAMESPACE)
+        if in_ns != entries:
+            return f"the namespaces count {in_ns} objects, the index holds {entries}"
+        for key, (a, b, _raw) in self.values.items():
+            if a < 0 or b < 0:
+                return f"the running total {key!r} is negative ({a}, {b})"
+        return None
+
     def current(self) -> dict[bytes, list[int]]:
         """The running totals (non-zero ones)."""
         return {k: v[:2] for k, v in self.values.items() if v[0] or v[1]}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import struct
 import tempfile
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 
 from kvfs.errors import NamespaceError, StoreError
 from kvfs.store import tally
-from kvfs.store.index import ENV_NAME, ROOT_INO, Index
+from kvfs.store.index import ENV_NAME, RECOVER, ROOT_INO, Index
 from storekit import open_cache
 from storekit import read_file as read, write_file as write
 
@@ -215,3 +216,38 @@ def test_an_index_of_an_older_kvfs_recovers_through_the_full_scan(tmp_path):
             after = await _state(cache)
             assert after["tree"] == state["tree"] and after["totals"] == state["totals"]
     trio.run(run)
+
+
+def _forge(state: Path, key: bytes, a: int, b: int) -> None:
+    """Set a running total through kvfs's own write path (stamped: not a write behind its
+    back), as a bug in a writer that skipped the tally would leave it."""
+    ix = Index(state)
+    with ix.write() as txn:
+        txn.w[(RECOVER, key)] = struct.pack(">qq", a, b)
+    ix.close()
+
+
+def test_totals_that_disagree_with_the_index_make_the_start_recover_in_full(tmp_path):
+    ops = [("write", 0, 0, 3000, True), ("write", 1, 1, 70_000, True), ("write", 0, 3, 4000, False),
+           ("unsealed", 2, 1), ("commit",)]
+    objects = tally.OBJECTS
+    for i, (key, a, b) in enumerate([(objects, 7, 0),                 # the object count
+                                     (tally.NAMESPACE + b"a", 3000, 5),   # a namespace's count
+                                     (tally.TIER + b"nvme", -4096, 0)]):    # a negative total
+        base = tmp_path / str(i)
+
+        async def run():
+            async with open_cache(base, ram=RAM, nvme=NVME) as cache:
+                dirs = await _dirs(cache)
+                for j, op in enumerate(ops):
+                    await _apply(cache, dirs, op, j)
+                cache.index.commit()
+            _forge(base / "state", key, a, b)
+            async with open_cache(base, ram=RAM, nvme=NVME) as cache:
+                got = cache.recovered
+                assert cache.store.table_loaded and "dangling_names" in got, key    # in full
+                assert got["dropped_files"] == 2 and got["lost_objects"] == 1
+                state = await _state(cache)                     # totals recounted
+                assert state["count"] == 2 and state["totals"][objects] == [2, 0]
+                assert state["nvme"][1] == 2
+        trio.run(run)

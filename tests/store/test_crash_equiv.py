@@ -146,7 +146,7 @@ async def _crash_and_compare(ops: list[tuple], base: Path) -> dict:
     return got
 
 
-@settings(max_examples=int(os.environ.get("KVFS_CRASH_EXAMPLES", "25")), deadline=None,
+@settings(max_examples=int(os.environ.get("KVFS_CRASH_EXAMPLES", "15")), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OPS, min_size=1, max_size=30))
 def test_crash_start_from_the_sets_equals_the_full_recovery(ops):

@@ -60,8 +60,9 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
         decoded (kvfs.store.objtable). After a crash with valid running totals
         (kvfs.store.tally), no write behind kvfs's back since and totals that agree with
         LMDB's own count of object records (``Tally.inconsistency``): drop only what the
-        unsealed and RAM-only sets name, then start as after a clean unmount from the totals. Otherwise (totals invalid: an index
-        written without them, or changed by a tool) load the object table and recover the
+        unsealed and RAM-only sets name, then start as after a clean unmount from the
+        totals. Otherwise (totals invalid: an index written without them, or changed by a
+        tool, or totals that disagree) load the object table and recover the
         whole namespace (decoding and checking every record) and recount the totals."""
         clean = self.index.clean
         tally = self.store.tally

@@ -85,7 +85,7 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
         counts, unowned = self.ns.recover(lost)
         for obj in unowned:
             await self.store.release_space(obj)
-        tally.reset(o.record() for o in self.store.objs.values())
+        tally.reset((o.record() for o in self.store.objs.values()), kv=bool(self.ns.kv_children))
         counts["decoded"] = records.decoded - before
         if any(counts.values()):
             log.info("full recovery: %s", counts)

@@ -25,8 +25,10 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvfs.config import Config
 from kvfs.errors import NamespaceError, StoreError
 from kvfs.store import tally
+from kvfs.store.fsck import run_fsck
 from kvfs.store.index import ENV_NAME, RECOVER, ROOT_INO, Index
 from storekit import block, hx, open_cache
 from storekit import read_file as read, write_file as write
@@ -267,3 +269,26 @@ def test_totals_that_disagree_with_the_index_make_the_start_recover_in_full(tmp_
                 assert state["count"] == 2 and state["totals"][objects] == [2, 0]
                 assert state["nvme"][1] == 2
         trio.run(run)
+
+
+def test_fsck_reports_a_kv_parent_the_index_says_none_has(tmp_path):
+    async def build():
+        async with open_cache(tmp_path, ram=RAM, nvme=NVME, clean=True) as cache:
+            dirs = await _dirs(cache)
+            await _apply(cache, dirs, ("kv", 0, 1, 0, True), 0)
+    trio.run(build)
+    cfg = Config(nvme=str(tmp_path / "nvme"), state=str(tmp_path / "state"), nvme_size="8MiB")
+    assert run_fsck(cfg).problems == []
+    ix = Index(tmp_path / "state")          # what a writer that skipped put_inode's hook leaves
+    with ix.write() as txn:
+        txn.w[(RECOVER, tally.NO_KV)] = b""
+    ix.close()
+    report = run_fsck(cfg, repair=True)
+    assert len(report.problems) == 1 and "has a KV parent" in report.problems[0]
+    assert run_fsck(cfg).problems == []     # forgotten: the next start recovers in full
+
+    async def start():
+        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+            assert cache.store.table_loaded and cache.ns.kv_children == {("ns", hx("0")): 1}
+            assert not cache.store.tally.no_kv
+    trio.run(start)

@@ -107,6 +107,8 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
         if dropped:
             log.info("dropped %d files that were never sealed", dropped)
         store = self.store
+        if store.table_loaded:          # for the next start after a crash (kvfs.store.tally)
+            store.tally.note_kv(bool(self.ns.kv_children))
         marker.write(self.index, {
             "objects": len(store.objs),
             "tiers": {t.name: [t.used, t.objects] for t in store.tiers if not t.volatile},

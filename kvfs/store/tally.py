@@ -153,6 +153,13 @@ class Tally:
         """The running totals (non-zero ones)."""
         return {k: v[:2] for k, v in self.values.items() if v[0] or v[1]}
 
+    def note_kv(self, kv: bool) -> None:
+        """Whether any inode's KV record names a parent, known from a complete table (the
+        ``k`` key: set at a clean unmount whose scan found none, for the next crash start)."""
+        with self.index.write() as txn:
+            txn.w[(RECOVER, NO_KV)] = _DEL if kv else b""
+        self.no_kv = not kv
+
     def reset(self, recs, kv: bool = True) -> None:
         """Recount from ``recs`` (every object record: after a full recovery) and mark valid;
         ``kv``: whether any inode has a KV record with a parent (the recovery's count)."""

@@ -292,3 +292,29 @@ def test_fsck_reports_a_kv_parent_the_index_says_none_has(tmp_path):
             assert cache.store.table_loaded and cache.ns.kv_children == {("ns", hx("0")): 1}
             assert not cache.store.tally.no_kv
     trio.run(start)
+
+
+def test_a_clean_unmount_notes_that_no_kv_parent_exists_for_the_next_crash_start(tmp_path):
+    async def run():
+        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+            dirs = await _dirs(cache)
+            await _apply(cache, dirs, ("write", 0, 0, 3000, True), 0)
+            await _apply(cache, dirs, ("kv", 1, 1, -1, True), 1)       # a head: no parent
+        ix = Index(tmp_path / "state")      # as an index from before the key leaves it
+        with ix.write() as txn:
+            txn.w[(RECOVER, tally.NO_KV)] = tally._DEL
+        ix.close()
+        async with open_cache(tmp_path, ram=RAM, nvme=NVME, clean=True) as cache:
+            assert "dangling_names" not in cache.recovered and cache.store._scan_kv
+            await cache.store.wait_loaded()             # the scan finds no KV child
+        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+            assert cache.recovered == {"clean": 1}
+        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+            assert "dangling_names" not in cache.recovered and not cache.store._scan_kv
+            await _apply(cache, await _dirs(cache), ("kv", 0, 2, 1, True), 2)
+            cache.index.commit()
+        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+            assert cache.store._scan_kv                 # a child was written since
+            await cache.store.wait_loaded()
+            assert cache.ns.kv_children == {("ns", hx("1")): 1}
+    trio.run(run)

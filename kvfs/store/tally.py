@@ -222,7 +222,7 @@ def recover(index: Index, footprints) -> dict[str, int]:
                     txn.unlink(rec["parent"], rec["name"])
                     txn.del_inode(orec["ino"])
                     dropped += 1
-                txn.del_object(ident)
+                txn.put_object(ident, None, old=orec)      # deleted (the totals: no second read)
                 lost += 1
             txn.w[(RECOVER, key)] = _DEL
     index.commit()

@@ -59,13 +59,18 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
     async def start(self) -> dict[str, int]:
         """After a clean unmount (its marker in the index): nothing to recover, nothing
         decoded (kvfs.store.objtable). After a crash with valid running totals
-        (kvfs.store.tally) and no write behind kvfs's back since: drop only what the unsealed and RAM-only sets name, then start
-        as after a clean unmount from the totals. Otherwise (totals invalid: an index
-        written without them, or changed by a tool) load the object table and recover the
+        (kvfs.store.tally), no write behind kvfs's back since and totals that agree with
+        LMDB's own count of object records (``Tally.inconsistency``): drop only what the
+        unsealed and RAM-only sets name, then start as after a clean unmount from the
+        totals. Otherwise (totals invalid: an index written without them, or changed by a
+        tool, or totals that disagree) load the object table and recover the
         whole namespace (decoding and checking every record) and recount the totals."""
         clean = self.index.clean
         tally = self.store.tally
-        if clean is None and tally.valid and self.index.untouched:
+        wrong = tally.inconsistency() if clean is None and tally.valid and self.index.untouched else None
+        if wrong is not None:
+            log.warning("the running totals do not match the index (%s): recovering in full", wrong)
+        elif clean is None and tally.valid and self.index.untouched:
             counts = tally_recover(self.index, tally.footprints)
             log.info("recovery from the unsealed and RAM-only sets: %s", counts)
             self.store.load_clean(tally.totals())
@@ -81,7 +86,7 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
         counts, unowned = self.ns.recover(lost)
         for obj in unowned:
             await self.store.release_space(obj)
-        tally.reset(o.record() for o in self.store.objs.values())
+        tally.reset((o.record() for o in self.store.objs.values()), kv=bool(self.ns.kv_children))
         counts["decoded"] = records.decoded - before
         if any(counts.values()):
             log.info("full recovery: %s", counts)
@@ -103,6 +108,8 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
         if dropped:
             log.info("dropped %d files that were never sealed", dropped)
         store = self.store
+        if store.table_loaded:          # for the next start after a crash (kvfs.store.tally)
+            store.tally.note_kv(bool(self.ns.kv_children))
         marker.write(self.index, {
             "objects": len(store.objs),
             "tiers": {t.name: [t.used, t.objects] for t in store.tiers if not t.volatile},

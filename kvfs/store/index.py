@@ -455,6 +455,8 @@ class Txn:
     def put_inode(self, ino: int, rec: dict, new: bool = False) -> None:
         """``new``: ``ino`` was just allocated (no key of it is in LMDB yet)."""
         key = k64(ino)
+        if "kv" in rec:                 # an inode with a KV record: not "none has one" (tally.py)
+            self.w[(RECOVER, b"k")] = _DEL
         if rec["mode"] & 0o170000 == 0o100000:      # keep the set of unsealed files (tally.py)
             if rec.get("oid") is None:
                 uk = (RECOVER, b"u" + key)

@@ -11,6 +11,10 @@ they describe (so every group commit carries them consistent with the records):
   (footprint bytes and objects on each durable tier), ``n`` + namespace (bytes and objects
   per namespace: telemetry and quota usage); ``Txn.put_object``/``del_object`` hand each
   change of an object record to ``Tally.object``, which adds the difference;
+* ``k``: no KV child counts to rebuild, no inode's KV record names a parent (set by a full
+  recovery that found none; any ``Txn.put_inode`` of a record with a KV record deletes it):
+  a start after a crash then spares the background table scan (kvfs.store.objtable) the
+  walk of every inode, as the clean-unmount marker's ``kv_parents`` does;
 * ``v``: the totals are valid. A writer without a tally (fsck, a tool) that changes an
   object record deletes it, so the next start recounts everything.
 
@@ -31,7 +35,7 @@ from kvfs.telemetry import namespace_of
 
 log = logging.getLogger(__name__)
 
-UNSEALED, RAM_ONLY = b"u", b"r"
+UNSEALED, RAM_ONLY, NO_KV = b"u", b"r", b"k"
 OBJECTS, TIER, NAMESPACE = b"o", b"t", b"n"
 _PAIR = struct.Struct(">qq")
 _VERSION = b"1"
@@ -48,6 +52,7 @@ class Tally:
         self.values: dict[bytes, list] = {}
         self._ns_keys: dict[str, bytes] = {}
         self.valid = False
+        self.no_kv = False                  # known: no inode has a KV record
         index.commit()
         with index.env.begin() as t:
             for key, raw in t.cursor(db=index.recover):
@@ -55,6 +60,8 @@ class Tally:
                     self.values[bytes(key)] = [*_PAIR.unpack(raw), bytearray(raw)]
                 elif key == VALID:
                     self.valid = bytes(raw) == _VERSION
+                elif key == NO_KV:
+                    self.no_kv = True
         index.tally = self
 
     # ---- per record -------------------------------------------------------------
@@ -113,7 +120,8 @@ class Tally:
                 tiers[key[1:].decode()] = [a, b]
             elif key[:1] == NAMESPACE and (a or b):
                 namespaces[key[1:].decode("utf-8", "surrogateescape")] = [a, b]
-        return {"objects": self.values.get(OBJECTS, [0])[0], "tiers": tiers, "namespaces": namespaces}
+        return {"objects": self.values.get(OBJECTS, [0])[0], "tiers": tiers, "namespaces": namespaces,
+                "kv_parents": 0 if self.no_kv else -1}     # -1: not known (scan the inodes)
 
     def recount(self, recs) -> dict[bytes, list[int]]:
         """The totals of the object records ``recs`` (non-zero ones, as ``current`` gives)."""
@@ -122,14 +130,43 @@ class Tally:
             self._contribution(rec, 1, d)
         return {k: v for k, v in d.items() if v[0] or v[1]}
 
+    def inconsistency(self) -> str | None:
+        """What is wrong with the totals, checked against what LMDB counts without decoding a
+        record (None: nothing found): the object count is the objects database's number of
+        entries, and the namespaces' object counts add up to it; no total is negative. A
+        start after a crash trusts the sets and totals only if this finds nothing."""
+        self.index.commit()
+        with self.index.env.begin() as t:
+            entries = t.stat(self.index.objects)["entries"]
+        count = self.values.get(OBJECTS, [0])[0]
+        if count != entries:
+            return f"the object count is {count}, the index holds {entries} object records"
+        in_ns = sum(v[1] for k, v in self.values.items() if k[:1] == NAMESPACE)
+        if in_ns != entries:
+            return f"the namespaces count {in_ns} objects, the index holds {entries}"
+        for key, (a, b, _raw) in self.values.items():
+            if a < 0 or b < 0:
+                return f"the running total {key!r} is negative ({a}, {b})"
+        return None
+
     def current(self) -> dict[bytes, list[int]]:
         """The running totals (non-zero ones)."""
         return {k: v[:2] for k, v in self.values.items() if v[0] or v[1]}
 
-    def reset(self, recs) -> None:
-        """Recount from ``recs`` (every object record: after a full recovery) and mark valid."""
+    def note_kv(self, kv: bool) -> None:
+        """Whether any inode's KV record names a parent, known from a complete table (the
+        ``k`` key: set at a clean unmount whose scan found none, for the next crash start)."""
+        with self.index.write() as txn:
+            txn.w[(RECOVER, NO_KV)] = _DEL if kv else b""
+        self.no_kv = not kv
+
+    def reset(self, recs, kv: bool = True) -> None:
+        """Recount from ``recs`` (every object record: after a full recovery) and mark valid;
+        ``kv``: whether any inode has a KV record with a parent (the recovery's count)."""
         d = self.recount(recs)
         with self.index.write() as txn:
+            txn.w[(RECOVER, NO_KV)] = _DEL if kv else b""
+            self.no_kv = not kv
             for key in self.values:
                 if key not in d:
                     txn.w[(RECOVER, key)] = _DEL
@@ -185,7 +222,7 @@ def recover(index: Index, footprints) -> dict[str, int]:
                     txn.unlink(rec["parent"], rec["name"])
                     txn.del_inode(orec["ino"])
                     dropped += 1
-                txn.del_object(ident)
+                txn.put_object(ident, None, old=orec)      # deleted (the totals: no second read)
                 lost += 1
             txn.w[(RECOVER, key)] = _DEL
     index.commit()
@@ -210,6 +247,9 @@ def check(index: Index, footprints) -> list[str]:
     for ino, rec in index.iter_inodes():
         if stat.S_ISREG(rec["mode"]) and rec.get("oid") is None and UNSEALED + k64(ino) not in keys:
             problems.append(f"file {rec['name']!r} (inode {ino}) is unsealed but not in the unsealed set")
+        if NO_KV in keys and (rec.get("kv") or {}).get("parent"):
+            problems.append(f"file {rec['name']!r} (inode {ino}) has a KV parent but the index says none has")
+            keys.discard(NO_KV)
     have, want = ours.current(), ours.recount(recs)
     for key in sorted(set(have) | set(want)):
         if have.get(key, [0, 0]) != want.get(key, [0, 0]):

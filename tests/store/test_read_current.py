@@ -7,8 +7,7 @@ import os
 import pytest
 
 from kvfs.store.index import ROOT_INO
-from storekit import open_cache
-from test_ramfull import small_tmpfs
+from storekit import open_cache, small_tmpfs
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -14,8 +14,7 @@ import trio.testing
 from kvfs.store import ownerlinks
 from kvfs.store.nvme import NvmeTier
 from kvfs.store.ram import RamTier
-from storekit import info
-from test_ramfull import small_tmpfs, tiers
+from storekit import info, nvme_tier, small_tmpfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")
 MiB = 1 << 20
@@ -49,7 +48,9 @@ async def test_a_shared_ram_object_file_is_punched_in_a_worker_thread(tmp_path):
     the thread limiter held, the delete waits and the bytes are still there."""
     data = os.urandom(4 * MiB)
     with small_tmpfs(tmp_path / "shm") as shm:
-        ram, nvme = await tiers(shm, tmp_path)
+        ram = RamTier(64 * MiB, shm, uuid.uuid4().hex, mapped_min=64 << 10)
+        await ram.open()
+        nvme = await nvme_tier(tmp_path)
         try:
             await ram.put(info(7, data), memoryview(data))
             name = f"{7:016x}"

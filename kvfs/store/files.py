@@ -130,6 +130,8 @@ class FileHandles:
                 ws.handles += 1                      # held: its writers may release meanwhile
                 try:
                     await (await self._staging(ws)).truncate(size)
+                    if size == 0:                    # every byte rewritten: a failed write is gone
+                        ws.failed = None
                     ws.dirty = True
                     ws.touch()
                     if mtime is not None:
@@ -204,6 +206,7 @@ class FileHandles:
                         ws.writers -= 1
                         await self._end(ws)
                     raise
+                ws.failed = None            # the whole buffer is rewritten (see setattr)
                 ws.dirty = True
                 ws.touch()
             return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws))
@@ -274,23 +277,57 @@ class FileHandles:
         """The handle's bytes, fitted to the size the kernel reports for the inode (an older
         version's handle: zeros past its end, EOF at the current size; kvfs/store/versions.py)."""
         h = self.handles[fh]
+        data, n = await self._content(h, offset, size)
+        return await self._fitted(h, offset, size, data, n)
+
+    async def _content(self, h: Handle, offset: int, size: int):
+        """What the handle's content holds at ``offset`` (at most ``size`` bytes), and its size."""
         if h.ws is not None:
             ws = h.ws
             staging = ws.staging
             if staging is not None:
                 data = await staging.read(offset, size)
-                n = staging.size
-            elif ws.base is None:
-                data, n = b"", 0
-            else:
-                data, n = await self.store.read(ws.base, offset, size), ws.base.size
-        else:
-            data, n = await self.store.read(h.obj, offset, size), h.obj.size
+                return data, staging.size
+            if ws.base is None:
+                return b"", 0
+            return await self.store.read(ws.base, offset, size), ws.base.size
+        return await self.store.read(h.obj, offset, size), h.obj.size
+
+    async def _fitted(self, h: Handle, offset: int, size: int, data, n: int):
+        """``data`` (read from the handle's content before an await) fitted to the inode's size
+        now. Only an older version is padded with zeros: the current one may have grown while
+        its bytes were read (a write through another descriptor), so what it lacks is read
+        again, and it is only ever cut at the current size."""
         try:
-            cur = self.getattr(h.ino)["size"]
+            rec = self.ns.inode(h.ino)
         except NamespaceError:
-            cur = None
-        return fit(data, offset, size, n, cur)
+            return fit(data, offset, size, n, None)
+        cur = self.live_attrs(h.ino, rec)["size"]
+        if not self._current(h, rec):
+            return fit(data, offset, size, n, cur)
+        want = min(offset + size, cur) - offset
+        while 0 <= len(data) < want:
+            more, _ = await self._content(h, offset + len(data), want - len(data))
+            if not len(more):
+                break
+            data = bytes(data) + bytes(more)
+        return data[:max(want, 0)]
+
+    def _current(self, h: Handle, rec: dict) -> bool:
+        """Whether the handle reads the inode's current version: its live write state, or
+        (no buffer in the live one) its sealed object."""
+        live = self.writers.get(h.ino)
+        if h.ws is not None:
+            if live is h.ws:
+                return True
+            if h.ws.staging is not None:
+                return False
+            obj = h.ws.base
+        else:
+            obj = h.obj
+        if live is not None and live.staging is not None:
+            return False
+        return obj is not None and rec.get("oid") == obj.oid
 
     async def write(self, fh: int, offset: int, data) -> int:
         h = self.handles[fh]

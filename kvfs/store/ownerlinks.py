@@ -31,6 +31,8 @@ import os
 import stat
 from pathlib import Path
 
+import trio
+
 from kvfs.store import safedir
 
 log = logging.getLogger(__name__)
@@ -179,21 +181,47 @@ class OwnerLinks:
         has more names than the daemon's, punch its bytes out (truncate where the filesystem
         cannot), so that no name or descriptor a grantee kept holds space after the object is
         freed. Returns whether it did."""
+        fd = self._open_shared(dir_fd, name, st)
+        return fd >= 0 and self._punch_close(fd, name)
+
+    def take(self, oid: int, name: str, dir_fd: int) -> int:
+        """:meth:`drop` without the punch, for a caller on the trio thread: the grants go, and
+        a shared file's descriptor comes back (-1: nothing to punch), to hand to
+        :meth:`punched` once the name is unlinked (punching GBs takes tens of ms)."""
+        self.revoke(oid, name)
+        if oid not in self.exposed:
+            return -1
+        self.exposed.discard(oid)
+        return self._open_shared(dir_fd, name, None) if dir_fd >= 0 else -1
+
+    async def punched(self, fd: int, name: str, limiter=None) -> None:
+        """Punch out and close ``fd`` (from :meth:`take`) in a worker thread."""
+        if fd >= 0:
+            with trio.CancelScope(shield=True):     # the descriptor is closed whatever happens
+                await trio.to_thread.run_sync(self._punch_close, fd, name, limiter=limiter)
+
+    def _open_shared(self, dir_fd: int, name: str, st: os.stat_result | None) -> int:
+        """A descriptor of ``name`` if it was ever shared or has other names, else -1."""
         try:
             if st is None:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode) or not (st.st_mode & 0o077 or st.st_nlink > 1):
-                return False
-            fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-            try:
-                punch(fd, os.fstat(fd).st_size)
-            finally:
-                os.close(fd)
+                return -1
+            return os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as e:
+            log.warning("cannot free the bytes of shared object file %s: %s", name, e)
+            return -1
+
+    def _punch_close(self, fd: int, name: str) -> bool:
+        try:
+            punch(fd, os.fstat(fd).st_size)
         except OSError as e:
             log.warning("cannot free the bytes of shared object file %s: %s", name, e)
             return False
+        finally:
+            os.close(fd)
         self.scrubbed += 1
-        log.debug("freed the bytes of shared object file %s (%d names)", name, st.st_nlink)
+        log.debug("freed the bytes of shared object file %s", name)
         return True
 
 

@@ -269,10 +269,11 @@ class RamTier(Tier):
         return memoryview(entry[0]) if entry else None
 
     async def delete(self, oid: int, loc: bytes) -> None:
-        self.grants.drop(oid, f"{oid:016x}", self.home.fd if self.home is not None else -1)
+        name = f"{oid:016x}"
+        shared = self.grants.take(oid, name, self.home.fd if self.home is not None else -1)
         entry = self._maps.pop(oid, None)
         if entry is None:
-            return
+            return await self.grants.punched(shared, name)
         self.used -= entry[1]
         self.objects -= 1
         if isinstance(entry[0], mmap.mmap):
@@ -280,9 +281,10 @@ class RamTier(Tier):
         self._stale.discard(oid)
         if self.home is not None:
             try:
-                os.unlink(f"{oid:016x}", dir_fd=self.home.fd)
+                os.unlink(name, dir_fd=self.home.fd)
             except FileNotFoundError:
                 pass
+        await self.grants.punched(shared, name)     # in a worker thread (GBs: tens of ms)
         # the mapping is released when the last memoryview over it goes away
 
     def status(self) -> dict:
@@ -400,7 +402,7 @@ class Staging:
         where, name, fd = self.ram.staging_file() if oid is None else self.ram.object_file(oid)
         try:
             if self.size:
-                os.pwrite(fd, self.mem, 0)
+                ramroom.pwrite_all(fd, self.mem, 0, self.size)
         except BaseException:
             os.close(fd)
             _unlink(where, name)
@@ -498,13 +500,14 @@ class Staging:
         def copy() -> int:
             fd = safedir.create_file(to_dir.fd, self.name)
             try:
-                if mem is not None:
-                    os.pwrite(fd, mem, 0)
+                if mem is not None:                # all of it or ENOSPC, never a short file
+                    ramroom.pwrite_all(fd, mem, 0, size)
                 off = 0
                 while mem is None and off < size:
                     buf = os.pread(src, min(4 << 20, size - off), off)
-                    os.pwrite(fd, buf, off)
-                    off += len(buf)
+                    if not buf:
+                        raise OSError(errno.EIO, f"write buffer file ends at {off} of {size} bytes")
+                    off += ramroom.pwrite_all(fd, buf, off, len(buf))
             except BaseException:
                 os.close(fd)
                 _unlink(to_dir, self.name)

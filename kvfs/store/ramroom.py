@@ -105,10 +105,10 @@ async def write(staging, offset: int, data, n: int, threaded: bool = False) -> i
                 raise
             why = str(e)
         await spill(staging, why)
-    return await trio.to_thread.run_sync(_pwrite_all, staging.fd, data, offset, n)
+    return await trio.to_thread.run_sync(pwrite_all, staging.fd, data, offset, n)
 
 
-def _pwrite_all(fd: int, data, offset: int, n: int) -> int:
+def pwrite_all(fd: int, data, offset: int, n: int) -> int:
     """All ``n`` bytes or an error (a short write on a full disk would leave the buffer
     shorter than its accounted size)."""
     view, done = memoryview(data).cast("B"), 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -160,3 +161,16 @@ async def read_file(cache, parent: int, name: bytes) -> bytes:
         return bytes(await cache.read(fh, 0, 1 << 20))
     finally:
         await cache.release(fh)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str = "40m"):
+    """A tmpfs of ``size`` at ``path`` (sticky, world-writable like /dev/shm, huge pages as the
+    daemon's own, so the tier uses it as is)."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777,huge=within_size", "kvfs-test", str(path)],
+                   check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -4,10 +4,8 @@ promotion into RAM is TierFull (never a SIGBUS), and a granted object file freed
 holds no bytes whatever names or descriptors others kept. Needs root (mounts a small tmpfs)."""
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -16,23 +14,10 @@ import pytest
 from kvfs.errors import TierFull
 from kvfs.store import ownerlinks, ramroom
 from kvfs.store.ram import RamTier
-from storekit import info, nvme_tier
+from storekit import info, nvme_tier, small_tmpfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")
 MiB = 1 << 20
-
-
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str = "40m"):
-    """A tmpfs of ``size`` at ``path`` (sticky, world-writable like /dev/shm, huge pages as the
-    daemon's own, so the tier uses it as is)."""
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777,huge=within_size", "kvfs-test", str(path)],
-                   check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def fill(where: Path) -> int:

@@ -23,7 +23,7 @@ from kvfs.config import Config
 from kvfs.errors import ConfigError
 from kvfs.fs import loop
 from kvfs.fs.ops import KvfsOperations
-from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY, UNMOUNT_REPORT
+from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY, UNMOUNT_REPORT, UNMOUNT_REPORT_KEY
 from kvfs.store.cache import Cache
 from kvfs.store.index import Index
 from kvfs.store.names import NameTable, build_in_background, dirent_count
@@ -154,7 +154,8 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                             "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir),
                             "instance": index.instance_id, "request_loop": reader.statistics(),
                             "recovered": recovered, "started": started, **served,
-                            NAMES_STATS_KEY: names.statistics(), NAMES_BUILDING_KEY: names.building}
+                            NAMES_STATS_KEY: names.statistics(), NAMES_BUILDING_KEY: names.building,
+                            UNMOUNT_REPORT_KEY: 1}
         ops = KvfsOperations(cache, describe)
         if cfg.share:
             from kvfs.remote.share import attach

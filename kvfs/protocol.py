@@ -33,6 +33,7 @@ COMMIT_FILE = "commit"
 GET_FILE = "get"
 BACKING_XATTR = "user.kvfs.backing"
 UNMOUNT_REPORT = "unmount.json"         # in the state directory: what the last clean unmount kept
+UNMOUNT_REPORT_KEY = "unmount_report"   # in .kvfs/stats: this daemon writes UNMOUNT_REPORT
 
 # ---- alignment ---------------------------------------------------------------------------
 ALIGN = 4096        # O_DIRECT unit: block payload offsets, NVMe object placement, read buffers

@@ -19,7 +19,7 @@ import click
 from kvfs.cli.common import KVFS_FSTYPES, CLIError, fail, mount_fstype, pid_alive, read_stats, stderr, wait_until
 from kvfs.config import Config
 from kvfs.errors import ConfigError
-from kvfs.protocol import UNMOUNT_REPORT
+from kvfs.protocol import UNMOUNT_REPORT, UNMOUNT_REPORT_KEY
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ def umount_cmd(mountpoint, timeout, lazy):
     else:
         try:
             st = read_stats(mp)
-            pid, state = int(st["pid"]), st.get("state_dir")
+            pid, state = int(st["pid"]), report_dir(st)
         except Exception as e:  # noqa: BLE001 - a dead daemon still has to be unmountable
             raise fail(f"{e if str(e) else 'cannot read stats'}; use kvfs umount --lazy {mp}") from None
     cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), mp]
@@ -270,7 +270,7 @@ def umount_cmd(mountpoint, timeout, lazy):
         if not done:
             raise fail(f"unmounted {mp}, but daemon pid {pid} is still running after {timeout:.0f}s")
     if state is not None and not lazy:
-        _check_unmount_report(mp, pid, Path(state))
+        _check_unmount_report(mp, pid, state)
     click.echo(f"unmounted {mp}")
 
 
@@ -306,6 +306,13 @@ def _stats_in_child(mp: str, timeout: float) -> dict | None:
     except ValueError:
         return None
     return st if isinstance(st, dict) and "pid" in st else None
+
+
+def report_dir(st: dict) -> Path | None:
+    """The state directory where the daemon of stats ``st`` leaves its unmount report; None
+    for a daemon that does not announce one (older than the report: nothing to check)."""
+    state = st.get("state_dir")
+    return Path(state) if state and st.get(UNMOUNT_REPORT_KEY) else None
 
 
 def _check_unmount_report(mp: str, pid: int, state: Path) -> None:

@@ -142,6 +142,23 @@ class Channel:
             raise BrokenPipeError("the notification helper ended")
         return struct.unpack("<i", got)[0]
 
+    def abandon(self, timeout: float = 10.0) -> None:
+        """End a helper that failed: kill it, close its pipes, reap it (no zombie, no fds left)."""
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        with self._lock:
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                try:
+                    pipe.close()
+                except (OSError, ValueError):       # unflushed bytes to a dead helper
+                    pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:   # stuck in the kernel: reaped by a later Popen
+            log.warning("failed notification helper %d did not end within %.0fs", self.proc.pid, timeout)
+
     def close(self, timeout: float = 10.0) -> None:
         try:
             self.proc.stdin.close()

@@ -119,8 +119,9 @@ class Notifier:
             try:
                 err = channel.send(msg)
             except (OSError, ValueError) as e:
-                log.warning("notification helper gone (%s): notifying from the daemon", e)
+                log.error("notification helper failed (%s): notifying from the daemon from now on", e)
                 self.channel = None
+                channel.abandon()
             else:
                 if err:
                     raise OSError(err, os.strerror(err))

@@ -28,7 +28,7 @@ _local = threading.local()
 _QUERY = struct.Struct("<QQQQQQQQQIIIIQQ")       # struct procmap_query (104 bytes)
 PROCMAP_QUERY = 0xC0686611                      # _IOWR('f', 17, struct procmap_query)
 FUSECTL = "/sys/fs/fuse/connections"
-_query_fd: list[int] = []                       # /proc/self/maps, or -1: no PROCMAP_QUERY here
+_query_fd: list[int] = []                       # [/proc/self/maps or -1 (no PROCMAP_QUERY), pid]
 _query_lock = threading.Lock()
 _fusectl: list[bool] = []                       # fusectl seen mounted
 
@@ -65,11 +65,14 @@ def _query(addr: int) -> tuple[int, int, int] | None:
     """``(start, end, device of its file or -1)`` of the mapping covering ``addr``; None when
     none covers it. OSError(ENOTTY) where the kernel has no PROCMAP_QUERY."""
     with _query_lock:
+        if _query_fd and _query_fd[0] >= 0 and _query_fd[1] != os.getpid():
+            os.close(_query_fd[0])      # inherited across fork(): it describes the parent
+            _query_fd.clear()
         if not _query_fd:
             try:
-                _query_fd.append(os.open("/proc/self/maps", os.O_RDONLY | os.O_CLOEXEC))
+                _query_fd[:] = [os.open("/proc/self/maps", os.O_RDONLY | os.O_CLOEXEC), os.getpid()]
             except OSError:
-                _query_fd.append(-1)
+                _query_fd[:] = [-1, os.getpid()]
         fd = _query_fd[0]
     if fd < 0:
         raise OSError(errno.ENOTTY, "no PROCMAP_QUERY")

@@ -69,6 +69,10 @@ class RemoteTier(Tier):
     def available(self) -> bool:
         return self._loaded and self.vol.available and not self.refused
 
+    @property
+    def sized(self) -> bool:
+        return self.sb is not None      # capacity comes from the superblock
+
     # open / load -----------------------------------------------------------
     async def open(self) -> None:
         try:

@@ -238,7 +238,7 @@ class Commits:
                 if copied is None:
                     raise _err(errno.ECANCELED, "the request was cancelled")
                 got = next(copied_it) if m.entry.length else 0
-                out.append(await self._finish(m, got, noreplace))
+                out.append(await self._finish(m, got, noreplace, quotas))
             except trio.Cancelled:
                 for rest in made[i + 1:]:
                     if isinstance(rest, _Pending):
@@ -362,7 +362,7 @@ class Commits:
             staging._to_file(m.oid)
         return staging.fd if staging.mem is None else None
 
-    async def _finish(self, m: "_Pending", got, noreplace: bool) -> tuple[int, bytes]:
+    async def _finish(self, m: "_Pending", got, noreplace: bool, quotas=None) -> tuple[int, bytes]:
         """Account the copied bytes, seal as the last close would, rename over the name."""
         if isinstance(got, OSError) and got.errno == errno.ENOSPC and not m.staging.spilled:
             got = await self._recopy(m)     # the RAM tier's tmpfs was full: again, below it
@@ -383,6 +383,8 @@ class Commits:
             return await self._publish(m, noreplace, summary, head)
         await self._written(self.handles[m.fh].ws, staging)
         await self.flush(m.fh)              # the seal: as the last close would
+        if quotas is not None:              # _clean sees no handle after this release
+            quotas.forget_handle(m.fh)
         await self.release(m.fh)
         rec = self.index.get_inode(m.ino)
         if rec is None or rec.get("oid") is None:

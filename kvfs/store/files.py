@@ -97,7 +97,11 @@ class FileHandles:
         return self.open_count.get(ino, 0) > 0
 
     def max_file_size(self) -> int:
-        """The largest tier's capacity: no tier could ever hold a larger file (EFBIG)."""
+        """The largest tier's capacity: no tier could ever hold a larger file (EFBIG). While a
+        tier's capacity is not known yet (a remote tier down since the mount) there is no limit:
+        that tier may be the largest, and its size is only known once it is reached."""
+        if not all(t.sized for t in self.store.tiers):
+            return (1 << 63) - 1
         return max(t.capacity for t in self.store.tiers)
 
     async def setattr(self, ino: int, *, size=None, mode=None, uid=None, gid=None,

@@ -55,6 +55,11 @@ class Tier(abc.ABC):
         """False while the tier cannot be reached (remote target down)."""
         return True
 
+    @property
+    def sized(self) -> bool:
+        """False while ``capacity`` is not known yet (a remote tier not reached since the mount)."""
+        return True
+
     # Batched durability (the write-down at unmount): while ``defer_sync`` is set, a put
     # may return before its bytes are on stable storage; ``sync_deferred`` makes every such
     # put durable at once. Tiers without a cheaper batch keep syncing each put.

@@ -63,3 +63,22 @@ def test_the_helper_notifies_and_ends_with_the_daemon(kvfs_mount):
     wait_for(lambda: not os.path.exists(f"/proc/{h}") or open(f"/proc/{h}/stat").read().split()[2] in "ZX",
              60, "the helper to end with its daemon")
     assert errno_of(os.stat, m.path / "never-looked-up") in (errno.ENOTCONN, errno.ECONNABORTED)
+
+
+def test_a_failed_helper_is_reaped_and_notifying_goes_on(kvfs_mount):
+    """The helper dies: the next notification finds it gone, the daemon kills and reaps it
+    (no zombie, no pipes left) and says so at error level; notifications still arrive."""
+    m = kvfs_mount()
+    (h,) = _helpers(m.pid)
+    os.kill(h, signal.SIGKILL)
+    assert errno_of(os.stat, m.path / "late") == errno.ENOENT      # a cached negative entry
+    from kvfs.kv.commit import CommitClient
+    c = CommitClient(str(m.path))
+    try:
+        assert c.commit("", [("late", [bytearray(b"x" * 4096)])]) == [0]
+    finally:
+        c.close()
+    wait_for(lambda: h not in _helpers(m.pid), 60, "the failed helper to be reaped")
+    assert os.stat(m.path / "late").st_size == 4096             # notified from the daemon
+    wait_for(lambda: "ERROR" in m.log_tail() and "notification helper failed" in m.log_tail(), 60,
+             "the failure logged at error level")

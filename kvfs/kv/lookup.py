@@ -105,14 +105,14 @@ def open_mount_root(mount_root: str) -> int:
     return fd
 
 
-def replace_at(root: int | None, tmp: str, final: str, data: bytes) -> None:
-    """Write ``data`` to the new file ``tmp`` and rename it over ``final`` (both relative to
-    the directory descriptor ``root``; None: to the working directory)."""
+def replace_at(root: int | None, tmp: str, final: str, data) -> None:
+    """Write ``data`` (bytes, or a list of buffers written with one ``writev``) to the new file
+    ``tmp`` and rename it over ``final`` (both relative to the directory descriptor ``root``;
+    None: to the working directory)."""
+    from kvfs.kv.blockio import write_all     # here: blockio imports the layout, which imports us
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=root)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, data if isinstance(data, list) else [data])
     except BaseException:
         os.close(fd)
         os.unlink(tmp, dir_fd=root)

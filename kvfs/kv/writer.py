@@ -25,10 +25,9 @@ import time
 import weakref
 
 from kvfs.kv.block import encode_header
-from kvfs.kv.blockio import write_all
 from kvfs.kv.commit import CommitClient
 from kvfs.kv.layout import KVLayout, block_path, block_relpath
-from kvfs.kv.lookup import open_mount_root
+from kvfs.kv.lookup import open_mount_root, replace_at
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +87,7 @@ def write_block_file(final: str, header: bytes, payload, dir_fd: int | None = No
             except FileExistsError:
                 pass
     tmp = os.path.join(parent, f".{os.path.basename(final)}.{os.urandom(6).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dir_fd)
-    try:
-        write_all(fd, [header, payload])
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    os.close(fd)
-    os.rename(tmp, final, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    replace_at(dir_fd, tmp, final, [header, payload])
     return True
 
 

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,15 @@ def scrape(m) -> dict:
         for s in fam.samples:
             out[(s.name, tuple(v for _, v in sorted(s.labels.items())))] = s.value
     return out
+
+
+def abort_conn(conn: int) -> None:
+    """Free the clients of a wedged FUSE connection (what an operator does by hand)."""
+    ctl = "/sys/fs/fuse/connections"
+    if not os.path.exists(f"{ctl}/{conn}"):
+        subprocess.run(["mount", "-t", "fusectl", "none", ctl], capture_output=True)
+    try:
+        with open(f"{ctl}/{conn}/abort", "w") as f:
+            f.write("1")
+    except OSError:
+        pass

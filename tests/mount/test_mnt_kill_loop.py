@@ -26,7 +26,7 @@ import time
 import pytest
 
 from conftest import lazy_unmount, wait_for
-from mounthelp import MiB, read
+from mounthelp import MiB, abort_conn, read
 
 pytestmark = pytest.mark.mount
 
@@ -173,15 +173,6 @@ def _gone(pid: int) -> bool:
     return all(s in ("Z", "X") for s, _ in _threads(pid).values())
 
 
-def _abort(conn: int) -> None:
-    ctl = "/sys/fs/fuse/connections"
-    if not os.path.exists(f"{ctl}/{conn}"):
-        subprocess.run(["mount", "-t", "fusectl", "none", ctl], capture_output=True)
-    try:
-        with open(f"{ctl}/{conn}/abort", "w") as f:
-            f.write("1")
-    except OSError:
-        pass
 
 
 def _deadline(pred, seconds: float) -> bool:
@@ -226,7 +217,7 @@ class Loop:
                 wedged.append(f"client {c.pid}: {_threads(c.pid)}")
         if wedged:
             self.wedges.append(f"cycle {cycle}: " + "; ".join(wedged))
-            _abort(conn)
+            abort_conn(conn)
             for c in clients:
                 c.kill()
         for c in clients:

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from mounthelp import MiB, content, open_mount, put, read, stats_json, wait_for
+from mounthelp import MiB, abort_conn, content, open_mount, put, read, stats_json, wait_for
 from mounthelp import d, mnt  # noqa: F401 - shared fixtures
 from conftest import lazy_unmount
 
@@ -51,16 +51,6 @@ def _fuse_conn(path) -> int:
     return os.minor(os.stat(path).st_dev)
 
 
-def _abort_conn(conn: int) -> None:
-    """Free clients of a wedged connection (what an operator does by hand)."""
-    ctl = "/sys/fs/fuse/connections"
-    if not os.path.exists(f"{ctl}/{conn}"):
-        subprocess.run(["mount", "-t", "fusectl", "none", ctl], capture_output=True)
-    try:
-        with open(f"{ctl}/{conn}/abort", "w") as f:
-            f.write("1")
-    except OSError:
-        pass
 
 
 _WRITER = r"""
@@ -107,7 +97,7 @@ def _kill9_cycles(kvfs_mount, cycles: int) -> None:
                     raise AssertionError(f"cycle {cycle}: a client of the dead mount is stuck "
                                          f"(threads {_proc_states(w.pid)})") from None
         except BaseException:
-            _abort_conn(conn)
+            abort_conn(conn)
             for w in writers:
                 w.kill()
                 w.wait()

@@ -86,6 +86,10 @@ class Config:
     events_queue: int = 4096           # events a .kvfs/events reader may lag before it loses some
     names_build_step: int = 8192       # directory entries the name table's background build adds per step
     ram_mapped_min: int = 256 << 10    # RAM-tier objects this big stay tmpfs files (leasable)
+    # the FUSE transport: "kernel" (kvfs's own, needs root; passthrough), "pyfuse3", or "auto"
+    # (kernel where it can run, else pyfuse3); KVFS_TRANSPORT in the environment sets the default
+    transport: str = dataclasses.field(default_factory=lambda: os.environ.get("KVFS_TRANSPORT", "auto"))
+    passthrough: bool = True           # sealed blocks read by the kernel from their tier files
     debug: bool = False
     foreground: bool = False
 
@@ -172,6 +176,10 @@ class Config:
             raise ConfigError(f"ram_mapped_min must be a whole number of bytes from {ALIGN} to 1 GiB")
         if not isinstance(self.ram_hugefs, bool):
             raise ConfigError("ram_hugefs must be true or false")
+        if self.transport not in ("auto", "kernel", "pyfuse3"):
+            raise ConfigError(f"transport must be auto, kernel or pyfuse3, not {self.transport!r}")
+        if not isinstance(self.passthrough, bool):
+            raise ConfigError("passthrough must be true or false")
         self.check_shm_dir()
 
     def admission(self) -> dict[str, int]:

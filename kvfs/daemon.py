@@ -21,7 +21,7 @@ import trio
 from kvfs.build import build_store, build_tiers
 from kvfs.config import Config
 from kvfs.errors import ConfigError
-from kvfs.fs import loop
+from kvfs.fs import loop, transport as transports
 from kvfs.fs.ops import KvfsOperations
 from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY, UNMOUNT_REPORT, UNMOUNT_REPORT_KEY
 from kvfs.store.cache import Cache
@@ -149,11 +149,12 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         cache = Cache(index, store, tiers[1].staging_dir)
         recovered = await cache.start()
         index.names = names = _begin_names(cfg, index, tiers[0].dir)
-        served, reader = {"metrics": None}, loop.Reader()
+        served, reader, session = {"metrics": None}, loop.Reader(), []
         describe = lambda: {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
                             "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir),
                             "instance": index.instance_id, "request_loop": reader.statistics(),
                             "recovered": recovered, "started": started, **served,
+                            "transport": session[0].statistics() if session else None,
                             NAMES_STATS_KEY: names.statistics(), NAMES_BUILDING_KEY: names.building,
                             UNMOUNT_REPORT_KEY: 1}
         ops = KvfsOperations(cache, describe)
@@ -164,7 +165,10 @@ async def serve(cfg: Config, ready: _Ready) -> None:
             from kvfs.metrics import MetricsServer
             metrics = MetricsServer(cfg.metrics, cache, trio.lowlevel.current_trio_token())
             served["metrics"] = metrics.address
-        pyfuse3.init(ops, mountpoint, mount_options(cfg.allow_other))
+        fuse = transports.choose(cfg, ops, mountpoint, mount_options(cfg.allow_other))
+        fuse.mount()
+        session.append(fuse)
+        ops.notifier.direct = fuse.notify_direct()
         ops.mounted = True
         unmounted = False
         try:
@@ -178,19 +182,19 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 nursery.start_soon(cache.serve_leases)
                 if names.building:
                     nursery.start_soon(build_in_background, index, names, cfg.names_build_step)
-                nursery.start_soon(_on_signals, cache.telemetry.events)
+                nursery.start_soon(_on_signals, cache.telemetry.events, fuse)
                 log.info("mounted %s in %.2fs (%s)", mountpoint, time.monotonic() - started,
                          ", ".join(f"{t.name} {t.capacity}" for t in tiers))
                 huge = filesystem_of(tiers[0].dir)[2].get("huge", "never")
                 log.info("ram tier in %s (tmpfs%s, huge pages: %s)", tiers[0].dir,
                          " of its own" if tiers[0].mounted else "", huge)
                 ready.send(f"READY {os.getpid()}")
-                await loop.serve(reader)
+                await fuse.serve(reader)
                 unmounted = True
                 nursery.cancel_scope.cancel()
         finally:
             ops.mounted = False
-            pyfuse3.close(unmount=not unmounted)
+            fuse.close(unmount=not unmounted)
             if index.names is not None:     # unmounted: readers stop answering from it now
                 index.names, names = None, index.names
                 names.close()
@@ -238,12 +242,12 @@ def _report_unmount(cfg: Config, report: dict | None) -> None:
         log.error("could not write %s: %s", UNMOUNT_REPORT, e)
 
 
-async def _on_signals(events) -> None:
+async def _on_signals(events, fuse) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async for sig in signals:
             log.info("signal %d: unmounting", sig)
             events.close()          # a waiting .kvfs/events read must not hold the session
-            pyfuse3.terminate()
+            fuse.terminate()
             return
 
 

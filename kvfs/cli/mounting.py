@@ -188,6 +188,11 @@ def size_option(name: str, help: str):
 @click.option("--metrics", metavar="HOST:PORT", default=None,
               help="Serve Prometheus metrics at http://HOST:PORT/metrics (default off; "
                    "PORT alone listens on 127.0.0.1).")
+@click.option("--transport", type=click.Choice(["auto", "kernel", "pyfuse3"]), default=None,
+              help="FUSE transport: kvfs's own (kernel: root, FUSE passthrough), pyfuse3, or auto "
+                   "(default: kernel where it can run).")
+@click.option("--passthrough/--no-passthrough", default=None,
+              help="Let the kernel read sealed blocks from their tier files (default on).")
 @click.option("--debug", is_flag=True, default=None, help="Debug logging in the daemon.")
 @click.option("--foreground", "-f", is_flag=True, default=False,
               help="Stay attached: run the daemon in this process until unmounted.")

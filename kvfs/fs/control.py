@@ -47,6 +47,7 @@ import trio
 
 from kvfs import protocol
 from kvfs.protocol import LEASE_TTL, LEASE_TTL_MAX
+from kvfs.fs import dirreply
 from kvfs.fs.commitctl import CommitControl
 from kvfs.store.cache import ROOT, Cred
 
@@ -308,5 +309,5 @@ class Control:
     def readdir(self, start_id: int, token) -> None:
         names = sorted(FILES.items())
         for i, (name, ino) in enumerate(names[start_id:], start=start_id + 1):
-            if not pyfuse3.readdir_reply(token, name, attrs(ino), i):
+            if not dirreply.reply(token, name, attrs(ino), i):
                 return

@@ -4,16 +4,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import queue
 import stat
-import threading
 import time
 
 import pyfuse3
 import trio
 
 from kvfs.errors import NamespaceError
-from kvfs.fs import control, notifyproc
+from kvfs.fs import control, dirreply, notifyproc
+from kvfs.fs.notifier import Notifier
+from kvfs.fs.opens import Opens
 from kvfs.fs.errmap import translate
 from kvfs.protocol import ALIGN, CONTROL_NAME_B
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
@@ -68,102 +68,6 @@ def _entry(ino: int, rec: dict) -> pyfuse3.EntryAttributes:
     return a
 
 
-class Notifier:
-    """Kernel cache invalidations, sent one at a time by a thread of ours.
-
-    A notification can block in the kernel on a directory or page lock that a request in
-    flight holds, so none is ever sent by (or waited for by) a handler: they queue here
-    (bounded; a full queue drops the notification and the kernel's timeouts take over).
-    Only changes the kernel did not make itself are notified (eviction, checksum loss, a
-    new sealed version). ``stop`` runs before the session is destroyed.
-    """
-
-    def __init__(self, maxsize: int = 4096):
-        self._q: queue.Queue = queue.Queue(maxsize)
-        self._thread: threading.Thread | None = None
-        self.dropped = 0
-        self.channel: notifyproc.Channel | None = None      # the helper process (kvfs.fs.notifyproc)
-
-    def start(self, channel: "notifyproc.Channel | None" = None) -> None:
-        if self._thread is None:
-            self.channel = channel
-            self._thread = threading.Thread(target=self._run, name="kvfs-notify", daemon=True)
-            self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        t, self._thread = self._thread, None
-        if t is None:
-            return
-        while True:                       # make room for the sentinel
-            try:
-                self._q.put_nowait(None)
-                break
-            except queue.Full:
-                try:
-                    self._q.get_nowait()
-                except queue.Empty:
-                    pass
-        t.join(timeout)
-        if t.is_alive():
-            log.warning("kernel notification thread did not stop within %.0fs", timeout)
-        channel, self.channel = self.channel, None
-        if channel is not None:
-            channel.close(timeout)
-
-    def deliver(self, fn, *args) -> None:
-        """Send one invalidation now (``pyfuse3.invalidate_entry`` / ``invalidate_inode`` and
-        their arguments) through the helper process when there is one; OSError as pyfuse3's."""
-        channel = self.channel
-        if channel is not None and fn in (pyfuse3.invalidate_entry, pyfuse3.invalidate_inode):
-            msg = notifyproc.inval_entry(*args) if fn is pyfuse3.invalidate_entry else notifyproc.inval_inode(*args)
-            try:
-                err = channel.send(msg)
-            except (OSError, ValueError) as e:
-                log.error("notification helper failed (%s): notifying from the daemon from now on", e)
-                self.channel = None
-                channel.abandon()
-            else:
-                if err:
-                    raise OSError(err, os.strerror(err))
-                return
-        fn(*args)
-
-    def send(self, fn, *args) -> None:
-        if self._thread is None:
-            return
-        try:
-            self._q.put_nowait((fn, args))
-        except queue.Full:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
-                log.warning("kernel notification queue full: %d notifications dropped", self.dropped)
-
-    async def drained(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` s, in a worker thread) until every notification queued so
-        far reached the kernel; False if it did not in time (or the queue is full)."""
-        if self._thread is None:
-            return True
-        done = threading.Event()
-        try:
-            self._q.put_nowait((done.set, ()))
-        except queue.Full:
-            return False
-        return await trio.to_thread.run_sync(done.wait, timeout, abandon_on_cancel=True)
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            fn, args = item
-            try:
-                self.deliver(fn, *args)
-            except OSError as e:          # ENOENT: the kernel did not cache it
-                log.debug("%s%s: %s", fn.__name__, args, e)
-            except Exception:             # noqa: BLE001 - a notification never kills the thread
-                log.exception("%s%s failed", fn.__name__, args)
-
-
 class KvfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
     shared = None          # kvfs.remote.share.adopt.SharedNames on a shared remote volume
@@ -178,13 +82,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._next_ctl = 1 << 62
         self.notifier = Notifier()
         self._mounted = False         # kernel notifications only while a session exists
-        # The kernel keeps one page cache per inode, but an inode can have several versions
-        # open at once (an old reader, a writer). Track what the cached pages hold and which
-        # versions are open, so no handle is served another version's pages.
-        self._page_key: dict[int, tuple] = {}
-        self._open_keys: dict[int, dict[tuple, int]] = {}
-        self._fh_key: dict[int, tuple[int, tuple]] = {}
-        self._uncached_fh: set[int] = set()     # writes that may bypass or disagree with the pages
+        self.opens = Opens(cache)           # how each open is answered (kvfs/fs/opens.py)
         cache.on_names_removed(self._name_removed)
         cache.on_content_changed = self._content_changed
         cache.on_sealed = self._sealed
@@ -234,7 +132,7 @@ class KvfsOperations(pyfuse3.Operations):
             self.notifier.send(pyfuse3.invalidate_entry, parent, name, ino)
 
     def _content_changed(self, ino: int) -> None:
-        self._page_key.pop(ino, None)
+        self.opens.page_key.pop(ino, None)
         if self._mounted:
             self.notifier.send(pyfuse3.invalidate_inode, ino, False)
 
@@ -243,8 +141,8 @@ class KvfsOperations(pyfuse3.Operations):
         cache (no O_DIRECT, no direct_io handle, no O_APPEND) when the pages still carry its key:
         then they hold exactly the sealed bytes, and the size and mtime the kernel knows are the
         sealed ones (see WriteState.mtime), so pages and attributes stay; else both go."""
-        if self._page_key.get(ino) == ("ws", serial):
-            self._page_key[ino] = ("obj", oid)
+        if self.opens.page_key.get(ino) == ("ws", serial):
+            self.opens.page_key[ino] = ("obj", oid)
             return
         self._content_changed(ino)
 
@@ -388,7 +286,7 @@ class KvfsOperations(pyfuse3.Operations):
         for eid, name, ino, rec in self.cache.entries(fh, start_id):
             # the attributes getattr gives (a file being written: its buffer's size), or the
             # kernel would take the sealed size for the inode's
-            if not pyfuse3.readdir_reply(token, name, _entry(ino, self.cache.live_attrs(ino, rec)), eid):
+            if not dirreply.reply(token, name, _entry(ino, self.cache.live_attrs(ino, rec)), eid):
                 return
 
     async def releasedir(self, fh):
@@ -406,7 +304,7 @@ class KvfsOperations(pyfuse3.Operations):
             fh = await self.cache.open(inode, flags)
         except NamespaceError as e:
             raise self._stale(inode, e) from None
-        return self._file_info(fh, inode, flags)
+        return await self.opens.file_info(fh, inode, flags)
 
     def _stale(self, inode: int, e: NamespaceError) -> Exception:
         """What to answer a request by a name for an inode that is not there. The daemon drops
@@ -420,46 +318,11 @@ class KvfsOperations(pyfuse3.Operations):
             return pyfuse3.FUSEError(errno.ESTALE)
         return e
 
-    def _file_info(self, fh: int, ino: int, flags: int = 0) -> pyfuse3.FileInfo:
-        """keep_cache when the cached pages hold this handle's version (sealed objects never
-        change); direct_io while another version of the inode is open (mmap then gives ENODEV)."""
-        key = self.cache.handles[fh].content_key()
-        keys = self._open_keys.setdefault(ino, {})
-        others = any(k != key for k in keys)
-        keys[key] = keys.get(key, 0) + 1
-        self._fh_key[fh] = (ino, key)
-        if others or flags & (os.O_DIRECT | os.O_APPEND):
-            self._uncached_fh.add(fh)
-        if others:
-            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
-        # O_APPEND through the page cache: the kernel resolves write(2)'s append offset from
-        # its size, and a shared mapping's writeback through this handle carries its page's
-        # own offset, so the offset it sends is right (a direct_io handle cannot be mapped,
-        # and the kernel's size may be another open version's: it appends at its buffer's end)
-        self.cache.handles[fh].append = False
-        keep = self._page_key.get(ino) == key
-        self._page_key[ino] = key
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
-
-    def _closed(self, fh: int) -> None:
-        self._uncached_fh.discard(fh)
-        ino, key = self._fh_key.pop(fh, (None, None))
-        if ino is None:
-            return
-        keys = self._open_keys.get(ino, {})
-        n = keys.get(key, 1) - 1
-        if n:
-            keys[key] = n
-        else:
-            keys.pop(key, None)
-        if not keys:
-            self._open_keys.pop(ino, None)
-
     @translate
     async def create(self, parent_inode, name, mode, flags, ctx):
         self._parent_ok(parent_inode)
         fh, ino, rec = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
-        return self._file_info(fh, ino, flags), _entry(ino, rec)
+        return await self.opens.file_info(fh, ino, flags), _entry(ino, rec)
 
     @translate
     async def read(self, fh, off, size):
@@ -475,10 +338,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def write(self, fh, off, buf):
         if fh in self._ctl:
             return await self.control.write(self._ctl[fh], off, buf)
-        if fh in self._uncached_fh:          # the pages may not hold what this writes
-            ino, key = self._fh_key.get(fh, (None, None))
-            if self._page_key.get(ino) == key:
-                del self._page_key[ino]
+        self.opens.writing(fh)
         if off + len(buf) > self.cache.max_file_size():    # before a buffer grows toward it
             raise pyfuse3.FUSEError(errno.EFBIG)
         t0 = time.perf_counter()
@@ -493,6 +353,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def flush(self, fh):
         if fh in self._ctl:
             return
+        self.opens.flushed(fh)
         await self.cache.flush(fh)
 
     @translate
@@ -507,7 +368,7 @@ class KvfsOperations(pyfuse3.Operations):
         if h is not None:
             await self.control.close(h)        # closing a lease descriptor ends its lease
             return
-        self._closed(fh)
+        self.opens.closed(fh)
         h = self.cache.handles.get(fh)
         try:
             await self.cache.release(fh)

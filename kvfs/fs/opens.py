@@ -1,0 +1,147 @@
+"""How each open is answered to the kernel: cached pages kept or dropped, ``direct_io``, or
+FUSE passthrough (kvfs/fs/passthrough.py), from what is open on the inode.
+
+The kernel keeps one page cache per inode, but an inode can have several versions open at
+once (an old reader, a writer): what the cached pages hold and which versions are open is
+tracked here, so no handle is served another version's pages. Under the kernel transport an
+inode is also in one kernel I/O mode at a time: *cached* (the page cache: a handle without
+``direct_io``) or *passthrough* (one backing file); a handle of the other mode fails in the
+kernel with EIO, so a passthrough open is given only while the inode has no cached handle,
+and every other open is ``direct_io`` while it is in passthrough.
+
+The kernel leaves an open's mode when its file is released, before it sends RELEASE, so a
+handle still counted here may already be gone in the kernel (a writer's close: FLUSH, then
+RELEASE queued). A read-only open that finds only such closing handles (FLUSH seen, nothing
+written since) waits a moment (``CLOSING_WAIT``) for their RELEASE before choosing: the usual
+write-then-read of a block is then served by passthrough; a handle that stays open (a dup'd
+descriptor, a mapping) makes the open a cached one, as without passthrough.
+"""
+from __future__ import annotations
+
+import os
+
+import pyfuse3
+import trio
+
+from kvfs.store.backing import open_backing
+
+CLOSING_WAIT = 0.2      # seconds a read-only open waits for closing cached handles' RELEASE
+
+
+class Opens:
+    def __init__(self, cache):
+        self.cache = cache
+        self.passthrough = None                 # kvfs.fs.passthrough.Passthrough (kernel transport)
+        self.page_key: dict[int, tuple] = {}    # inode -> whose bytes its cached pages hold
+        self.open_keys: dict[int, dict[tuple, int]] = {}
+        self.fh_key: dict[int, tuple[int, tuple]] = {}
+        self.uncached_fh: set[int] = set()      # writes that may bypass or disagree with the pages
+        self.cached: dict[int, set[int]] = {}   # inode -> its handles in the kernel's cached mode
+        self.closing: set[int] = set()          # cached handles flushed, nothing written since
+        self._gone: dict[int, trio.Event] = {}  # inode -> set when its last cached handle goes
+        self.waited = self.waits_timed_out = 0
+
+    async def file_info(self, fh: int, ino: int, flags: int = 0) -> pyfuse3.FileInfo:
+        """keep_cache when the cached pages hold this handle's version (sealed objects never
+        change); direct_io while another version of the inode is open (mmap then gives ENODEV)
+        or while the kernel reads the inode through passthrough."""
+        h = self.cache.handles[fh]
+        key = h.content_key()
+        passing = await self._pass(fh, ino, h)
+        keys = self.open_keys.setdefault(ino, {})
+        others = any(k != key for k in keys)
+        keys[key] = keys.get(key, 0) + 1
+        self.fh_key[fh] = (ino, key)
+        if passing:
+            return pyfuse3.FileInfo(fh=fh)
+        direct = others or (self.passthrough is not None and self.passthrough.mode(ino) is not None)
+        if direct or flags & (os.O_DIRECT | os.O_APPEND):
+            self.uncached_fh.add(fh)
+        if direct:
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        # O_APPEND through the page cache: the kernel resolves write(2)'s append offset from
+        # its size, and a shared mapping's writeback through this handle carries its page's
+        # own offset, so the offset it sends is right (a direct_io handle cannot be mapped,
+        # and the kernel's size may be another open version's: it appends at its buffer's end)
+        h.append = False
+        self.cached.setdefault(ino, set()).add(fh)
+        keep = self.page_key.get(ino) == key
+        self.page_key[ino] = key
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep)
+
+    async def _pass(self, fh: int, ino: int, h) -> bool:
+        """Whether this open is served by the kernel from the object's tier file: a read-only
+        open of a sealed version with no write in progress (see the module's text)."""
+        pt = self.passthrough
+        if pt is None or not pt.enabled or h.obj is None or h.write or ino in self.cache.writers:
+            return False
+        if not await self._may_pass(ino, h.obj.oid, wait=True):
+            return False
+        fd = await open_backing(self.cache.store, h.obj)
+        if fd is None:
+            pt.declined += 1
+            return False
+        if not await self._may_pass(ino, h.obj.oid, wait=False) or ino in self.cache.writers:
+            os.close(fd)                     # another open or a writer came in meanwhile
+            return False
+        return pt.offer(fh, ino, h.obj.oid, fd)
+
+    async def _may_pass(self, ino: int, oid: int, wait: bool) -> bool:
+        held = self.passthrough.mode(ino)
+        if held is not None and held != oid:
+            return False
+        handles = self.cached.get(ino)
+        if not handles:
+            return True
+        if not wait or not handles <= self.closing:
+            return False
+        self.waited += 1
+        gone = self._gone.setdefault(ino, trio.Event())
+        with trio.move_on_after(CLOSING_WAIT):
+            await gone.wait()
+        if self.cached.get(ino):
+            self.waits_timed_out += 1
+            return False
+        held = self.passthrough.mode(ino)
+        return held is None or held == oid
+
+    def flushed(self, fh: int) -> None:
+        """FLUSH (a close(2) of one of the handle's descriptors)."""
+        ino, _ = self.fh_key.get(fh, (None, None))
+        if ino is not None and fh in self.cached.get(ino, ()):
+            self.closing.add(fh)
+
+    def writing(self, fh: int) -> None:
+        """A WRITE through ``fh``: it is not closing, and the pages may not hold what it writes."""
+        self.closing.discard(fh)
+        if fh in self.uncached_fh:
+            ino, key = self.fh_key.get(fh, (None, None))
+            if self.page_key.get(ino) == key:
+                del self.page_key[ino]
+
+    def closed(self, fh: int) -> None:
+        """RELEASE of ``fh``."""
+        self.uncached_fh.discard(fh)
+        self.closing.discard(fh)
+        ino, key = self.fh_key.pop(fh, (None, None))
+        if ino is None:
+            return
+        handles = self.cached.get(ino)
+        if handles is not None and fh in handles:
+            handles.discard(fh)
+            if not handles:
+                del self.cached[ino]
+                gone = self._gone.pop(ino, None)
+                if gone is not None:
+                    gone.set()
+        keys = self.open_keys.get(ino, {})
+        n = keys.get(key, 1) - 1
+        if n:
+            keys[key] = n
+        else:
+            keys.pop(key, None)
+        if not keys:
+            self.open_keys.pop(ino, None)
+
+    def statistics(self) -> dict:
+        return {"waited_for_release": self.waited, "wait_timed_out": self.waits_timed_out}

@@ -1,0 +1,189 @@
+"""kvfs's own FUSE transport: ``/dev/fuse`` read and answered by the daemon, no libfuse.
+
+It exists for what pyfuse3 3.5 over libfuse 3.14 cannot negotiate (protocol 7.31, no INIT
+flags past bit 31): **FUSE passthrough** (Linux 6.9+), where a sealed block opened for reading
+is read by the kernel from its tier file without a request reaching the daemon
+(kvfs/fs/passthrough.py decides which opens, docs/design.md "How a read travels").
+
+The session mounts with mount(2) (root / CAP_SYS_ADMIN, as libfuse does for root), answers
+INIT itself, and serves every request with the same handlers as the pyfuse3 transport
+(:class:`kvfs.fs.ops.KvfsOperations`, a ``pyfuse3.Operations``): requests are decoded here
+into the arguments pyfuse3 would pass (``pyfuse3.EntryAttributes``, a setattr-fields object, a
+request context) and the handlers' answers (``EntryAttributes``, ``FileInfo``, ``FUSEError``)
+encoded into the kernel's structures (kvfs/fs/wire.py). The worker loop is pyfuse3's shape
+with kvfs's read lock and burst reader (kvfs/fs/loop.py): workers take turns reading one
+request and run its handler; one is added whenever every worker is busy.
+
+What it asks the kernel for is what pyfuse3 asks (wire.BASE_WANT, max_write 1 MiB), so both
+transports give the same contract; passthrough is added where the kernel offers it and the
+daemon may register backing files. Interrupts are ignored, as pyfuse3 ignores them.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import stat
+
+import pyfuse3
+import trio
+
+from kvfs.fs import loop, wire
+from kvfs.fs.handlers import Handlers
+
+log = logging.getLogger(__name__)
+
+MAX_WRITE = 1 << 20
+BUFSIZE = MAX_WRITE + (64 << 10)         # a WRITE of MAX_WRITE bytes with its header and names
+MAX_WORKERS = 64
+MS_NOSUID, MS_NODEV = 0x2, 0x4
+MNT_DETACH = 2
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def unavailable() -> str | None:
+    """Why this process cannot run the kernel transport (None: it can): it mounts with
+    mount(2) and registers backing files, both CAP_SYS_ADMIN; the protocol must carry INIT's
+    second flags word (Linux 5.17+, protocol 7.36)."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        caps = 0
+    if not caps & (1 << 21):
+        return "the daemon lacks CAP_SYS_ADMIN (not root)"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    release = os.uname().release.split("-")[0].split(".")
+    try:
+        if tuple(int(x) for x in release[:2]) < (5, 17):
+            return f"kernel {os.uname().release} predates FUSE protocol 7.36"
+    except ValueError:
+        pass
+    return None
+
+
+class KernelSession:
+    """One mount served over ``/dev/fuse`` (see the module's text)."""
+
+    def __init__(self, ops, mountpoint: str, options: set[str], *, passthrough: bool = True):
+        self.ops = ops
+        self.mountpoint = mountpoint
+        self.options = set(options)
+        self.fd = -1
+        self.want_passthrough = passthrough
+        self.handlers: Handlers | None = None
+        self._cancel: trio.CancelScope | None = None
+        self._ended = False
+        self.workers = 0
+        self._idle = 0
+        self.requests = 0
+
+    # ---- mount / unmount --------------------------------------------------------------
+    def mount(self) -> None:
+        """Open ``/dev/fuse`` and mount it at the mount point (the kernel then sends INIT)."""
+        self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        opts = self.options
+        fsname = next((o.split("=", 1)[1] for o in opts if o.startswith("fsname=")), "kvfs")
+        subtype = next((o.split("=", 1)[1] for o in opts if o.startswith("subtype=")), None)
+        passed = sorted(o for o in opts if o in ("allow_other", "default_permissions"))
+        mode = stat.S_IFMT(os.stat(self.mountpoint).st_mode)
+        data = ",".join([f"fd={self.fd}", f"rootmode={mode:o}", f"user_id={os.getuid()}",
+                         f"group_id={os.getgid()}", *passed])
+        fstype = f"fuse.{subtype}" if subtype else "fuse"
+        if _LIBC.mount(fsname.encode(), self.mountpoint.encode(), fstype.encode(),
+                       MS_NOSUID | MS_NODEV, data.encode()) != 0:
+            err = ctypes.get_errno()
+            os.close(self.fd)
+            self.fd = -1
+            raise OSError(err, f"mount {self.mountpoint}: {os.strerror(err)}")
+        self.handlers = Handlers(self.ops, self.fd, self.want_passthrough)
+        log.info("mounted %s with kvfs's own FUSE transport", self.mountpoint)
+
+    def close(self, unmount: bool = True) -> None:
+        """Unmount (lazily, as libfuse does for root) and close the device."""
+        if self.handlers is not None:
+            self.handlers.close()
+        if unmount and self.fd >= 0:
+            if _LIBC.umount2(self.mountpoint.encode(), MNT_DETACH) != 0:
+                err = ctypes.get_errno()
+                if err not in (errno.EINVAL, errno.ENOENT):
+                    log.warning("umount %s: %s", self.mountpoint, os.strerror(err))
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def terminate(self) -> None:
+        """End :meth:`serve` (from the trio thread, as ``pyfuse3.terminate``)."""
+        self._ended = True
+        if self._cancel is not None:
+            self._cancel.cancel()
+
+    # ---- the request loop --------------------------------------------------------------
+    async def serve(self, reader: loop.Reader | None = None) -> None:
+        """Serve requests until the mount goes away (ENODEV) or :meth:`terminate`."""
+        self._reader = reader or loop.Reader()
+        self._lock = loop.ReadLock()
+        with trio.CancelScope() as self._cancel:
+            if self._ended:
+                return
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._spawn()
+        log.debug("kernel transport: %d requests, %d workers", self.requests, self.workers)
+
+    def _spawn(self) -> None:
+        self.workers += 1
+        self._idle += 1
+        self._nursery.start_soon(self._worker, name=f"kvfs-fuse-{self.workers}")
+
+    async def _worker(self) -> None:
+        buf = bytearray(BUFSIZE)
+        view = memoryview(buf)
+        fd, handle = self.fd, self.handlers.handle
+        while True:
+            async with self._lock:
+                n = await self._read(fd, view)
+            if n is None:
+                continue
+            if n == 0:
+                self._cancel.cancel()
+                return
+            self.requests += 1
+            self._idle -= 1
+            if self._idle == 0 and self.workers < MAX_WORKERS:
+                self._spawn()
+            try:
+                await handle(view[:n])
+            finally:
+                self._idle += 1
+
+    async def _read(self, fd: int, view: memoryview) -> int | None:
+        """One request's length; None to try again; 0 when the connection is gone."""
+        await self._reader.wait_readable(fd)
+        try:
+            return os.readv(fd, [view])
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                return None
+            if e.errno == errno.ENODEV:          # unmounted, or the connection was aborted
+                return 0
+            raise
+
+    def statistics(self) -> dict:
+        """What ``.kvfs/stats`` shows as ``transport``."""
+        h = self.handlers
+        out = {"name": "kernel", "requests": self.requests, "workers": self.workers,
+               "protocol": self.negotiated_protocol()}
+        if h is not None:
+            out["passthrough"] = dict(h.passthrough.statistics(), **self.ops.opens.statistics())
+        return out
+
+    def negotiated_protocol(self) -> str | None:
+        h = self.handlers
+        return None if h is None or not h.minor else f"7.{h.minor}"
+

@@ -150,13 +150,9 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         recovered = await cache.start()
         index.names = names = _begin_names(cfg, index, tiers[0].dir)
         served, reader, session = {"metrics": None}, loop.Reader(), []
-        describe = lambda: {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
-                            "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir),
-                            "instance": index.instance_id, "request_loop": reader.statistics(),
-                            "recovered": recovered, "started": started, **served,
-                            "transport": session[0].statistics() if session else None,
-                            NAMES_STATS_KEY: names.statistics(), NAMES_BUILDING_KEY: names.building,
-                            UNMOUNT_REPORT_KEY: 1}
+        describe = lambda: dict(_describe(cfg, mountpoint, tiers, index, names), recovered=recovered,
+                                started=started, request_loop=reader.statistics(), **served,
+                                transport=session[0].statistics() if session else None)
         ops = KvfsOperations(cache, describe)
         if cfg.share:
             from kvfs.remote.share import attach
@@ -213,6 +209,13 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 await t.close()
         index.close()
         log.info("daemon exiting")
+
+
+def _describe(cfg: Config, mountpoint: str, tiers, index: Index, names: NameTable) -> dict:
+    """The daemon's part of ``.kvfs/stats``."""
+    return {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
+            "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir), "instance": index.instance_id,
+            NAMES_STATS_KEY: names.statistics(), NAMES_BUILDING_KEY: names.building, UNMOUNT_REPORT_KEY: 1}
 
 
 async def _write_down(cfg: Config, store) -> dict:

@@ -26,6 +26,14 @@ import trio
 from kvfs.store.backing import open_backing
 
 CLOSING_WAIT = 0.2      # seconds a read-only open waits for closing cached handles' RELEASE
+HELD_WAIT = 0.5         # seconds a change waits for the passthrough opens of its inode to go
+
+
+class Held(Exception):
+    """An inode held by passthrough opens of one version: another open of it (a writer, or a
+    reader of another version) or a change of its size fails with ETXTBSY."""
+
+
 
 
 class Opens:
@@ -48,6 +56,8 @@ class Opens:
         h = self.cache.handles[fh]
         key = h.content_key()
         passing = await self._pass(fh, ino, h)
+        if not passing and self.passthrough is not None and self.passthrough.mode(ino) is not None:
+            raise Held(ino)         # the kernel takes only passthrough opens of it now
         keys = self.open_keys.setdefault(ino, {})
         others = any(k != key for k in keys)
         keys[key] = keys.get(key, 0) + 1
@@ -75,20 +85,28 @@ class Opens:
         pt = self.passthrough
         if pt is None or not pt.enabled or h.obj is None or h.write or ino in self.cache.writers:
             return False
-        if not await self._may_pass(ino, h.obj.oid, wait=True):
+        if not await self._may_pass(ino, h.obj, wait=True):
             return False
         fd = await open_backing(self.cache.store, h.obj)
         if fd is None:
             pt.declined += 1
             return False
-        if not await self._may_pass(ino, h.obj.oid, wait=False) or ino in self.cache.writers:
+        if not await self._may_pass(ino, h.obj, wait=False) or ino in self.cache.writers:
             os.close(fd)                     # another open or a writer came in meanwhile
             return False
-        return pt.offer(fh, ino, h.obj.oid, fd)
+        return pt.offer(fh, ino, h.obj, fd)
 
-    async def _may_pass(self, ino: int, oid: int, wait: bool) -> bool:
+    async def changeable(self, ino: int) -> None:
+        """Raise Held unless ``ino`` may get a new version: no passthrough open holds it (one
+        just closed is waited for: the kernel sends RELEASE after the close returned)."""
+        pt = self.passthrough
+        if pt is not None and pt.mode(ino) is not None and not await pt.unheld(ino, HELD_WAIT):
+            pt.busy += 1
+            raise Held(ino)
+
+    async def _may_pass(self, ino: int, obj, wait: bool) -> bool:
         held = self.passthrough.mode(ino)
-        if held is not None and held != oid:
+        if held is not None and held is not obj:
             return False
         handles = self.cached.get(ino)
         if not handles:
@@ -103,7 +121,7 @@ class Opens:
             self.waits_timed_out += 1
             return False
         held = self.passthrough.mode(ino)
-        return held is None or held == oid
+        return held is None or held is obj
 
     def flushed(self, fh: int) -> None:
         """FLUSH (a close(2) of one of the handle's descriptors)."""

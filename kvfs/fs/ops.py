@@ -13,7 +13,7 @@ import trio
 from kvfs.errors import NamespaceError
 from kvfs.fs import control, dirreply, notifyproc
 from kvfs.fs.notifier import Notifier
-from kvfs.fs.opens import Opens
+from kvfs.fs.opens import Held, Opens
 from kvfs.fs.errmap import translate
 from kvfs.protocol import ALIGN, CONTROL_NAME_B
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
@@ -198,6 +198,8 @@ class KvfsOperations(pyfuse3.Operations):
         if fh is None and self.cache.evicted(inode):     # by a name (see _stale)
             raise pyfuse3.FUSEError(errno.ESTALE)
         try:
+            if fields.update_size:
+                await self.opens.changeable(inode)
             rec = await self.cache.setattr(
                 inode,
                 size=attr.st_size if fields.update_size else None,
@@ -208,6 +210,8 @@ class KvfsOperations(pyfuse3.Operations):
                 mtime=attr.st_mtime_ns if fields.update_mtime else None)
         except NamespaceError as e:
             raise self._stale(inode, e) from None
+        except Held:
+            raise pyfuse3.FUSEError(errno.ETXTBSY) from None
         return _entry(inode, rec)
 
     async def forget(self, inode_list):
@@ -301,10 +305,18 @@ class KvfsOperations(pyfuse3.Operations):
             self._ctl[fh] = self.control.open(inode, flags, control.caller(ctx), ctx.pid)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
         try:
+            if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+                await self.opens.changeable(inode)
             fh = await self.cache.open(inode, flags)
         except NamespaceError as e:
             raise self._stale(inode, e) from None
-        return await self.opens.file_info(fh, inode, flags)
+        except Held:
+            raise pyfuse3.FUSEError(errno.ETXTBSY) from None
+        try:
+            return await self.opens.file_info(fh, inode, flags)
+        except Held:
+            await self.release(fh)
+            raise pyfuse3.FUSEError(errno.ETXTBSY) from None
 
     def _stale(self, inode: int, e: NamespaceError) -> Exception:
         """What to answer a request by a name for an inode that is not there. The daemon drops

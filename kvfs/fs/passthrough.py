@@ -27,9 +27,20 @@ import logging
 import os
 import struct
 
+import trio
+
 from kvfs.fs import wire
 
 log = logging.getLogger(__name__)
+
+
+class _Registration:
+    """One inode's backing file: the kernel's id for it, the object, its passthrough opens."""
+
+    __slots__ = ("backing_id", "obj", "ino", "opens")
+
+    def __init__(self, backing_id: int, obj, ino: int):
+        self.backing_id, self.obj, self.ino, self.opens = backing_id, obj, ino, 0
 
 
 class Passthrough:
@@ -43,7 +54,8 @@ class Passthrough:
         self._by_ino: dict[int, list] = {}        # ino -> [backing id, oid, opens]
         self._fh: dict[int, int] = {}             # passthrough fh -> ino
         self._answer: dict[int, int] = {}         # fh -> backing id, until OPEN's reply is sent
-        self.opens = self.registered = self.refused = self.declined = 0
+        self._unheld: dict[int, trio.Event] = {}  # inode -> set when its registration ends
+        self.opens = self.registered = self.refused = self.declined = self.busy = 0
         self.failed: str | None = None
 
     def negotiated(self, got: bool, offered: int) -> None:
@@ -61,42 +73,46 @@ class Passthrough:
         return self.why
 
     # ---- the open path ---------------------------------------------------------------------
-    def mode(self, ino: int) -> int | None:
+    def mode(self, ino: int):
         """The object whose backing file ``ino`` is registered with (None: not in passthrough)."""
         reg = self._by_ino.get(ino)
-        return None if reg is None else reg[1]
+        return None if reg is None else reg.obj
 
-    def offer(self, fh: int, ino: int, oid: int, backing_fd) -> bool:
-        """Register ``backing_fd`` (a descriptor of the object's tier file, closed here) for
-        ``ino`` unless it already has ``oid``'s; remember the answer for ``fh``'s OPEN reply."""
+    def offer(self, fh: int, ino: int, obj, backing_fd) -> bool:
+        """Register ``backing_fd`` (a descriptor of ``obj``'s tier file, kept until the
+        registration ends) for ``ino`` unless it already has ``obj``'s; remember the answer for
+        ``fh``'s OPEN reply."""
         reg = self._by_ino.get(ino)
         if reg is None:
             try:
                 backing_id = fcntl.ioctl(self.dev, wire.DEV_IOC_BACKING_OPEN,
                                          bytearray(wire.BACKING_MAP.pack(backing_fd, 0, 0)))
             except OSError as e:
-                self.refused += 1
-                if self.failed is None:
-                    log.warning("FUSE passthrough: the kernel refused a backing file (%s); "
-                                "those opens are served by the daemon", os.strerror(e.errno))
-                self.failed = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
-                if e.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTTY):
-                    self.enabled = False
-                    self.why = f"off (backing registration refused: {self.failed})"
+                self._refused(e)
                 return False
             finally:
-                os.close(backing_fd)
-            reg = self._by_ino[ino] = [backing_id, oid, 0]
+                os.close(backing_fd)         # the kernel holds the file by the id
+            reg = self._by_ino[ino] = _Registration(backing_id, obj, ino)
             self.registered += 1
         else:
             os.close(backing_fd)
-            if reg[1] != oid:
+            if reg.obj is not obj:
                 return False
-        reg[2] += 1
+        reg.opens += 1
         self._fh[fh] = ino
-        self._answer[fh] = reg[0]
+        self._answer[fh] = reg.backing_id
         self.opens += 1
         return True
+
+    def _refused(self, e: OSError) -> None:
+        self.refused += 1
+        if self.failed is None:
+            log.warning("FUSE passthrough: the kernel refused a backing file (%s); "
+                        "those opens are served by the daemon", os.strerror(e.errno))
+        self.failed = f"{errno.errorcode.get(e.errno, e.errno)}: {e.strerror}"
+        if e.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTTY):
+            self.enabled = False
+            self.why = f"off (backing registration refused: {self.failed})"
 
     def answer(self, fh: int) -> tuple[int, int] | None:
         """(backing id, open flags) for the OPEN reply of ``fh`` when it was offered."""
@@ -115,10 +131,27 @@ class Passthrough:
         if ino is None:
             return
         reg = self._by_ino[ino]
-        reg[2] -= 1
-        if reg[2] == 0:
+        reg.opens -= 1
+        if reg.opens == 0:
             del self._by_ino[ino]
-            self._close_id(reg[0])
+            self._end(reg)
+
+    def _end(self, reg: "_Registration") -> None:
+        self._close_id(reg.backing_id)
+        gone = self._unheld.pop(reg.ino, None)
+        if gone is not None:
+            gone.set()
+
+    async def unheld(self, ino: int, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until no passthrough open holds ``ino``: the kernel
+        drops a file's backing before it sends RELEASE, so a close just made may not have
+        reached the daemon yet. False if one still holds it."""
+        if ino not in self._by_ino:
+            return True
+        gone = self._unheld.setdefault(ino, trio.Event())
+        with trio.move_on_after(timeout):
+            await gone.wait()
+        return ino not in self._by_ino
 
     def _close_id(self, backing_id: int) -> None:
         try:
@@ -128,11 +161,11 @@ class Passthrough:
 
     def close(self) -> None:
         for reg in self._by_ino.values():
-            self._close_id(reg[0])
+            self._end(reg)
         self._by_ino.clear()
         self._fh.clear()
 
     def statistics(self) -> dict:
         return {"state": self.why, "opens": self.opens, "registered": self.registered,
                 "held": len(self._by_ino), "open_now": len(self._fh), "refused": self.refused,
-                "declined": self.declined, "last_error": self.failed}
+                "declined": self.declined, "busy": self.busy, "last_error": self.failed}

@@ -68,8 +68,13 @@ def test_metrics_scraped_while_writing_and_reading(kvfs_mount):
     settled(m)
     for h, _, _, data in blocks:
         assert read(block_path(m.path, "modelA", h)) == data
-    h, _, _, data = blocks[0]                       # past the kernel's page cache: a FUSE read
+    h, _, _, data = blocks[0]                       # past the kernel's page cache
     assert read_direct(block_path(m.path, "modelA", h), len(data)) == data
+    # a block read through FUSE passthrough never reaches the daemon; a small one (kept in the
+    # daemon's memory, no tier file) always does: a FUSE read on either transport
+    small = os.path.join(m.path, "modelA", "small.kv")
+    put(small, b"s" * 4096)
+    assert read(small) == b"s" * 4096
     assert not os.path.exists(block_path(m.path, "modelA", hx("not there")))
     ans = _lease(m, [f"modelA/{h[:2]}/{h}.kv" for h, *_ in blocks[:3]] + ["modelA/00/none.kv"])
     assert ans["prefix"] == 3

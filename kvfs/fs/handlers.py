@@ -91,10 +91,15 @@ class Handlers:
     def close(self) -> None:
         self.passthrough.close()
 
+    def requests(self) -> dict[str, int]:
+        """Requests that reached the daemon, by opcode name."""
+        return {wire.NAMES.get(k, str(k)): v for k, v in sorted(self.counts.items())}
+
     # ---- dispatch -------------------------------------------------------------------------
     async def handle(self, req: memoryview) -> None:
         _, opcode, unique, nodeid, uid, gid, pid, _, _ = wire.IN_HEADER.unpack_from(req)
         body = req[wire.IN_HEADER.size:]
+        self.counts[opcode] = self.counts.get(opcode, 0) + 1
         if opcode in wire.NO_REPLY:
             if opcode != wire.INTERRUPT:
                 await self._forget(opcode, nodeid, body)

@@ -181,6 +181,7 @@ class KernelSession:
                "protocol": self.negotiated_protocol()}
         if h is not None:
             out["passthrough"] = dict(h.passthrough.statistics(), **self.ops.opens.statistics())
+            out["by_opcode"] = h.requests()
         return out
 
     def negotiated_protocol(self) -> str | None:

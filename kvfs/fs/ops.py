@@ -83,6 +83,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.notifier = Notifier()
         self._mounted = False         # kernel notifications only while a session exists
         self.opens = Opens(cache)           # how each open is answered (kvfs/fs/opens.py)
+        self.data_reads = 0                 # READs of files (not control files) that reached us
         cache.on_names_removed(self._name_removed)
         cache.on_content_changed = self._content_changed
         cache.on_sealed = self._sealed
@@ -340,6 +341,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def read(self, fh, off, size):
         if fh in self._ctl:
             return await self.control.read(self._ctl[fh], off, size)
+        self.data_reads += 1
         t0 = time.perf_counter()
         try:
             return await self.cache.read(fh, off, size)

@@ -182,6 +182,7 @@ class KernelSession:
         if h is not None:
             out["passthrough"] = dict(h.passthrough.statistics(), **self.ops.opens.statistics())
             out["by_opcode"] = h.requests()
+            out["data_reads"] = self.ops.data_reads     # READs of files, not of .kvfs/ control files
         return out
 
     def negotiated_protocol(self) -> str | None:

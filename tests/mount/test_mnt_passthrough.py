@@ -1,0 +1,211 @@
+"""FUSE passthrough on a real mount (kvfs's own transport, kvfs/fs/session.py): sealed blocks
+read by the kernel from their tier files, every guarantee kept (docs/design.md, "How a read
+travels"). The daemon's request counts (``.kvfs/stats`` transport.by_opcode) say what reached
+it: a read of a passthrough descriptor never does."""
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import reachable, wait_for
+from mounthelp import MiB, content, read
+
+pytestmark = pytest.mark.mount
+
+
+def transport(m) -> dict:
+    return m.stats()["transport"]
+
+
+def reads(m) -> int:
+    """READs of files (not of the .kvfs/ control files) that reached the daemon."""
+    return transport(m)["data_reads"]
+
+
+def opens(m) -> int:
+    return transport(m)["passthrough"]["opens"]
+
+
+def settled(m) -> dict:
+    return wait_for(lambda: (st := m.stats())["settled"] and st, 60, "settled")
+
+
+def every_way(path, size: int) -> list[bytes]:
+    """read, pread, readv, mmap MAP_SHARED and MAP_PRIVATE of one descriptor."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = [os.read(fd, size + 1), os.pread(fd, size, 0)]
+        a, b = bytearray(size // 2), bytearray(size - size // 2)
+        assert os.preadv(fd, [a, b], 0) == size
+        out.append(bytes(a + b))
+        for flags in (mmap.MAP_SHARED, mmap.MAP_PRIVATE):
+            with mmap.mmap(fd, size, flags, mmap.PROT_READ) as mm:
+                out.append(mm[:])
+        return out
+    finally:
+        os.close(fd)
+
+
+def test_sealed_blocks_are_read_by_the_kernel(kvfs_mount):
+    m = kvfs_mount(ram="64MiB")
+    t = transport(m)
+    assert t["name"] == "kernel" and t["passthrough"]["state"] == "on"
+    blocks = {m.path / f"b{i}.kv": content(f"b{i}", 2 * MiB + i * 4097) for i in range(3)}
+    for p, data in blocks.items():
+        p.write_bytes(data)                    # read right after the write: the runtime pattern
+        before_reads, before_opens = reads(m), opens(m)
+        assert all(got == data for got in every_way(p, len(data)))
+        assert reads(m) == before_reads, "a passthrough read reached the daemon"
+        assert opens(m) == before_opens + 1
+    # a small block lives in the daemon's memory (no tier file): its reads are the daemon's
+    small = m.path / "small.kv"
+    small.write_bytes(b"s" * 5000)
+    before_reads = reads(m)
+    assert read(small) == b"s" * 5000
+    assert reads(m) > before_reads
+
+
+def test_nvme_copies_are_verified_before_the_kernel_gets_them(kvfs_mount):
+    m = kvfs_mount(ram="8MiB", nvme_size="256MiB")
+    blocks = {m.path / f"n{i}.kv": content(f"n{i}", 2 * MiB) for i in range(8)}
+    for p, data in blocks.items():
+        p.write_bytes(data)
+    settled(m)
+    on_nvme = [p for p in blocks if os.getxattr(p, "user.kvfs.tier") == b"nvme"]
+    assert len(on_nvme) >= 2, "RAM of 8 MiB keeps at most 3 of 8 blocks"
+    good, bad = on_nvme[0], on_nvme[1]
+    path = json.loads(os.getxattr(bad, "user.kvfs.backing"))["path"]
+    m.umount()                  # a flipped byte in the NVMe file (no page of it cached anywhere)
+    with open(path, "r+b") as f:
+        f.seek(12345)
+        b = f.read(1)
+        f.seek(12345)
+        f.write(bytes([b[0] ^ 0xFF]))
+    m.mount()
+    before_reads, before_opens = reads(m), opens(m)
+    assert read(good) == blocks[good]
+    assert opens(m) == before_opens + 1 and reads(m) == before_reads
+    # the kernel is never given the bad copy; the daemon's read finds it (EIO, never wrong bytes)
+    declined = transport(m)["passthrough"]["declined"]
+    with pytest.raises(OSError) as e:
+        read(bad)
+    assert e.value.errno == errno.EIO
+    assert transport(m)["passthrough"]["declined"] == declined + 1
+
+
+def test_a_held_block_keeps_its_bytes_and_its_space(kvfs_mount):
+    """Eviction, demotion, replacement and unlink of a block a passthrough descriptor holds:
+    the reader keeps reading its bytes, the RAM budget keeps counting them until it closes."""
+    m = kvfs_mount(ram="16MiB", nvme_size="256MiB")
+    held, data = m.path / "held.kv", content("held", 4 * MiB)
+    held.write_bytes(data)
+    before = opens(m)
+    fd = os.open(held, os.O_RDONLY)
+    mm = mmap.mmap(fd, len(data), mmap.MAP_SHARED, mmap.PROT_READ)
+    try:
+        assert opens(m) == before + 1
+        os.replace(held, m.path / "moved.kv")                               # rename keeps the inode
+        (m.path / "other.kv").write_bytes(content("other", MiB))
+        os.replace(m.path / "other.kv", m.path / "moved.kv")               # replaced: the old version dies
+        for i in range(12):                                                 # 24 MiB through 16 MiB of RAM
+            (m.path / f"push{i}.kv").write_bytes(content(f"push{i}", 2 * MiB))
+        st = settled(m)
+        assert st["tiers"]["ram"]["used"] >= len(data), "the held block's RAM is still counted"
+        assert os.pread(fd, len(data), 0) == data and mm[:] == data
+    finally:
+        mm.close()
+        os.close(fd)
+    wait_for(lambda: m.stats()["settled"] and transport(m)["passthrough"]["held"] == 0, 60, "released")
+    assert read(m.path / "moved.kv") == content("other", MiB)
+
+
+def test_no_other_version_while_held_then_free_at_close(kvfs_mount):
+    m = kvfs_mount(ram="64MiB")
+    p, data = m.path / "f.kv", content("f", 3 * MiB)
+    p.write_bytes(data)
+    reader = subprocess.Popen([sys.executable, "-c", "import sys,os; fd=os.open(sys.argv[1], os.O_RDONLY); "
+                               "print(len(os.pread(fd, 1<<23, 0)), flush=True); sys.stdin.read()", str(p)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == str(len(data))
+        busy = transport(m)["passthrough"]["busy"]
+        for change in (lambda: os.open(p, os.O_WRONLY), lambda: os.open(p, os.O_RDWR | os.O_TRUNC),
+                       lambda: os.truncate(p, 10)):
+            with pytest.raises(OSError) as e:
+                change()
+            assert e.value.errno == errno.ETXTBSY
+        assert transport(m)["passthrough"]["busy"] == busy + 3
+        assert read(p) == data                       # another reader: the same version, passthrough
+    finally:
+        reader.communicate("", timeout=30)
+    with open(p, "r+b") as f:                        # the reader's RELEASE is waited for
+        f.write(b"new")
+    assert read(p) == b"new" + data[3:]
+
+
+def test_a_second_user_gets_what_permissions_allow(kvfs_mount, intruder):
+    m = kvfs_mount(ram="64MiB", allow_other=True)
+    public, private = m.path / "public.kv", m.path / "private.kv"
+    public.write_bytes(content("pub", 2 * MiB))
+    private.write_bytes(content("priv", 2 * MiB))
+    os.chmod(public, 0o644)
+    os.chmod(private, 0o600)
+    probe = r"""
+import errno, os, sys, json
+out = {}
+for name in sys.argv[1:]:
+    try:
+        fd = os.open(name, os.O_RDONLY)
+    except OSError as e:
+        out[name] = ["open", e.errno]; continue
+    got = os.pread(fd, 1 << 22, 0)
+    try:
+        os.pwrite(fd, b"x", 0); w = "wrote"
+    except OSError as e:
+        w = e.errno
+    try:
+        os.close(os.open(name, os.O_WRONLY)); o = "opened"
+    except OSError as e:
+        o = e.errno
+    out[name] = [len(got), w, o]
+    os.close(fd)
+print(json.dumps(out))
+"""
+    before = opens(m)
+    with reachable(m.path):
+        res = json.loads(intruder.run(probe, public, private).stdout)
+    assert res[str(public)] == [2 * MiB, errno.EBADF, errno.EACCES]
+    assert res[str(private)] == ["open", errno.EACCES]
+    assert opens(m) == before + 1
+    assert read(public) == content("pub", 2 * MiB)
+
+
+@pytest.mark.parametrize("flags,name,state", [
+    (("--transport", "pyfuse3"), "pyfuse3", "off (the pyfuse3 transport cannot negotiate it)"),
+    (("--no-passthrough",), "kernel", "off (turned off: passthrough = false)"),
+])
+def test_fallbacks_serve_every_read_themselves(kvfs_mount, flags, name, state):
+    m = kvfs_mount(*flags, ram="64MiB")
+    t = transport(m)
+    assert t["name"] == name and t["passthrough"]["state"] == state
+    p, data = m.path / "b.kv", content("b", 2 * MiB)
+    p.write_bytes(data)
+    assert all(got == data for got in every_way(p, len(data)))
+    if name == "kernel":                 # the written pages were kept: no READ was needed
+        assert transport(m)["passthrough"]["opens"] == 0
+
+
+def test_without_cap_sys_admin_the_kernel_transport_cannot_run():
+    code = "from kvfs.fs.session import unavailable; print(unavailable())"
+    res = subprocess.run(["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", sys.executable,
+                          "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "CAP_SYS_ADMIN" in res.stdout
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.stdout.strip() == "None"

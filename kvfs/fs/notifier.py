@@ -65,9 +65,7 @@ class Notifier:
         kernel = fn in (pyfuse3.invalidate_entry, pyfuse3.invalidate_inode)
         if kernel and (channel is not None or self.direct is not None):
             msg = notifyproc.inval_entry(*args) if fn is pyfuse3.invalidate_entry else notifyproc.inval_inode(*args)
-        if kernel and channel is None and self.direct is not None:
-            self.direct(msg)         # kvfs's own transport: its device (no libfuse session)
-            return
+        if kernel and channel is not None:
             try:
                 err = channel.send(msg)
             except (OSError, ValueError) as e:
@@ -78,6 +76,9 @@ class Notifier:
                 if err:
                     raise OSError(err, os.strerror(err))
                 return
+        if kernel and self.direct is not None:
+            self.direct(msg)         # kvfs's own transport: its device (no libfuse session)
+            return
         fn(*args)
 
     def send(self, fn, *args) -> None:

@@ -346,4 +346,4 @@ class Handlers:
     async def _statfs(self, nodeid, body, ctx) -> list:
         s = await self.ops.statfs(ctx)
         return [wire.STATFS_OUT.pack(s.f_blocks, s.f_bfree, s.f_bavail, s.f_files, s.f_ffree,
-                                     s.f_bsize, s.f_namemax, s.f_frsize)]
+                                     s.f_bsize, s.f_namemax, s.f_frsize, 0)]

@@ -12,8 +12,10 @@ files (remote), nor a small object the RAM tier keeps in the daemon's memory.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 
 import trio
 
@@ -22,8 +24,13 @@ from kvfs.store import checksum
 log = logging.getLogger(__name__)
 
 
-def _open_verified(path: str, size: int, chunk_size: int, sums: tuple[int, ...]) -> int | None:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _open_verified(path: str, size: int, chunk_size: int, sums: tuple[int, ...],
+                   abandoned: threading.Event) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        log.warning("not handing %s to the kernel: %s", path, e)
+        return None
     try:
         if os.fstat(fd).st_size != size:
             raise ValueError("size differs")
@@ -34,7 +41,26 @@ def _open_verified(path: str, size: int, chunk_size: int, sums: tuple[int, ...])
         os.close(fd)
         log.warning("not handing %s to the kernel: %s", path, e)
         return None
+    if abandoned.is_set():          # the opener gave up at read_deadline: nobody takes the fd
+        os.close(fd)
+        return None
     return fd
+
+
+async def _verified_within_deadline(store, tier, path: str, obj) -> int | None:
+    """The NVMe copy opened and checked in a worker thread, abandoned at the store's
+    ``read_deadline`` (a hung disk): counted as a missed deadline, and the open goes on without
+    passthrough (the daemon's read then fails with EIO at its own deadline, as before)."""
+    abandoned = threading.Event()
+    check = functools.partial(_open_verified, path, obj.size, obj.chunk_size, obj.sums, abandoned)
+    if not store.read_deadline:
+        return await trio.to_thread.run_sync(check)
+    with trio.move_on_after(store.read_deadline):
+        return await trio.to_thread.run_sync(check, abandon_on_cancel=True)
+    abandoned.set()
+    store.telemetry.deadline(tier.name)
+    log.warning("checking %s for passthrough passed the %.1f s read deadline", path, store.read_deadline)
+    return None
 
 
 async def open_backing(store, obj) -> int | None:
@@ -58,5 +84,5 @@ async def open_backing(store, obj) -> int | None:
                 os.close(fd)
                 return None
             return fd
-        return await trio.to_thread.run_sync(_open_verified, where["path"], obj.size, obj.chunk_size, obj.sums)
+        return await _verified_within_deadline(store, tier, where["path"], obj)
     return None

@@ -49,8 +49,9 @@ def run_fsx(m, ref, *, seed: int, procs: int, ops: int, phases: int = 1, exclude
     """``phases`` runs of ``ops / phases`` operations; between two phases the daemon is killed
     with SIGKILL (workers keep their descriptors open through it), remounted, and every file
     checked against its last sealed version."""
+    pt = m.stats()["transport"].get("passthrough", {}).get("state", "off")
     cfg = fsx.Config(str(m.path), str(ref), seed=seed, procs=procs, ops=ops, exclude=tuple(sorted(exclude)),
-                     max_mismatches=max_mismatches)
+                     max_mismatches=max_mismatches, passthrough=pt.startswith("on"))
     ex = fsx.Exerciser(cfg)
     t0 = time.perf_counter()
     try:

@@ -365,3 +365,62 @@ def assert_one_line_error(res: subprocess.CompletedProcess, *needles: str, code:
     for n in needles:
         assert n.lower() in err.lower(), f"{n!r} not in {err!r}"
     return err
+
+
+# ---- watchdog: a test stuck in a FUSE request fails alone --------------------------------
+# pytest-timeout (pyproject: 600 s) ends a hung test by exiting the process, which a thread
+# waiting on a FUSE answer the daemon never sends can outlive: the run then stalls whole. A
+# little before that, abort the FUSE connections of this run's kvfs mounts (what an operator
+# does with fusectl): the stuck call gets ENOTCONN, the test fails with its own traceback, the run
+# goes on.
+WATCHDOG_BEFORE = 60.0
+
+
+def _abort_kvfs_connections(under: str) -> list[str]:
+    """Abort the FUSE connections of the kvfs mounts below ``under`` (this run's temp dir)."""
+    aborted = []
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    ctl = "/sys/fs/fuse/connections"
+    if not os.path.isdir(f"{ctl}/.") or not os.listdir(ctl):
+        subprocess.run(["mount", "-t", "fusectl", "none", ctl], capture_output=True)
+    for fields in mounts:
+        sep = fields.index("-")
+        if fields[sep + 1] != "fuse.kvfs" and fields[sep + 2] != "kvfs":
+            continue
+        if not fields[4].startswith(under + "/"):
+            continue
+        conn = fields[2].split(":")[1]
+        try:
+            with open(f"{ctl}/{conn}/abort", "w") as a:
+                a.write("1")
+            aborted.append(fields[4])
+        except OSError:
+            pass
+    return aborted
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    import threading
+    limit = item.config.getini("timeout")
+    marker = item.get_closest_marker("timeout")
+    if marker and marker.args:
+        limit = marker.args[0]
+    limit = float(item.config.getoption("timeout", None) or limit or 0)
+    timer = None
+    if limit > WATCHDOG_BEFORE * 2:
+        base = str(item.config._tmp_path_factory.getbasetemp())
+
+        def fire():
+            gone = _abort_kvfs_connections(base)
+            sys.stderr.write(f"\nwatchdog: {item.nodeid} ran {limit - WATCHDOG_BEFORE:.0f} s; "
+                             f"aborted the FUSE connections of {gone}\n")
+        timer = threading.Timer(limit - WATCHDOG_BEFORE, fire)
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.cancel()

@@ -42,6 +42,9 @@ class Fields:
         self.update_size = bool(valid & wire.FATTR_SIZE)
 
 
+# answers of more pieces than this are joined into one before writev (IOV_MAX is 1024)
+REPLY_PARTS = 256
+
 class DirToken:
     """What ``readdir`` fills through :func:`kvfs.fs.dirreply.reply`: directory entries up
     to the size the kernel asked for (``fuse_direntplus`` with READDIRPLUS)."""
@@ -127,19 +130,27 @@ class Handlers:
 
     def reply(self, unique: int, parts: list) -> bool:
         size = wire.OUT_HEADER.size + sum(len(p) for p in parts)
-        return self._send([wire.OUT_HEADER.pack(size, 0, unique), *parts])
+        if len(parts) >= REPLY_PARTS:    # writev takes at most IOV_MAX (1024) pieces
+            parts = [b"".join(parts)]
+        err = self._send([wire.OUT_HEADER.pack(size, 0, unique), *parts])
+        if err not in (0, errno.ENOENT, errno.ENODEV):
+            # the kernel refused the answer (a bug of ours): an error, or the caller waits forever
+            self.reply_error(unique, errno.EIO)
+        return err == 0
 
     def reply_error(self, unique: int, err: int) -> None:
         self._send([wire.OUT_HEADER.pack(wire.OUT_HEADER.size, -(err or errno.EIO), unique)])
 
-    def _send(self, parts: list) -> bool:
+    def _send(self, parts: list) -> int:
+        """Write one answer; 0 or the errno (ENOENT: the request was interrupted; ENODEV:
+        unmounted; anything else is logged)."""
         try:
             os.writev(self.fd, parts)
-        except OSError as e:     # ENOENT: the request was interrupted; ENODEV: unmounted
+        except OSError as e:
             if e.errno not in (errno.ENOENT, errno.ENODEV):
                 log.error("reply to the kernel failed: %s", e)
-            return False
-        return True
+            return e.errno
+        return 0
 
     def notify(self, msg: bytes) -> None:
         """A notification written on the session's own device (when no helper holds a clone)."""

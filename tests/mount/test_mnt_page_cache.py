@@ -2,30 +2,71 @@
 
 Issue 2 section 2: "readers that opened the old version keep reading it"; "a replaced name
 must not serve stale bytes". kvfs/fs/ops.py tracks which version the cached pages hold and
-gives direct_io to a handle opened while another version is open.
+gives direct_io to a handle opened while another version is open. With FUSE passthrough (the
+default on the kernel transport) a reader of a sealed block holds its inode's one backing file:
+the rewrite fails with ETXTBSY while that reader is open, the reader keeps its version, and the
+rewrite goes through once it is closed; the mount with passthrough off keeps the rewrite.
 """
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
 
 from mounthelp import MiB, content, open_mount, put, read
-from mounthelp import d, mnt  # noqa: F401 - shared fixtures
+from mounthelp import d  # noqa: F401 - shared fixture
 
 pytestmark = pytest.mark.mount
 
 
+@pytest.fixture(scope="module", params=["passthrough", "no-passthrough"])
+def mnt(tmp_path_factory, request):
+    extra = () if request.param == "passthrough" else ("--no-passthrough",)
+    m = open_mount(tmp_path_factory.mktemp("kvfs-mod") / "kvfs", *extra)
+    yield m
+    m.cleanup()
+
+
+def passthrough_opens(m) -> int:
+    return ((m.stats().get("transport") or {}).get("passthrough") or {}).get("opens", 0)
+
+
+def open_reader(mnt, p) -> tuple[int, bool]:
+    """A read-only descriptor of ``p`` and whether the kernel serves it by passthrough."""
+    before = passthrough_opens(mnt)
+    r = os.open(p, os.O_RDONLY)
+    return r, passthrough_opens(mnt) > before
+
+
+def refused_while_held(p, flags: int) -> None:
+    with pytest.raises(OSError) as e:
+        os.close(os.open(p, flags))
+    assert e.value.errno == errno.ETXTBSY
+
+
 
 @pytest.mark.parametrize("how", ["rewrite", "trunc"])
-def test_old_reader_keeps_old_version(d, how):
+def test_old_reader_keeps_old_version(mnt, d, how):
     size = 3 * MiB
     v1, v2 = content("v1", size), content("v2", size)
     put(d / "f", v1)
-    r = os.open(d / "f", os.O_RDONLY)
+    r, held = open_reader(mnt, d / "f")
     try:
         assert os.pread(r, 4096, 0) == v1[:4096]          # the page cache holds v1 now
         flags = os.O_WRONLY | (os.O_TRUNC if how == "trunc" else 0)
+        if held:
+            refused_while_held(d / "f", flags)
+            assert os.pread(r, size + 1, 0) == v1 and read(d / "f") == v1
+            os.close(r)
+            r = -1
+            w = os.open(d / "f", flags)                   # the reader gone: the rewrite goes on
+            try:
+                os.pwrite(w, v2, 0)
+            finally:
+                os.close(w)
+            assert read(d / "f") == v2
+            return
         w = os.open(d / "f", flags)
         try:
             os.pwrite(w, v2, 0)
@@ -40,18 +81,27 @@ def test_old_reader_keeps_old_version(d, how):
         # a new open sees v2, even though the old reader just re-filled the page cache
         assert read(d / "f") == v2, "a new open served the old version"
     finally:
-        os.close(r)
+        if r >= 0:
+            os.close(r)
     assert read(d / "f") == v2
 
 
-def test_old_reader_during_rewrite_keeps_old_version(d):
+def test_old_reader_during_rewrite_keeps_old_version(mnt, d):
     """The rewrite is still open (not sealed): the old reader must not see its bytes either."""
     size = 2 * MiB
     v1, v2 = content("w1", size), content("w2", size)
     put(d / "f", v1)
-    r = os.open(d / "f", os.O_RDONLY)
+    r, held = open_reader(mnt, d / "f")
     try:
         assert os.pread(r, size, 0) == v1
+        if held:
+            refused_while_held(d / "f", os.O_WRONLY)
+            assert os.pread(r, size, 0) == v1
+            os.close(r)
+            r = -1
+            (d / "f").write_bytes(v2)
+            assert read(d / "f") == v2
+            return
         w = os.open(d / "f", os.O_WRONLY)
         try:
             os.pwrite(w, v2, 0)
@@ -62,5 +112,6 @@ def test_old_reader_during_rewrite_keeps_old_version(d):
             os.close(w)
         assert os.pread(r, size, 0) == v1
     finally:
-        os.close(r)
+        if r >= 0:
+            os.close(r)
     assert read(d / "f") == v2

@@ -78,6 +78,14 @@ def stat_cmd(mountpoint, as_json):
         stdout.print(f"remote share lease: {share.get('lease', 0):g} s + grace {share.get('grace', 0):g} s, "
                      f"{state}, partitions {share.get('partitions', 0)}, takeovers {share.get('takeovers', 0)}"
                      + (f", holding region {held}" if held else ""), markup=False)
+    tr = data.get("transport")
+    if tr:
+        pt = tr.get("passthrough") or {}
+        how = tr.get("why") or f"kvfs's own, FUSE protocol {tr.get('protocol')}"
+        stdout.print(f"transport: {tr.get('name')} ({how})", markup=False)
+        stdout.print(f"passthrough: {pt.get('state', 'off')}"
+                     + (f", {pt['opens']} opens, {pt['held']} inodes held now" if "opens" in pt else ""),
+                     markup=False)
     extras = {k: v for k, v in data.items()
               if k not in ("tiers", "pid", "mountpoint", "time", "started")
               and not isinstance(v, (dict, list))}

@@ -52,10 +52,11 @@ def every_way(path, size: int) -> list[bytes]:
         os.close(fd)
 
 
-def test_sealed_blocks_are_read_by_the_kernel(kvfs_mount):
+def test_sealed_blocks_are_read_by_the_kernel(kvfs_mount, kvfs_cli):
     m = kvfs_mount(ram="64MiB")
     t = transport(m)
     assert t["name"] == "kernel" and t["passthrough"]["state"] == "on"
+    assert "passthrough: on" in kvfs_cli("stat", m.path).stdout
     blocks = {m.path / f"b{i}.kv": content(f"b{i}", 2 * MiB + i * 4097) for i in range(3)}
     for p, data in blocks.items():
         p.write_bytes(data)                    # read right after the write: the runtime pattern
@@ -190,10 +191,12 @@ print(json.dumps(out))
     (("--transport", "pyfuse3"), "pyfuse3", "off (the pyfuse3 transport cannot negotiate it)"),
     (("--no-passthrough",), "kernel", "off (turned off: passthrough = false)"),
 ])
-def test_fallbacks_serve_every_read_themselves(kvfs_mount, flags, name, state):
+def test_fallbacks_serve_every_read_themselves(kvfs_mount, kvfs_cli, flags, name, state):
     m = kvfs_mount(*flags, ram="64MiB")
     t = transport(m)
     assert t["name"] == name and t["passthrough"]["state"] == state
+    out = kvfs_cli("stat", m.path).stdout          # what an operator reads
+    assert f"transport: {name} (" in out and f"passthrough: {state}" in out
     p, data = m.path / "b.kv", content("b", 2 * MiB)
     p.write_bytes(data)
     assert all(got == data for got in every_way(p, len(data)))

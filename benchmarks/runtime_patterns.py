@@ -23,8 +23,8 @@ Patterns: (a) create + write 32 KiB / 2 MiB + close + rename, 1 and 4 threads; (
 ``stat`` of a file right after its write; (c) ``stat`` of files written at the start of the
 run; (d) repeated ``os.path.exists`` of missing names; (e) open + one ``readinto`` of 2 MiB
 right after the write, and again later; (e-mmap) open + ``mmap`` (``MAP_SHARED``) + a
-memoryview copy of the whole 2 MiB (every page touched) right after the write; (f) vLLM's store (O_DIRECT probe, O_EXCL temp
-``<h>.bin_<rand>.tmp``, page-aligned buffer, one write, rename, 16 threads racing ``makedirs``
+memoryview copy of the whole 2 MiB (every page touched) right after the write; (f) vLLM's
+store (O_DIRECT probe, O_EXCL temp ``<h>.bin_<rand>.tmp``, page-aligned buffer, one write, rename, 16 threads racing ``makedirs``
 of ``h[:3]/h[3:5]_g0``) and its existence checks; (g) LMCache's (write in place, 4 threads;
 O_DIRECT reads); (h) ``kvfs.KVCache.save`` + ``flush`` of 32 KiB and 2 MiB blocks;
 (i) many creates, then ``stat`` and ``unlink`` of each; (j) open + one ``readinto`` of 2 MiB
@@ -41,8 +41,9 @@ For each kvfs mount the run records, per pattern, ``transport.passthrough.opens`
 passthrough never reach the daemon.
 
 Every figure is a rate (higher is better). Reported: each target's median with min-max
-over the rounds, and kvfs's ratio to both floors and to the plain directory (median of the
-per-round ratios, with their min-max). Buffers are page-aligned mmaps touched before timing.
+over the rounds, and kvfs's ratio to kvfs on pyfuse3, to both floors and to the plain
+directory (median of the per-round ratios, with their min-max). Buffers are page-aligned
+mmaps touched before timing.
 """
 from __future__ import annotations
 
@@ -558,7 +559,8 @@ def _summary(vals: list[float]) -> dict:
 
 # (key, numerator, denominator): the ratios of each row, in table order
 RATIOS = [("vs_pyfuse3", "kvfs", "kvfs_pyfuse3"), ("vs_floor", "kvfs", "floor"),
-          ("vs_floor_kl", "kvfs", "floor_kl"), ("vs_plain", "kvfs", "plain"), ("floor_vs_plain", "floor", "plain")]
+          ("vs_floor_kl", "kvfs", "floor_kl"), ("vs_plain", "kvfs", "plain"),
+          ("floor_vs_plain", "floor", "plain")]
 RATIO_LABELS = {"vs_pyfuse3": "kvfs / kvfs on pyfuse3", "vs_floor": "kvfs / floor",
                 "vs_floor_kl": "kvfs / floor, kvfs's loop", "vs_plain": "kvfs / plain",
                 "floor_vs_plain": "floor / plain"}
@@ -619,10 +621,10 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
         for t, f in floors.items():
             progress(f"mounting {t}")
             f.mount()
-        dirs = {"kvfs": root / "kvfs" / "mnt" / "bench", "kvfs_pyfuse3": root / "kvfs_pyfuse3" / "mnt" / "bench",
-                "floor": root / "floor" / "bench", "floor_kl": root / "floor_kl" / "bench",
-                "plain": plain, "tmpfs": shm}
-        dirs = {t: p for t, p in dirs.items() if t in targets}
+        dirs = {t: m.path / "bench" for t, m in mounts.items()}
+        dirs.update({t: f.path / "bench" for t, f in floors.items()})
+        dirs.update({t: p for t, p in (("plain", plain), ("tmpfs", shm)) if t in targets})
+        dirs = {t: dirs[t] for t in targets}
         for t, p in dirs.items():
             os.makedirs(p, exist_ok=True)
             if "nvme_read" in names and t in DISK_TARGETS:
@@ -723,7 +725,8 @@ def passthrough_table(res: dict) -> str:
         return ""
     lines = ["| pattern | " + " | ".join(h for _, _, h in cols) + " |", "|---|" + "---:|" * len(cols)]
     for name in names:
-        cells = [f"{counts(t, name)[k]:,}" if counts(t, name).get(k) is not None else "–" for t, k, _ in cols]
+        cells = [f"{counts(t, name)[k]:,}" if counts(t, name).get(k) is not None else "–"
+                 for t, k, _ in cols]
         lines.append(f"| {PATTERN_LABELS.get(name, name)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -805,8 +808,12 @@ def markdown(res: dict, png_name: str | None) -> str:
     if pt:
         out += ["Transports: " + "; ".join(
             f"{LABELS[t]}: {v.get('name')}, passthrough {v.get('passthrough') or 'off'}"
-            for t, v in pt.items()) + ". (j) reads after `echo 1 > /proc/sys/vm/drop_caches` "
-            "(buffered reads on both sides).", ""]
+            for t, v in pt.items()) + ".", ""]
+    if any(r["key"] == "j_nvme_read" for r in res["metrics"]) \
+            and not any(n.startswith("(j) could not") for n in res.get("notes", [])):
+        out += ["(j): buffered reads on every target, each target's reads right after "
+                "`echo 1 > /proc/sys/vm/drop_caches`; on the kvfs mounts the blocks were on the NVMe "
+                "tier (`user.kvfs.tier`) before and after the reads.", ""]
     if png_name:
         out += [f"![kvfs / kvfs on pyfuse3, kvfs / floor and kvfs / plain per pattern]({png_name})", ""]
     out.append(table(res))
@@ -836,7 +843,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     p.add_argument("--many", type=int, default=None, help="files of pattern (i)")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(ORDER)}")
-    p.add_argument("--targets", default=None, help=f"comma-separated subset of {','.join(TARGETS)} (default: all)")
+    p.add_argument("--targets", default=None,
+                   help=f"comma-separated subset of {','.join(TARGETS)} (default: all)")
     p.add_argument("--json", default=None)
     p.add_argument("--steps", nargs="+", metavar="LABEL=JSON", default=None,
                    help="print the per-step ratio tables of earlier runs and exit")

@@ -1,12 +1,16 @@
 """What a runtime gets from a kvfs mount, against the floor of a Python FUSE daemon and a plain directory.
 
     python benchmarks/runtime_patterns.py [--quick] [--rounds 5] [--dir DIR] [--json FILE]
-    kvfs bench --only runtime [--quick]            (the same, through the CLI)
+                                          [--targets kvfs,kvfs_pyfuse3,...]
+    kvfs bench --only runtime [--quick]            (the same on every target, through the CLI)
 
-The storage patterns of inference runtimes, run in ONE run on five targets, interleaved
+The storage patterns of inference runtimes, run in ONE run on six targets, interleaved
 (every round runs each pattern on every target, in a rotated order) and repeated:
 
-- ``kvfs``: a kvfs mount through the CLI;
+- ``kvfs``: a kvfs mount through the CLI, as configured by default (kvfs's own FUSE transport
+  with FUSE passthrough where the kernel offers it; ``.kvfs/stats`` says which it got);
+- ``kvfs_pyfuse3``: the same with ``transport = "pyfuse3"``: the path before passthrough,
+  every READ answered by the daemon, so kvfs / kvfs on pyfuse3 shows what issue 30 changed;
 - ``floor``: benchmarks/floorfs.py, an in-memory pyfuse3 + trio filesystem with kvfs's
   timeouts, mount options and read-ahead, served by ``pyfuse3.main``: what any Python FUSE
   daemon costs here with pyfuse3's own request loop;
@@ -18,15 +22,28 @@ The storage patterns of inference runtimes, run in ONE run on five targets, inte
 Patterns: (a) create + write 32 KiB / 2 MiB + close + rename, 1 and 4 threads; (b) first
 ``stat`` of a file right after its write; (c) ``stat`` of files written at the start of the
 run; (d) repeated ``os.path.exists`` of missing names; (e) open + one ``readinto`` of 2 MiB
-right after the write, and again later; (f) vLLM's store (O_DIRECT probe, O_EXCL temp
-``<h>.bin_<rand>.tmp``, page-aligned buffer, one write, rename, 16 threads racing ``makedirs``
+right after the write, and again later; (e-mmap) open + ``mmap`` (``MAP_SHARED``) + a
+memoryview copy of the whole 2 MiB (every page touched) right after the write; (f) vLLM's
+store (O_DIRECT probe, O_EXCL temp ``<h>.bin_<rand>.tmp``, page-aligned buffer, one write, rename, 16 threads racing ``makedirs``
 of ``h[:3]/h[3:5]_g0``) and its existence checks; (g) LMCache's (write in place, 4 threads;
 O_DIRECT reads); (h) ``kvfs.KVCache.save`` + ``flush`` of 32 KiB and 2 MiB blocks;
-(i) many creates, then ``stat`` and ``unlink`` of each.
+(i) many creates, then ``stat`` and ``unlink`` of each; (j) open + one ``readinto`` of 2 MiB
+blocks on the NVMe tier with the page cache dropped (``echo 1 > /proc/sys/vm/drop_caches``
+once before each target's reads; without root, ``posix_fadvise(DONTNEED)`` on each file
+instead, which a note says): on the kvfs targets the blocks were written at the start and
+pushed to the NVMe tier by filling the RAM tier (confirmed by ``user.kvfs.tier`` before and
+after every round's reads), on ``plain`` the same blocks written (and fsynced) on the disk that
+holds the NVMe tier. Buffered reads on both sides: what a runtime loading a cold block does.
+(j) runs on kvfs, kvfs_pyfuse3 and plain only (the other targets have no disk).
+
+For each kvfs mount the run records, per pattern, ``transport.passthrough.opens`` and
+``transport.data_reads`` from ``.kvfs/stats`` (summed over the rounds): reads served by
+passthrough never reach the daemon.
 
 Every figure is a rate (higher is better). Reported: each target's median with min-max
-over the rounds, and kvfs's ratio to both floors and to the plain directory (median of the
-per-round ratios, with their min-max). Buffers are page-aligned mmaps touched before timing.
+over the rounds, and kvfs's ratio to kvfs on pyfuse3, to both floors and to the plain
+directory (median of the per-round ratios, with their min-max). Buffers are page-aligned
+mmaps touched before timing.
 """
 from __future__ import annotations
 
@@ -51,10 +68,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kvfs.bench import BenchError, BenchMount, aligned_buffer, wait_for  # noqa: E402
+from kvfs.bench import BenchError, BenchMount, aligned_buffer, wait_for, xattr  # noqa: E402
 
 log = logging.getLogger("runtime_patterns")
-TARGETS = ("kvfs", "floor", "floor_kl", "plain", "tmpfs")
+TARGETS = ("kvfs", "kvfs_pyfuse3", "floor", "floor_kl", "plain", "tmpfs")
+KVFS_TARGETS = ("kvfs", "kvfs_pyfuse3")
+DISK_TARGETS = ("kvfs", "kvfs_pyfuse3", "plain")        # those that run (j)
+LABELS = {"kvfs": "kvfs", "kvfs_pyfuse3": "kvfs on pyfuse3", "floor": "floor fs",
+          "floor_kl": "floor fs, kvfs's loop", "plain": "plain dir", "tmpfs": "tmpfs"}
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -74,10 +95,13 @@ class Sizes:
     kv_big: int = 64          # (h) 2 MiB blocks
     many: int = 100_000       # (i)
     many_rounds: int = 1      # (i) runs in this many of the rounds (it is long)
+    nvme: int = 32            # (j) 2 MiB blocks on the NVMe tier
+    ram: int = 4 << 30        # each kvfs mount's RAM tier; (j) writes more than this to demote
 
 
 QUICK = Sizes(small=20, big=4, first_stat=20, old=50, missing=20, reads=4, vllm=16,
-              vllm_block=256 * KIB, lmcache=8, kv_small=32, kv_big=4, many=2000, many_rounds=1)
+              vllm_block=256 * KIB, lmcache=8, kv_small=32, kv_big=4, many=2000, many_rounds=1,
+              nvme=4, ram=256 * MIB)
 
 # (key, what, unit): the metrics in report order
 METRICS = [
@@ -90,6 +114,7 @@ METRICS = [
     ("d_missing", "(d) repeated exists() of missing names", "checks/s"),
     ("e_read_fresh", "(e) open+readinto 2 MiB right after the write", "GB/s"),
     ("e_read_later", "(e) same file again after a stat", "GB/s"),
+    ("e_mmap_fresh", "(e-mmap) open+mmap (MAP_SHARED)+copy of 2 MiB right after the write", "GB/s"),
     ("f_vllm_store", "(f) vLLM store, 16 threads", "blocks/s"),
     ("f_vllm_exists", "(f) vLLM existence check of the blocks stored", "checks/s"),
     ("g_lmc_write", "(g) LMCache write in place, 4 threads", "GB/s"),
@@ -99,6 +124,7 @@ METRICS = [
     ("i_create", "(i) create of many empty files", "files/s"),
     ("i_stat", "(i) stat of each", "stats/s"),
     ("i_unlink", "(i) unlink of each", "files/s"),
+    ("j_nvme_read", "(j) open+readinto 2 MiB on the NVMe tier, page cache dropped", "GB/s"),
 ]
 
 
@@ -199,6 +225,29 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _drop_page_cache(paths: list[str]) -> bool:
+    """Drop the page cache (``echo 1 > /proc/sys/vm/drop_caches``, root only: dentries and
+    inodes stay); without root, ``posix_fadvise(DONTNEED)`` on each of ``paths``. True when
+    the whole page cache was dropped."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return False
+
+
+def _tiers(paths: list[str]) -> set[str]:
+    return {str(xattr(Path(p), "user.kvfs.tier")) for p in paths}
+
+
 def _odirect_probe(root: str) -> bool:
     """vLLM's start-up probe: can an aligned O_DIRECT write be done here?"""
     probe = os.path.join(root, f".odirect_probe_{secrets.token_hex(4)}")
@@ -230,8 +279,10 @@ class Patterns:
         self.bvllm = aligned_buffer(sizes.vllm_block)
         self.rbuf = aligned_buffer(2 * MIB)
         self.rbufs = [aligned_buffer(2 * MIB) for _ in range(4)]
+        self.bj = aligned_buffer(2 * MIB)
         self.kv = None
         self.notes: list[str] = []
+        self.nvme: dict[str, tuple[list[str], bool]] = {}   # (j): root -> (block paths, on kvfs)
 
     def setup(self, root: str) -> None:
         """Files written once at the start: the 'older' files of (c)."""
@@ -239,6 +290,41 @@ class Patterns:
         mv = memoryview(self.b32)
         for i in range(self.sz.old):
             _write(os.path.join(root, "old", f"{i:06d}.bin"), mv)
+
+    def setup_nvme(self, root: str, mount: BenchMount | None, progress=lambda s: None) -> None:
+        """The 2 MiB blocks of (j), each with its own bytes. On a kvfs mount they are written
+        first, then files are written beside them until the RAM tier's pressure has moved
+        them all to the NVMe tier (the oldest go first), then those files are removed; on a
+        plain directory they are written and synced."""
+        d = os.path.join(root, "nvme")
+        os.makedirs(d, exist_ok=True)
+        paths = [os.path.join(d, f"j{i:04d}.bin") for i in range(self.sz.nvme)]
+        mv = memoryview(self.bj)
+        for i, p in enumerate(paths):
+            mv[:8] = i.to_bytes(8, "little")
+            _write(p, mv)
+        if mount is not None:
+            fill_dir = os.path.join(root, "nvme-filler")
+            os.mkdir(fill_dir)
+            fill_size = max(2 * MIB, self.sz.ram // 8)
+            written, k = 0, 0
+            while _tiers(paths) != {"nvme"} and written <= 2 * self.sz.ram:
+                progress(f"(j) filling the RAM tier to demote ({written >> 20} MiB)")
+                fd = os.open(os.path.join(fill_dir, f"f{k}.bin"), os.O_WRONLY | os.O_CREAT, 0o644)
+                try:
+                    for _ in range(fill_size // len(mv)):
+                        os.write(fd, mv)
+                finally:
+                    os.close(fd)
+                written += fill_size
+                k += 1
+            progress("(j) waiting for the blocks to reach the NVMe tier")
+            if not wait_for(lambda: _tiers(paths) == {"nvme"}, 300, 0.2):
+                raise BenchError(f"(j) blocks never all reached the NVMe tier: {sorted(_tiers(paths))}")
+            shutil.rmtree(fill_dir)
+        else:
+            os.sync()
+        self.nvme[root] = (paths, mount is not None)
 
     def run(self, name: str, root: str, rnd: int, out: dict) -> None:
         d = os.path.join(root, f"r{rnd}")
@@ -307,6 +393,30 @@ class Patterns:
         later = _timed(lambda: [_read(p, r) for p in paths])
         out["e_read_fresh"] = len(paths) * 2 * MIB / fresh / 1e9
         out["e_read_later"] = len(paths) * 2 * MIB / later / 1e9
+
+    # (e-mmap)
+    def read_mmap(self, d: str, rnd: int, out: dict) -> None:
+        w, r = memoryview(self.b2m), memoryview(self.rbuf)
+
+        def one(p):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                mm = mmap.mmap(fd, len(w), mmap.MAP_SHARED, mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            try:
+                with memoryview(mm) as src:
+                    r[:] = src                 # touches every page of the mapping
+            finally:
+                mm.close()
+        total = 0.0
+        for i in range(self.sz.reads):
+            p = os.path.join(d, f"em{i}.bin")
+            _write(p, w)
+            total += _timed(lambda: one(p))
+        if r[:4096] != w[:4096] or r[-4096:] != w[-4096:]:
+            raise BenchError("mmap read other bytes than were written")
+        out["e_mmap_fresh"] = self.sz.reads * 2 * MIB / total / 1e9
 
     # (f)
     def vllm(self, d: str, rnd: int, out: dict) -> None:
@@ -409,17 +519,51 @@ class Patterns:
         out["i_unlink"] = n / _timed(lambda: [os.unlink(p) for p in paths])
 
 
+    # (j)
+    def nvme_read(self, d: str, rnd: int, out: dict) -> None:
+        got = self.nvme.get(os.path.dirname(d))
+        if got is None:                    # a target without a disk
+            return
+        paths, on_kvfs = got
+        if on_kvfs and _tiers(paths) != {"nvme"}:
+            raise BenchError(f"(j) blocks not on the NVMe tier before the reads: {sorted(_tiers(paths))}")
+        if not _drop_page_cache(paths):
+            note = "(j) could not write /proc/sys/vm/drop_caches (not root): posix_fadvise(DONTNEED) instead"
+            if note not in self.notes:
+                self.notes.append(note)
+        r = memoryview(self.rbuf)
+        out["j_nvme_read"] = len(paths) * 2 * MIB / _timed(lambda: [_read(p, r) for p in paths]) / 1e9
+        if int.from_bytes(r[:8], "little") != len(paths) - 1 or r[8:4096] != memoryview(self.bj)[8:4096]:
+            raise BenchError("(j) read other bytes than were written")
+        if on_kvfs and _tiers(paths) != {"nvme"}:
+            raise BenchError(f"(j) blocks left the NVMe tier while read: {sorted(_tiers(paths))}")
+
+
 def _raise(h):
     raise BenchError(f"block {h} missing right after it was stored")
 
 
-ORDER = ["create_rename", "first_stat", "old_stat", "missing", "read_back", "vllm", "lmcache",
-         "kvcache", "many"]
+PATTERN_LABELS = {"create_rename": "(a) create+write+rename", "first_stat": "(b) first stat",
+                  "old_stat": "(c) stat of old files", "missing": "(d) missing names",
+                  "read_back": "(e) read back 2 MiB", "read_mmap": "(e-mmap) mmap read 2 MiB",
+                  "vllm": "(f) vLLM store", "lmcache": "(g) LMCache", "kvcache": "(h) KVCache.save",
+                  "many": "(i) many files", "nvme_read": "(j) NVMe-tier read", "total": "all patterns"}
+ORDER = ["create_rename", "first_stat", "old_stat", "missing", "read_back", "read_mmap", "vllm",
+         "lmcache", "kvcache", "many", "nvme_read"]
 
 
 # -- the run ----------------------------------------------------------------------------------------
 def _summary(vals: list[float]) -> dict:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+# (key, numerator, denominator): the ratios of each row, in table order
+RATIOS = [("vs_pyfuse3", "kvfs", "kvfs_pyfuse3"), ("vs_floor", "kvfs", "floor"),
+          ("vs_floor_kl", "kvfs", "floor_kl"), ("vs_plain", "kvfs", "plain"),
+          ("floor_vs_plain", "floor", "plain")]
+RATIO_LABELS = {"vs_pyfuse3": "kvfs / kvfs on pyfuse3", "vs_floor": "kvfs / floor",
+                "vs_floor_kl": "kvfs / floor, kvfs's loop", "vs_plain": "kvfs / plain",
+                "floor_vs_plain": "floor / plain"}
 
 
 def _ratios(per_round: list[dict], a: str, b: str, key: str) -> dict | None:
@@ -428,72 +572,112 @@ def _ratios(per_round: list[dict], a: str, b: str, key: str) -> dict | None:
     return _summary(rs) if rs else None
 
 
+def _counters(m: BenchMount) -> dict:
+    """The transport counters of ``.kvfs/stats`` that say whether reads reached the daemon."""
+    t = m.stats().get("transport", {})
+    return {"opens": (t.get("passthrough") or {}).get("opens"), "data_reads": t.get("data_reads")}
+
+
+def _add(acc: dict, before: dict, after: dict) -> None:
+    for k, v in after.items():
+        if v is not None and before.get(k) is not None:
+            acc[k] = acc.get(k, 0) + v - before[k]
+
+
 def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: None,
-        only: list[str] | None = None) -> dict:
+        only: list[str] | None = None, targets: list[str] | None = None) -> dict:
     base = base.expanduser().resolve()
     root = base / "runtime"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     shm = tmpfs / f"kvfs-runtime-{os.getpid()}"
+    unknown = set(targets or ()) - set(TARGETS)
+    if unknown:
+        raise BenchError(f"unknown target(s) {', '.join(sorted(unknown))} (targets: {', '.join(TARGETS)})")
+    targets = tuple(t for t in TARGETS if not targets or t in targets)
+    if not targets:
+        raise BenchError(f"no target chosen (targets: {', '.join(TARGETS)})")
     settings = kvfs_settings()
-    m = BenchMount(root / "kvfs", ram=4 << 30, nvme_size=16 << 30)
-    floor = FloorMount(root / "floor", settings)
-    floor_kl = FloorMount(root / "floor_kl", dict(settings, kvfs_loop=True))   # kvfs.fs.loop
+    mounts = {"kvfs": BenchMount(root / "kvfs", ram=sizes.ram, nvme_size=16 << 30),
+              "kvfs_pyfuse3": BenchMount(root / "kvfs_pyfuse3", ram=sizes.ram, nvme_size=16 << 30,
+                                         transport="pyfuse3")}
+    mounts = {t: m for t, m in mounts.items() if t in targets}
+    floors = {"floor": FloorMount(root / "floor", settings),
+              "floor_kl": FloorMount(root / "floor_kl", dict(settings, kvfs_loop=True))}  # kvfs.fs.loop
+    floors = {t: f for t, f in floors.items() if t in targets}
     plain = root / "kvfs" / "plain"       # beside the NVMe tier's directory, same filesystem
     pats = Patterns(sizes)
     names = [n for n in ORDER if not only or n in only]
     per_round: list[dict] = []
+    counters = {t: {n: {} for n in names} for t in mounts}
+    transports: dict = {}
     try:
-        progress("mounting kvfs and floorfs")
-        m.mount()
-        floor.mount()
-        floor_kl.mount()
-        plain.mkdir(parents=True, exist_ok=True)
-        shm.mkdir(parents=True, exist_ok=True)
-        dirs = {"kvfs": m.path / "bench", "floor": floor.path / "bench", "floor_kl": floor_kl.path / "bench",
-                "plain": plain, "tmpfs": shm}
+        for t, m in mounts.items():
+            progress(f"mounting {t}")
+            m.mount()
+            tr = m.stats().get("transport", {})
+            transports[t] = {"name": tr.get("name"), "why": tr.get("why"),
+                             "passthrough": (tr.get("passthrough") or {}).get("state")}
+        for t, f in floors.items():
+            progress(f"mounting {t}")
+            f.mount()
+        dirs = {t: m.path / "bench" for t, m in mounts.items()}
+        dirs.update({t: f.path / "bench" for t, f in floors.items()})
+        dirs.update({t: p for t, p in (("plain", plain), ("tmpfs", shm)) if t in targets})
+        dirs = {t: dirs[t] for t in targets}
         for t, p in dirs.items():
             os.makedirs(p, exist_ok=True)
+            if "nvme_read" in names and t in DISK_TARGETS:
+                progress(f"(j) setup on {t}")
+                pats.setup_nvme(str(p), mounts.get(t), progress)
             progress(f"setup on {t}")
             pats.setup(str(p))
         for rnd in range(rounds):
-            res: dict = {t: {} for t in TARGETS}
+            res: dict = {t: {} for t in targets}
             for k, name in enumerate(names):
-                j = (rnd + k) % len(TARGETS)
-                order = TARGETS[j:] + TARGETS[:j]
+                j = (rnd + k) % len(targets)
+                order = targets[j:] + targets[:j]
                 for t in order:
                     progress(f"round {rnd + 1}/{rounds}: {name} on {t}")
+                    before = _counters(mounts[t]) if t in mounts else None
                     pats.run(name, str(dirs[t]), rnd, res[t])
+                    if before is not None:
+                        _add(counters[t][name], before, _counters(mounts[t]))
             per_round.append(res)
-            for t in TARGETS:              # free the round's files (kvfs's RAM tier stays small)
+            for t in targets:              # free the round's files (kvfs's RAM tier stays small)
                 shutil.rmtree(dirs[t] / f"r{rnd}", ignore_errors=True)
             log.info("round %d: %s", rnd, json.dumps(res))
     finally:
-        floor.cleanup()
-        floor_kl.cleanup()
-        try:
-            if m.pid is not None:
-                m.umount()
-        except BenchError as e:
-            log.warning("%s", e)
-        m.cleanup()
+        for f in floors.values():
+            f.cleanup()
+        for m in mounts.values():
+            try:
+                if m.pid is not None:
+                    m.umount()
+            except BenchError as e:
+                log.warning("%s", e)
+            m.cleanup()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
     out: dict = {"rounds": rounds, "sizes": dataclasses.asdict(sizes), "floor_settings": settings,
-                 "o_direct": {t: per_round[0][t].get("f_direct") for t in TARGETS} if per_round else {},
+                 "targets": list(targets),
+                 "o_direct": {t: per_round[0][t].get("f_direct") for t in targets} if per_round else {},
+                 "passthrough": {t: dict(transports.get(t, {}), by_pattern=counters[t],
+                                         total={k: sum(c.get(k, 0) for c in counters[t].values())
+                                                for k in ("opens", "data_reads")
+                                                if any(k in c for c in counters[t].values())})
+                                 for t in mounts},
                  "metrics": [], "notes": pats.notes}
     for key, what, unit in METRICS:
         row = {"key": key, "what": what, "unit": unit}
-        for t in TARGETS:
+        for t in targets:
             vals = [r[t][key] for r in per_round if key in r[t]]
             if vals:
                 row[t] = _summary(vals)
-        if "kvfs" not in row:
+        if not any(t in row for t in targets):
             continue
-        row["vs_floor"] = _ratios(per_round, "kvfs", "floor", key)
-        row["vs_floor_kl"] = _ratios(per_round, "kvfs", "floor_kl", key)
-        row["vs_plain"] = _ratios(per_round, "kvfs", "plain", key)
-        row["floor_vs_plain"] = _ratios(per_round, "floor", "plain", key)
+        for rk, a, b in RATIOS:
+            row[rk] = _ratios(per_round, a, b, key)
         out["metrics"].append(row)
     return out
 
@@ -503,20 +687,47 @@ def _fmt(x: float) -> str:
 
 
 def table(res: dict) -> str:
-    """The results as a markdown table."""
-    lines = ["| pattern | unit | kvfs | floor fs | floor fs, kvfs's loop | plain dir | tmpfs | kvfs / floor "
-             "| kvfs / floor, kvfs's loop | kvfs / plain | floor / plain |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """The results as a markdown table: a column per target of the run, then the ratios."""
+    targets = res.get("targets", TARGETS)
+    ratios = [k for k, a, b in RATIOS if a in targets and b in targets]
+    lines = ["| pattern | unit | " + " | ".join(LABELS[t] for t in targets) + " | "
+             + " | ".join(RATIO_LABELS[k] for k in ratios) + " |",
+             "|---|---|" + "---:|" * (len(targets) + len(ratios))]
     for row in res["metrics"]:
         cells = []
-        for t in TARGETS:
+        for t in targets:
             s = row.get(t)
             cells.append(_fmt(s["median"]) if s else "–")
         rat = []
-        for k in ("vs_floor", "vs_floor_kl", "vs_plain", "floor_vs_plain"):
+        for k in ratios:
             s = row.get(k)
             rat.append(f"{s['median']:.2f} ({s['min']:.2f}–{s['max']:.2f})" if s else "–")
         lines.append(f"| {row['what']} | {row['unit']} | " + " | ".join(cells + rat) + " |")
+    return "\n".join(lines)
+
+
+def passthrough_table(res: dict) -> str:
+    """Per pattern, what the kvfs mounts' ``.kvfs/stats`` counted (summed over the rounds):
+    opens given to the kernel by passthrough, and READs of files that reached the daemon."""
+    pt = res.get("passthrough") or {}
+    ts = [t for t in KVFS_TARGETS if t in pt]
+    if not ts:
+        return ""
+    names = [n for n in ORDER if any(n in pt[t]["by_pattern"] for t in ts)] + ["total"]
+
+    def counts(t, name):
+        return pt[t]["total"] if name == "total" else pt[t]["by_pattern"].get(name, {})
+    # (target, counter, heading); a counter a transport does not keep gets no column
+    cols = [(t, k, f"{LABELS[t]}: {head}") for t in ts
+            for k, head in (("opens", "passthrough opens"), ("data_reads", "READs at the daemon"))
+            if any(counts(t, n).get(k) is not None for n in names)]
+    if not cols:
+        return ""
+    lines = ["| pattern | " + " | ".join(h for _, _, h in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for name in names:
+        cells = [f"{counts(t, name)[k]:,}" if counts(t, name).get(k) is not None else "–"
+                 for t, k, _ in cols]
+        lines.append(f"| {PATTERN_LABELS.get(name, name)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -542,17 +753,25 @@ def plot(res: dict, png: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    rows = [r for r in res["metrics"] if r.get("vs_floor") or r.get("vs_plain")]
-    fig, ax = plt.subplots(figsize=(10, 0.42 * len(rows) + 1.5))
+    bars = [(key, label, color) for key, label, color in
+            (("vs_pyfuse3", "kvfs / kvfs on pyfuse3 (before passthrough)", "#8172b2"),
+             ("vs_floor", "kvfs / floor fs", "#4c72b0"),
+             ("vs_floor_kl", "kvfs / floor fs served by kvfs's loop", "#55a868"),
+             ("vs_plain", "kvfs / plain dir", "#dd8452"))
+            if any(r.get(key) for r in res["metrics"])]
+    rows = [r for r in res["metrics"] if any(r.get(key) for key, _, _ in bars)]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(10, (0.12 * len(bars) + 0.1) * len(rows) + 1.5))
     ys = range(len(rows))
-    h = 0.27
-    for off, key, label, color in ((-h, "vs_floor", "kvfs / floor fs", "#4c72b0"),
-                                   (0, "vs_floor_kl", "kvfs / floor fs served by kvfs's loop", "#55a868"),
-                                   (h, "vs_plain", "kvfs / plain dir", "#dd8452")):
-        med = [(r.get(key) or {}).get("median", 0) for r in rows]
-        lo = [m - (r.get(key) or {}).get("min", m) for m, r in zip(med, rows)]
-        hi = [(r.get(key) or {}).get("max", m) - m for m, r in zip(med, rows)]
-        ax.barh([y + off for y in ys], med, height=h, xerr=[lo, hi], label=label, color=color,
+    h = 0.8 / len(bars)
+    for i, (key, label, color) in enumerate(bars):
+        off = (i - (len(bars) - 1) / 2) * h
+        got = [(y, r[key]) for y, r in zip(ys, rows) if r.get(key)]   # (j) has no floor ratios
+        med = [s["median"] for _, s in got]
+        lo = [s["median"] - s["min"] for _, s in got]
+        hi = [s["max"] - s["median"] for _, s in got]
+        ax.barh([y + off for y, _ in got], med, height=h, xerr=[lo, hi], label=label, color=color,
                 error_kw={"elinewidth": 0.8, "capsize": 2})
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_yticks(list(ys))
@@ -561,9 +780,10 @@ def plot(res: dict, png: Path) -> bool:
     ax.set_xscale("log")
     ax.set_xlabel("ratio of rates (median of interleaved rounds, min–max); >1: kvfs faster")
     ax.set_title(f"kvfs under runtime storage patterns ({res['rounds']} rounds)")
-    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    below = 0.55 / (ax.get_position().height * fig.get_figheight())     # under the x label
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -below), ncol=2, fontsize=8)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return True
 
@@ -584,9 +804,22 @@ def markdown(res: dict, png_name: str | None) -> str:
            f"{s['read_ahead_kb']} KiB. O_DIRECT used by (f): "
            + ", ".join(f"{t} {'yes' if v else 'no'}" for t, v in res.get("o_direct", {}).items())
            + f". Sizes: `{json.dumps(res['sizes'])}`.", ""]
+    pt = res.get("passthrough") or {}
+    if pt:
+        out += ["Transports: " + "; ".join(
+            f"{LABELS[t]}: {v.get('name')}, passthrough {v.get('passthrough') or 'off'}"
+            for t, v in pt.items()) + ".", ""]
+    if any(r["key"] == "j_nvme_read" for r in res["metrics"]) \
+            and not any(n.startswith("(j) could not") for n in res.get("notes", [])):
+        out += ["(j): buffered reads on every target, each target's reads right after "
+                "`echo 1 > /proc/sys/vm/drop_caches`; on the kvfs mounts the blocks were on the NVMe "
+                "tier (`user.kvfs.tier`) before and after the reads.", ""]
     if png_name:
-        out += [f"![kvfs / floor and kvfs / plain per pattern]({png_name})", ""]
+        out += [f"![kvfs / kvfs on pyfuse3, kvfs / floor and kvfs / plain per pattern]({png_name})", ""]
     out.append(table(res))
+    if pt:
+        out += ["", "What reached the daemon (`.kvfs/stats` `transport.passthrough.opens` and "
+                "`transport.data_reads`, summed over the rounds):", "", passthrough_table(res)]
     for n in res.get("notes", []):
         out += ["", f"Note: {n}"]
     out += ["", END]
@@ -610,6 +843,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
     p.add_argument("--many", type=int, default=None, help="files of pattern (i)")
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(ORDER)}")
+    p.add_argument("--targets", default=None,
+                   help=f"comma-separated subset of {','.join(TARGETS)} (default: all)")
     p.add_argument("--json", default=None)
     p.add_argument("--steps", nargs="+", metavar="LABEL=JSON", default=None,
                    help="print the per-step ratio tables of earlier runs and exit")
@@ -627,8 +862,11 @@ def main(argv=None) -> int:
     if a.many is not None:
         sizes = dataclasses.replace(sizes, many=a.many)
     res = run(Path(a.dir), Path(a.tmpfs), a.rounds, sizes, progress=lambda s: log.info("%s", s),
-              only=a.only.split(",") if a.only else None)
+              only=a.only.split(",") if a.only else None,
+              targets=a.targets.split(",") if a.targets else None)
     print(table(res))
+    print()
+    print(passthrough_table(res))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     if a.plot:

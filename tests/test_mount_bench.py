@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import run_kvfs
+from conftest import _env, run_kvfs
 from kvfs.cli import bench_report
 
 pytestmark = pytest.mark.mount
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_bench_runs_everything_and_writes_docs(tmp_path):
@@ -45,23 +49,7 @@ def test_bench_runs_everything_and_writes_docs(tmp_path):
     assert "read_nvme" in text and "O_DIRECT plain file" in text
 
 
-def test_runtime_patterns_quick_run_reports_ratios(tmp_path):
-    """``kvfs bench --only runtime --quick``: every pattern runs on kvfs, the floor fs, a plain
-    directory and tmpfs, and each gets its ratios; the docs section is replaced, not appended."""
-    res = run_kvfs("bench", "--only", "runtime", "--quick", "--rounds", "1", "--dir",
-                   tmp_path / "scratch", "--json", timeout=900)
-    assert res.returncode == 0, res.stderr
-    rt = json.loads(res.stdout)["runtime"]
-    rows = {r["key"]: r for r in rt["metrics"]}
-    assert len(rows) >= 16, sorted(rows)      # (h) needs torch, the rest runs everywhere
-    for key, r in rows.items():
-        for t in ("kvfs", "floor", "plain", "tmpfs"):
-            assert r[t]["median"] > 0, (key, t)
-        assert r["vs_floor"]["median"] == pytest.approx(r["kvfs"]["median"] / r["floor"]["median"], rel=1e-6)
-        assert r["vs_plain"]["median"] == pytest.approx(r["kvfs"]["median"] / r["plain"]["median"], rel=1e-6)
-    assert rt["o_direct"]["kvfs"] is True               # vLLM's probe passes on the mount
-    assert not any(p.is_mount() for p in (tmp_path / "scratch").rglob("*") if p.is_dir())
-
+def _runtime_patterns_module():
     import importlib.util
     import sys
     from pathlib import Path
@@ -70,10 +58,73 @@ def test_runtime_patterns_quick_run_reports_ratios(tmp_path):
     rp = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = rp
     spec.loader.exec_module(rp)
+    return rp
+
+
+def test_runtime_patterns_quick_run_reports_ratios(tmp_path):
+    """``kvfs bench --only runtime --quick``: every pattern runs on kvfs, kvfs on pyfuse3, the
+    floor fs, a plain directory and tmpfs ((j), the NVMe-tier read, on the targets with a disk),
+    each gets its ratios, the passthrough counters are recorded; the docs section is replaced,
+    not appended."""
+    rp = _runtime_patterns_module()
+    res = run_kvfs("bench", "--only", "runtime", "--quick", "--rounds", "1", "--dir",
+                   tmp_path / "scratch", "--json", timeout=900)
+    assert res.returncode == 0, res.stderr
+    rt = json.loads(res.stdout)["runtime"]
+    assert rt["targets"] == list(rp.TARGETS)
+    rows = {r["key"]: r for r in rt["metrics"]}
+    assert len(rows) >= 18, sorted(rows)      # (h) needs torch, the rest runs everywhere
+    assert {"e_mmap_fresh", "j_nvme_read"} <= set(rows)
+    for key, r in rows.items():
+        ran = rp.DISK_TARGETS if key.startswith("j_") else rp.TARGETS
+        for t in ran:
+            assert r[t]["median"] > 0, (key, t)
+        for t in set(rp.TARGETS) - set(ran):
+            assert t not in r, (key, t)
+        for rk, a, b in rp.RATIOS:
+            if a in ran and b in ran:
+                assert r[rk]["median"] == pytest.approx(r[a]["median"] / r[b]["median"], rel=1e-6), (key, rk)
+            else:
+                assert r[rk] is None, (key, rk)
+    assert rt["o_direct"]["kvfs"] is True               # vLLM's probe passes on the mount
+    pt = rt["passthrough"]
+    assert pt["kvfs_pyfuse3"]["name"] == "pyfuse3"
+    assert pt["kvfs_pyfuse3"]["by_pattern"]["nvme_read"]["data_reads"] > 0    # the daemon read them
+    if pt["kvfs"]["passthrough"] == "on":               # kvfs's transport, Linux 6.9+, root
+        nvme = rt["sizes"]["nvme"]
+        assert pt["kvfs"]["by_pattern"]["nvme_read"] == {"opens": nvme, "data_reads": 0}
+        assert pt["kvfs"]["by_pattern"]["read_mmap"] == {"opens": rt["sizes"]["reads"], "data_reads": 0}
+        assert pt["kvfs"]["total"]["data_reads"] == 0
+    assert not any(p.is_mount() for p in (tmp_path / "scratch").rglob("*") if p.is_dir())
+
     md = tmp_path / "benchmarks.md"
     md.write_text("# kvfs benchmarks\n\n## Remote tier\n\nkept as is\n")
-    rp.write_docs(rt, md)
+    png = rp.write_docs(rt, md)
     first = md.read_text()
     rp.write_docs(rt, md)
     assert md.read_text() == first and first.count(rp.BEGIN) == 1 and "kept as is" in first
-    assert "(f) vLLM store" in first
+    assert "(f) vLLM store" in first and "(e-mmap) open+mmap" in first and "(j) open+readinto" in first
+    assert "| kvfs on pyfuse3 |" in first and "| kvfs / kvfs on pyfuse3 |" in first
+    assert "kvfs: READs at the daemon" in first and "(j) NVMe-tier read" in first
+    if png is not None:
+        assert png.stat().st_size > 0
+
+
+def test_runtime_patterns_targets_subset(tmp_path):
+    """``--targets`` runs a subset of the targets; the table and ratios keep to them."""
+    out = tmp_path / "rt.json"
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "runtime_patterns.py"), "--quick",
+                          "--rounds", "1", "--dir", str(tmp_path / "scratch"), "--targets", "kvfs,plain",
+                          "--only", "read_mmap,nvme_read", "--json", str(out)],
+                         capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL, env=_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    rt = json.loads(out.read_text())
+    assert rt["targets"] == ["kvfs", "plain"] and set(rt["passthrough"]) == {"kvfs"}
+    rows = {r["key"]: r for r in rt["metrics"]}
+    assert set(rows) == {"e_mmap_fresh", "j_nvme_read"}
+    for r in rows.values():
+        assert {t for t in ("kvfs", "kvfs_pyfuse3", "floor", "floor_kl", "plain", "tmpfs") if t in r} \
+            == {"kvfs", "plain"}
+        assert r["vs_plain"]["median"] > 0 and r["vs_pyfuse3"] is None and r["vs_floor"] is None
+    assert "| kvfs | plain dir | kvfs / plain |" in res.stdout
+    assert not any(p.is_mount() for p in (tmp_path / "scratch").rglob("*") if p.is_dir())

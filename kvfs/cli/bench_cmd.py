@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 @click.option("--full", is_flag=True, help="Also run the remount/RSS benchmark with 1M objects.")
 @click.option("--only", metavar="NAMES", default=None,
               help="Comma-separated subset: write,read,nvme,lookup,remount,runtime "
-                   "(runtime: the runtime storage patterns against a floor FUSE fs and a plain "
-                   "directory; only when named).")
+                   "(runtime: the runtime storage patterns on kvfs, kvfs on pyfuse3, a floor FUSE "
+                   "fs and a plain directory; only when named).")
 @click.option("--quick", is_flag=True, help="runtime: tiny sizes (a smoke run, not a measurement).")
 @click.option("--rounds", type=click.IntRange(1, 99), default=5, show_default=True,
               help="runtime: interleaved rounds; medians and min-max over them.")
@@ -104,6 +104,7 @@ def _runtime(base: Path, tmpfs: Path, rounds: int, quick: bool, as_json: bool, w
         click.echo(json.dumps({"runtime": res}, indent=2))
     else:
         stderr.print(rp.table(res))
+        stderr.print(rp.passthrough_table(res))
     if write_docs:
         png = rp.write_docs(res, Path(write_docs))
         stderr.print(f"wrote {write_docs}" + (f" and {png}" if png else " (no plot: matplotlib missing)"))

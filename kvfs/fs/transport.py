@@ -45,7 +45,8 @@ class Pyfuse3Transport:
 
     def statistics(self) -> dict:
         return {"name": self.name, "why": self.why,
-                "passthrough": {"state": "off (the pyfuse3 transport cannot negotiate it)"}}
+                "passthrough": {"state": "off (the pyfuse3 transport cannot negotiate it)"},
+                "data_reads": self.ops.data_reads}     # every READ of a file reaches us here
 
 
 class KernelTransport(KernelSession):

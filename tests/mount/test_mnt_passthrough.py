@@ -202,6 +202,7 @@ def test_fallbacks_serve_every_read_themselves(kvfs_mount, kvfs_cli, flags, name
     assert all(got == data for got in every_way(p, len(data)))
     if name == "kernel":                 # the written pages were kept: no READ was needed
         assert transport(m)["passthrough"]["opens"] == 0
+    assert isinstance(reads(m), int)     # both fallbacks count the READs that reached the daemon
 
 
 def test_without_cap_sys_admin_the_kernel_transport_cannot_run():

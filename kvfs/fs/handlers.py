@@ -325,10 +325,20 @@ class Handlers:
 
     # ---- xattrs and the filesystem ------------------------------------------------------------
     async def _setxattr(self, nodeid, body, ctx) -> list:
-        size, _ = wire.SETXATTR_IN.unpack_from(body)
+        size, flags = wire.SETXATTR_IN.unpack_from(body)
         rest = body[wire.SETXATTR_IN.size:]
         name, = wire.names_in(rest, 1)
         value = bytes(rest[len(name) + 1:len(name) + 1 + size])
+        if flags & (os.XATTR_CREATE | os.XATTR_REPLACE):
+            # the flags are the filesystem's to honour (pyfuse3 does it the same way)
+            try:
+                await self.ops.getxattr(nodeid, name, ctx)
+            except pyfuse3.FUSEError as e:
+                if e.errno != errno.ENODATA or flags & os.XATTR_REPLACE:
+                    raise
+            else:
+                if flags & os.XATTR_CREATE:
+                    raise pyfuse3.FUSEError(errno.EEXIST)
         await self.ops.setxattr(nodeid, name, value, ctx)
         return []
 

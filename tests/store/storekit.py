@@ -43,7 +43,7 @@ async def open_cache(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chu
     finally:
         store.flush_stats()
         if clean:
-            await store.write_down_volatile()
+            await store.mover.write_down_volatile()
             cache.mark_clean()
         for t in tiers:
             await t.close()

@@ -19,7 +19,7 @@ from typing import Callable
 
 import trio
 
-from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable, TierWriteFailed
+from kvfs.errors import CorruptObject, NoSuchObject, TierUnavailable
 from kvfs.store import checksum
 from kvfs.store.fair import Shares, TierLRU
 from kvfs.store.index import Index, Txn

@@ -86,7 +86,7 @@ async def populate(root: Path, count: int, dirs: int, progress) -> float:
             await cache.release(fh)
             if i % 20000 == 19999:
                 progress(f"{count}: {i + 1} files")
-        await cache.store.write_down_volatile()     # what `kvfs umount` does at the end
+        await cache.store.mover.write_down_volatile()     # what `kvfs umount` does at the end
         cache.mark_clean()
     finally:
         for t in tiers:

@@ -11,6 +11,7 @@ from kvfs.config import Config
 from kvfs.store.index import Index
 from kvfs.store.nvme import NvmeTier
 from kvfs.store.objects import ObjectStore
+from kvfs.store.prefix import PrefixRule
 from kvfs.store.ram import RamTier
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ def build_tiers(cfg: Config, index: Index, holder: str | None = None) -> list:
 
 
 def build_store(cfg: Config, index: Index, tiers: list) -> ObjectStore:
-    return ObjectStore(index, tiers, chunk_size=cfg.chunk_size, high=cfg.high_watermark,
-                       low=cfg.low_watermark, promote_hits=cfg.promote_hits,
+    ram = next(t for t in tiers if isinstance(t, RamTier))
+    return ObjectStore(index, tiers, ram=ram, prefix=PrefixRule(index), chunk_size=cfg.chunk_size,
+                       high=cfg.high_watermark, low=cfg.low_watermark, promote_hits=cfg.promote_hits,
                        promote_window=cfg.promote_window, admit_after=cfg.admission(),
                        read_deadline=float(cfg.read_deadline))

@@ -223,8 +223,8 @@ async def _write_down(cfg: Config, store) -> dict:
     store.flush_stats()
     n = lost = 0
     if not cfg.volatile_ram:
-        n = await store.write_down_volatile()
-        lost = getattr(store, "unkept", 0)
+        n = await store.mover.write_down_volatile()
+        lost = store.mover.unkept
         log.info("wrote %d RAM-only objects down", n - lost)
     return {"pid": os.getpid(), "ram_only": n, "lost": lost}
 

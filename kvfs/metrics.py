@@ -65,7 +65,7 @@ def snapshot(cache) -> dict:
         "promotion": store._promote_send.statistics().current_buffer_used,
         "moving": store._moving,
         "writers": len(cache.writers),
-        "demotion_backlog": {t.name: max(0, int(t.used - t.capacity * store.low)) for t in store.tiers},
+        "demotion_backlog": {t.name: max(0, int(t.used - store.policy.target(t))) for t in store.tiers},
     }
     return doc
 

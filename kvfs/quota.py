@@ -101,7 +101,7 @@ class Quotas:
         used = (counters.bytes if counters else 0) + current
         if used + growth <= limit:
             return
-        victims = self._victims(ns, keep=ws.base if ws else None)
+        victims = self.store.policy.namespace_victims(ns, keep=ws.base if ws else None)
         if used - sum(o.size for o in victims) + growth > limit:   # cannot fit: evict nothing
             self.refused += 1
             self._refused_fh[fh] = ns
@@ -130,7 +130,7 @@ class Quotas:
         if refused is not None:
             obj = self.cache.ns.sealed.get(ino) if ino is not None else None
             if obj is not None and self._ns_bytes(ns) > limit and not (obj.refs or obj.busy or obj.dead):
-                await self.store.evict(obj)
+                await self.store.mover.evict(obj)
                 self.evicted += 1
             return
         if self._ns_bytes(ns) > limit:
@@ -140,28 +140,18 @@ class Quotas:
     async def _evict_down(self, ns: str, need: int, keep) -> None:
         """Evict ``ns``'s idle files, least recently used first, until ``need`` bytes are freed."""
         freed = 0
-        for obj in self._victims(ns, keep=keep):
+        for obj in self.store.policy.namespace_victims(ns, keep=keep):
             if freed >= need:
                 break
             if obj.dead or obj.refs or obj.busy:     # opened or moved while we evicted others
                 continue
-            await self.store.evict(obj)
+            await self.store.mover.evict(obj)
             freed += obj.size
             self.evicted += 1
 
     def _ns_bytes(self, ns: str) -> int:
         counters = self.store.telemetry.namespaces.get(ns)
         return counters.bytes if counters else 0
-
-    def _victims(self, ns: str, keep) -> list:
-        """``ns``'s idle sealed files, least recently used first (prefix-aware: a block whose
-        descendants are cached is kept, as under pressure)."""
-        objs = self.store.objs
-        mine = {oid: objs[oid] for lru in self.store.lru.values() for oid in lru.objects(ns) if oid in objs}
-        return sorted((o for o in mine.values()
-                       if not (o.refs or o.pinned or o.busy or o.dead or o is keep)
-                       and self.store.may_evict(o)),
-                      key=lambda o: o.atime)
 
     def statistics(self) -> dict:
         nss = self.store.telemetry.namespaces

@@ -86,7 +86,7 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
         counts, unowned = self.ns.recover(lost)
         for obj in unowned:
             await self.store.release_space(obj)
-        tally.reset((o.record() for o in self.store.objs.values()), kv=bool(self.ns.kv_children))
+        tally.reset((o.record() for o in self.store.objs.values()), kv=bool(self.ns.prefix.children))
         counts["decoded"] = records.decoded - before
         if any(counts.values()):
             log.info("full recovery: %s", counts)
@@ -109,13 +109,13 @@ class Cache(FileHandles, Xattrs, Leases, Owners, Commits, BatchGets):
             log.info("dropped %d files that were never sealed", dropped)
         store = self.store
         if store.table_loaded:          # for the next start after a crash (kvfs.store.tally)
-            store.tally.note_kv(bool(self.ns.kv_children))
+            store.tally.note_kv(bool(self.ns.prefix.children))
         marker.write(self.index, {
             "objects": len(store.objs),
             "tiers": {t.name: [t.used, t.objects] for t in store.tiers if not t.volatile},
             "namespaces": store.telemetry.totals(),
             # -1: not known (the scan of this session's clean start did not finish)
-            "kv_parents": len(self.ns.kv_children) if store.table_loaded else -1})
+            "kv_parents": len(self.ns.prefix.children) if store.table_loaded else -1})
         return True
 
     async def sweep_orphans(self) -> int:

@@ -313,7 +313,7 @@ class Commits:
         if ram.used > ram.capacity and not staging.spilled:     # as a write would (_written)
             self.store.kick()
             await staging.spill(self.spill_dir)
-        elif ram.used > ram.capacity * self.store.high:
+        elif ram.used > ram.capacity * self.store.policy.high:
             self.store.kick()
         t0 = time.perf_counter()
         try:

@@ -358,7 +358,7 @@ class FileHandles:
         if ram.used > ram.capacity and not staging.spilled:
             self.store.kick()
             await staging.spill(self.spill_dir)
-        elif ram.used > ram.capacity * self.store.high:
+        elif ram.used > ram.capacity * self.store.policy.high:
             self.store.kick()
 
     async def flush(self, fh: int) -> None:

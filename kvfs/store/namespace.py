@@ -73,8 +73,8 @@ class Namespace:
     def __init__(self, index: Index, store: ObjectStore):
         self.index = index
         self.store = store
-        # prefix-aware eviction: (namespace, hash) -> number of cached child blocks
-        self.kv_children: dict[tuple[str, str], int] = {}
+        # prefix-aware eviction: the store's prefix rule, counting each KV block's cached children
+        self.prefix = store.policy.prefix
         # inode -> its sealed object, for regular files that have one: answers "is this name a
         # sealed file?" without reading and unpickling inode records (batched prefix lookups)
         self.sealed = SealedMap(self)
@@ -92,10 +92,8 @@ class Namespace:
         # kernel cache invalidation of names the store removed on its own (eviction, corruption)
         self.on_name_removed = lambda parent, name, ino: None
         store.on_lost = self._lost
-        store.may_evict = self._may_evict
         store.key_of = lambda obj: self.path_of(obj.ino)
         store.on_materialize = self._materialized
-        store.scan_inode = self._kv_add
 
     def start_clean(self) -> None:
         """After a clean unmount: nothing to recover; sealed files and objects are looked
@@ -142,7 +140,7 @@ class Namespace:
                 live_oids.add(oid)
                 self.store.objs[oid].pinned = rec.get("pin", False)
                 self.sealed[ino] = self.store.objs[oid]
-                self._kv_add(rec)
+                self.prefix.add(rec)
             live.add(ino)
         dangling = [(p, n) for p, n, c in self.index.iter_dirents() if c not in live]
         unowned = [o for oid, o in self.store.objs.items() if oid not in live_oids]
@@ -158,28 +156,6 @@ class Namespace:
         counts = {"dropped_files": len(doomed), "dangling_names": len(dangling),
                   "lost_objects": len(lost), "unowned_objects": len(unowned)}
         return counts, unowned
-
-    # ---- kv blocks ----------------------------------------------------------
-    def _kv_add(self, rec: dict) -> None:
-        kv = rec.get("kv")
-        if kv and kv.get("parent"):
-            k = (kv["namespace"], kv["parent"])
-            self.kv_children[k] = self.kv_children.get(k, 0) + 1
-
-    def _kv_remove(self, rec: dict) -> None:
-        kv = rec.get("kv")
-        if kv and kv.get("parent"):
-            k = (kv["namespace"], kv["parent"])
-            n = self.kv_children.get(k, 0) - 1
-            if n > 0 or (n < 0 and not self.store.table_loaded):    # the scan adds it later
-                self.kv_children[k] = n
-            else:
-                self.kv_children.pop(k, None)
-
-    def _may_evict(self, obj: Obj) -> bool:
-        rec = self.index.get_inode(obj.ino)
-        kv = rec.get("kv") if rec else None
-        return not kv or self.kv_children.get((kv["namespace"], kv["hash"]), 0) == 0
 
     # ---- reads --------------------------------------------------------------
     def inode(self, ino: int) -> dict:
@@ -282,7 +258,7 @@ class Namespace:
         name: the kernel made this change itself, so it is not told about it)."""
         txn.unlink(parent, name)
         txn.del_inode(ino)
-        self._kv_remove(rec)
+        self.prefix.remove(rec, self.store.table_loaded)
         self.sealed.pop(ino, None)
         self.unsealed.discard(ino)
         if keep_open:
@@ -408,7 +384,7 @@ class Namespace:
                        oid=obj.oid, gen=1)
             if kv:
                 rec["kv"] = kv
-            self._kv_add(rec)
+            self.prefix.add(rec)
             obj.pinned = False
             txn.put_object(obj.oid, obj.record(), old=None)        # a new object: nothing to read
             txn.put_inode(obj.ino, rec, new=True)                   # and a new inode
@@ -443,7 +419,7 @@ class Namespace:
             old = self.store.objs.get(rec.get("oid"))
             if old is not None:
                 self.store.drop(txn, old)
-            self._kv_remove(rec)
+            self.prefix.remove(rec, self.store.table_loaded)
             now = time.time_ns()
             rec.update(oid=obj.oid, size=obj.size, mtime=now if mtime is None else mtime, ctime=now,
                        gen=rec.get("gen", 0) + 1)
@@ -451,7 +427,7 @@ class Namespace:
                 rec["kv"] = kv
             else:
                 rec.pop("kv", None)
-            self._kv_add(rec)
+            self.prefix.add(rec)
             obj.pinned = rec.get("pin", False)
             txn.put_object(obj.oid, obj.record(), old=None)        # a new object
             txn.put_inode(ino, rec)
@@ -464,7 +440,7 @@ class Namespace:
         if rec is not None and rec.get("oid") == obj.oid:
             txn.unlink(rec["parent"], rec["name"])
             txn.del_inode(obj.ino)
-            self._kv_remove(rec)
+            self.prefix.remove(rec, self.store.table_loaded)
             self.sealed.pop(obj.ino, None)
             if self.is_open(obj.ino):
                 # a handle on another version of this inode (a reader of an older one): its

@@ -19,13 +19,14 @@ from typing import Callable
 
 import trio
 
-from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable, TierWriteFailed
+from kvfs.errors import CorruptObject, NoSuchObject, TierUnavailable
 from kvfs.store import checksum
 from kvfs.store.fair import Shares, TierLRU
 from kvfs.store.index import Index, Txn
-from kvfs.store.moves import Moves
+from kvfs.store.moves import Mover
 from kvfs.store.objtable import ObjTable
 from kvfs.store.policy import Policy
+from kvfs.store.prefix import PrefixRule
 from kvfs.store.ram import RamTier, Staging
 from kvfs.store.tally import Tally
 from kvfs.store.tier import ObjectInfo, Tier
@@ -86,19 +87,23 @@ class TierCounters:
         return {s: getattr(self, s) for s in self.__slots__}
 
 
-class ObjectStore(Policy, Moves):
-    """The object table and placement; pressure policy in policy.py, moves in moves.py."""
+class ObjectStore:
+    """The object table, reads and the background work; what to place where is ``policy``'s
+    (policy.py), moving bytes between tiers ``mover``'s (moves.py).
 
-    def __init__(self, index: Index, tiers: list[Tier], *, chunk_size: int, high: float, low: float,
-                 promote_hits: int, promote_window: float, admit_after: dict[str, int] | None = None,
-                 read_deadline: float = 0.0):
-        assert isinstance(tiers[0], RamTier)
+    ``tiers``: top first; ``ram``: the volatile RAM tier among them, where writes are sealed
+    and promotions go. ``prefix``: the prefix rule of eviction (prefix.py), which the policy
+    applies and the namespace keeps counting.
+    """
+
+    def __init__(self, index: Index, tiers: list[Tier], *, ram: RamTier, prefix: PrefixRule, chunk_size: int,
+                 high: float, low: float, promote_hits: int, promote_window: float,
+                 admit_after: dict[str, int] | None = None, read_deadline: float = 0.0):
+        assert ram in tiers
         self.index = index
         self.tiers = tiers
-        self.ram: RamTier = tiers[0]
+        self.ram = ram
         self.chunk_size = chunk_size
-        self.high, self.low = high, low
-        self.promote_hits, self.promote_window = promote_hits, promote_window
         # running totals and the RAM-only set, kept in the index's commits (tally.py)
         self.tally = Tally(index, {t.name: t.footprint for t in tiers if not t.volatile})
         # oid -> Obj, built from its record on first use after a clean mount (objtable.py)
@@ -109,14 +114,17 @@ class ObjectStore(Policy, Moves):
         self.counters = {t.name: TierCounters() for t in tiers}
         self.telemetry = Telemetry()     # histograms, namespaces, events (kvfs.telemetry)
         self.events = self.telemetry.events
-        self.admit_after = dict(admit_after or {})   # tier -> uses before an object may go there
         self.read_deadline = read_deadline           # seconds a lower-tier read may take (0: none)
+        self.policy = Policy(tiers, ram, self.objs, fair=self.lru, prefix=prefix, telemetry=self.telemetry,
+                             high=high, low=low, promote_hits=promote_hits, promote_window=promote_window,
+                             admit_after=admit_after)
+        self.mover = Mover(tiers, ram, index, self.objs, lru=self.lru, counters=self.counters,
+                           events=self.events, policy=self.policy, read_all=self.read_all, lose=self.lose,
+                           rekey=self._rekey, wait_loaded=self.wait_loaded)
         # set by the namespace: drop the object's name and record in this txn
         self.on_lost: Callable[[Txn, Obj], None] = lambda txn, obj: None
-        self.may_evict: Callable[[Obj], bool] = lambda obj: True
         self.key_of: Callable[[Obj], str] = lambda obj: obj.key    # current path, for records
         self.on_materialize: Callable[[Obj], None] = lambda obj: None   # set by the namespace
-        self.scan_inode: Callable[[dict], None] = lambda rec: None      # ditto (KV child counts)
         self._loaded = trio.Event()        # set once the table scan is done (or not needed)
         self._loaded.set()
         self._scanning = False
@@ -146,7 +154,7 @@ class ObjectStore(Policy, Moves):
                 lost.append(obj)
                 continue
             self._adopt(obj)
-        for t in self.tiers[1:]:
+        for t in self.durable():
             t.used = sum(t.footprint(o.size) for o in self.objs.values() if t.name in o.place)
             t.objects = sum(1 for o in self.objs.values() if t.name in o.place)
         return lost
@@ -154,13 +162,13 @@ class ObjectStore(Policy, Moves):
     def load_clean(self, marker: dict) -> None:
         """After a clean unmount: take the totals from its marker and decode nothing; objects
         are built on first use and the LRU order is scanned in the background (``serve``)."""
-        for t in self.tiers[1:]:
+        for t in self.durable():
             used = marker["tiers"].get(t.name)
             if used is not None:
                 t.used, t.objects = used
         self.telemetry.restore(marker["namespaces"])
         self.objs.count = marker["objects"]
-        self._scan_tiers = {t.name for t in self.tiers[1:] if marker["tiers"].get(t.name, [0, 1])[1]}
+        self._scan_tiers = {t.name for t in self.durable() if marker["tiers"].get(t.name, [0, 1])[1]}
         self._scan_kv = bool(marker.get("kv_parents", 1))
         self.objs.begin_scan()
         self._loaded = trio.Event()
@@ -192,12 +200,11 @@ class ObjectStore(Policy, Moves):
     async def _scan(self) -> None:
         self._scanning, self._scan_ended = True, trio.Event()
         try:
-            await self.objs.scan(self._scan_tiers, self.lru, self.scan_inode if self._scan_kv else None)
+            await self.objs.scan(self._scan_tiers, self.lru, self.policy.prefix.add if self._scan_kv else None)
         finally:
             self._scanning = False
             self._scan_ended.set()
         log.info("object table scanned: %d objects, %d built", len(self.objs), dict.__len__(self.objs))
-        self.scan_inode = lambda rec: None
         self._loaded.set()
         self.kick()
 
@@ -251,46 +258,10 @@ class ObjectStore(Policy, Moves):
                 whole, sums = await trio.to_thread.run_sync(checksum.summarize, view, self.chunk_size)
             obj = self._new_obj(ino, size, (whole, sums), key, gen, oid)
             if size and staging.spilled:
-                tier = await self._room_below(0, size)
-                obj.place[tier.name] = await self._put(self.tiers.index(tier), obj, view)
+                tier = await self.mover.room_below(self.tiers.index(self.ram), size)
+                obj.place[tier.name] = await self.mover.put(self.tiers.index(tier), obj, view)
                 self.counters[tier.name].bytes_written += size
         return obj
-
-    async def _room_below(self, above: int, size: int) -> Tier:
-        """The first available tier below index ``above`` that can take ``size`` bytes."""
-        lower = [i for i in range(above + 1, len(self.tiers)) if self.tiers[i].available]
-        if not lower:
-            raise TierFull("no tier below RAM is available")
-        for i in lower:
-            t = self.tiers[i]
-            if t.footprint(size) <= t.free():
-                return t
-        await self.make_room(lower[-1], self.tiers[lower[-1]].footprint(size))
-        return self.tiers[lower[-1]]
-
-    async def _put(self, i: int, obj: Obj, data) -> bytes:
-        """``tiers[i].put`` of ``obj``; when the tier's filesystem is fuller than its budget
-        says (ENOSPC with room on the books), make room there as if it were full and retry.
-        Any other OSError (EIO, EROFS) is counted in the tier's ``errors`` and raised as
-        TierWriteFailed: the caller keeps the object where it was."""
-        tier = self.tiers[i]
-        while True:
-            try:
-                return await tier.put(obj.info(), data)
-            except OSError as e:
-                self.counters[tier.name].errors += 1
-                log.warning("%s tier: writing object %x failed: %s", tier.name, obj.oid, e)
-                raise TierWriteFailed(f"{tier.name} tier: write failed: {e}") from e
-            except TierFull as e:
-                if i == 0 or tier.free() < tier.footprint(obj.size):
-                    raise                       # full on the books: the caller makes room
-                await self.wait_loaded()
-                victim = self._victim(tier, i >= self._lowest())
-                if victim is None:
-                    raise
-                log.warning("%s; making room as if full (%s %x)", e,
-                            "demoting" if i < self._lowest() else "evicting", victim.oid)
-                await self._make_way(victim, i, True)
 
     def drop(self, txn: Txn, obj: Obj) -> None:
         """Remove the object's record in ``txn``; call ``release_space`` after commit."""
@@ -339,12 +310,16 @@ class ObjectStore(Policy, Moves):
     def _tier(self, name: str) -> Tier:
         return next(t for t in self.tiers if t.name == name)
 
+    def durable(self) -> list[Tier]:
+        """The tiers below RAM, top first."""
+        return [t for t in self.tiers if t is not self.ram]
+
     # ---- reading ------------------------------------------------------------
     def top_tier(self, obj: Obj) -> str:
         for t in self.tiers:
             if t.name in obj.place:
                 return t.name
-        return self.tiers[1].name if len(self.tiers) > 1 else self.ram.name
+        return next((t.name for t in self.durable()), self.ram.name)
 
     def note_open(self, obj: Obj) -> None:
         """Count a hit on the serving tier, misses above it, and maybe promote."""
@@ -360,10 +335,7 @@ class ObjectStore(Policy, Moves):
             self.counters[t.name].misses += 1
         for name in obj.place:
             self.lru[name].touch(obj)
-        if now - obj.win_start > self.promote_window:
-            obj.win_start, obj.win_count = now, 0
-        obj.win_count += 1
-        if obj.size and self.ram.name not in obj.place and obj.win_count >= self.promote_hits:
+        if self.policy.wants_promotion(obj, now):
             try:
                 self._promote_send.send_nowait(obj)
                 self._promote_queued += 1
@@ -410,7 +382,7 @@ class ObjectStore(Policy, Moves):
         raise TierUnavailable(f"read of object {obj.oid:x} from {tier.name} passed its deadline")
 
     def _serving_tier(self, obj: Obj) -> Tier:
-        for t in self.tiers[1:]:
+        for t in self.durable():
             if t.name in obj.place:
                 if not t.available:
                     raise TierUnavailable(f"object {obj.oid:x} lives on unavailable tier {t.name}")
@@ -538,13 +510,18 @@ class ObjectStore(Policy, Moves):
         finally:
             self._background = None
 
+    def kick(self) -> None:
+        """Wake the pressure loop when a tier is above its high watermark."""
+        if self.policy.pressed():
+            self._kick.set()
+
     async def _pressure_loop(self) -> None:
         while True:
             await self._kick.wait()
             self._kick = trio.Event()
             self._moving += 1
             try:
-                await self.relieve()
+                await self.mover.relieve()
             finally:
                 self._moving -= 1
 
@@ -553,7 +530,7 @@ class ObjectStore(Policy, Moves):
             self._promote_queued -= 1
             self._moving += 1
             try:
-                await self.promote(obj)
+                await self.mover.promote(obj)
             finally:
                 self._moving -= 1
 

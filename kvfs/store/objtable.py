@@ -9,7 +9,7 @@ others, it learns without keeping them:
 * tier usage, object counts and per-namespace bytes come from the clean-unmount
   marker (kvfs.store.index ``Index.clean``), written by ``Cache.mark_clean``;
 * the per-tier LRU order (oids only) and the prefix-aware eviction counts
-  (``Namespace.kv_children``) are built by ``ObjTable.scan``, a background task in the
+  (``PrefixRule.children``, kvfs.store.prefix) are built by ``ObjTable.scan``, a background task in the
   store's nursery that reads the records in batches on the trio thread. Eviction and
   demotion of a durable tier wait for it (``ObjectStore.wait_loaded``); lookups,
   reads, writes and stats do not.

@@ -1,49 +1,85 @@
-"""Placement policy: when a tier is under pressure (watermarks), which object leaves it
-(victim choice), whether the tier below admits it, and how room is made; a mixin of
-``ObjectStore`` (kvfs/store/objects.py). The moves themselves are in moves.py.
+"""Placement policy: what the store decides, never how it moves bytes (kvfs.store.moves).
+
+- watermarks: when a tier is under pressure and how far relief brings it down;
+- victims: which object leaves a full tier (the fairness rule, kvfs.store.fair, picks the
+  namespace; least recently used first within it), and a namespace's idle files for its quota
+  (kvfs.quota);
+- where a victim goes: demoted to the tier below, or evicted (the prefix rule,
+  kvfs.store.prefix, keeps a KV block whose descendants are cached; admission keeps an object
+  off a tier that asks for more uses than it had);
+- promotion: which opens copy an object up to RAM.
+
+Both rules are objects given at construction: ``fair`` (tier name -> ``TierLRU``) and
+``prefix`` (``PrefixRule``).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
-from kvfs.errors import CorruptObject, NoSuchObject, TierFull, TierUnavailable, TierWriteFailed
+from kvfs.errors import TierFull
+from kvfs.store.fair import TierLRU
+from kvfs.store.prefix import PrefixRule
 from kvfs.store.tier import Tier
+from kvfs.telemetry import Telemetry
 
 if TYPE_CHECKING:
     from kvfs.store.objects import Obj
+    from kvfs.store.objtable import ObjTable
 
 log = logging.getLogger(__name__)
 
 
 class Policy:
-    """Watermarks, victim choice, admission and making room (``ObjectStore`` mixin)."""
+    """Watermarks, victim choice, admission and promotion over the store's tiers (top first)."""
 
-    # ---- pressure: demotion and eviction -----------------------------------
-    def kick(self) -> None:
-        for t in self.tiers:
-            if t.used > t.capacity * self.high:
-                self._kick.set()
-                return
+    def __init__(self, tiers: list[Tier], ram: Tier, objs: ObjTable, *, fair: dict[str, TierLRU],
+                 prefix: PrefixRule, telemetry: Telemetry, high: float, low: float, promote_hits: int,
+                 promote_window: float, admit_after: dict[str, int] | None = None):
+        self.tiers = tiers
+        self.ram = ram
+        self.objs = objs
+        self.fair = fair
+        self.prefix = prefix
+        self.telemetry = telemetry
+        self.high, self.low = high, low
+        self.promote_hits, self.promote_window = promote_hits, promote_window
+        self.admit_after = dict(admit_after or {})   # tier -> uses before an object may go there
 
-    def _lowest(self) -> int:
+    # ---- watermarks ---------------------------------------------------------------
+    def over_high(self, tier: Tier) -> bool:
+        return tier.used > tier.capacity * self.high
+
+    def pressed(self) -> bool:
+        """Some tier is above its high watermark (relief is due)."""
+        return any(self.over_high(t) for t in self.tiers)
+
+    def target(self, tier: Tier) -> float:
+        """The bytes relief brings ``tier`` down to."""
+        return tier.capacity * self.low
+
+    # ---- victims ------------------------------------------------------------------
+    def lowest(self) -> int:
+        """The index of the lowest reachable tier."""
         return max(i for i, t in enumerate(self.tiers) if t.available)
 
-    def _copy_below(self, obj: Obj, i: int) -> bool:
+    def copy_below(self, obj: Obj, i: int) -> bool:
         """True when a tier below ``i`` (reachable or not) holds a durable copy of ``obj``."""
         return any(t.name in obj.place for t in self.tiers[i + 1:])
 
-    def _victim(self, tier: Tier, evict: bool) -> Obj | None:
+    def victim(self, tier: Tier) -> Obj | None:
         """The next object to leave ``tier``: from the namespace furthest above its fair share
-        (kvfs/store/fair.py), least recently used first within it."""
+        (kvfs/store/fair.py), least recently used first within it. On the lowest reachable
+        tier it leaves by eviction: the prefix rule and pinning keep an object there."""
         i = self.tiers.index(tier)
+        evict = i >= self.lowest()
         # On the lowest *reachable* tier with an unreachable one below it (remote target
         # down), first take objects that also live down there: dropping this copy loses
         # nothing, they read again when the tier comes back.
         degraded = evict and i < len(self.tiers) - 1
         fallback = None
-        with contextlib.closing(self.lru[tier.name].ranked()) as ranked:
+        with contextlib.closing(self.fair[tier.name].ranked()) as ranked:
             for ns, lru in ranked:
                 found, first = self._victim_in(tier, ns, lru, evict, degraded, i)
                 if found is not None:
@@ -63,9 +99,9 @@ class Policy:
                     continue
                 if obj.refs or obj.busy:
                     continue
-                if degraded and not obj.pinned and self._copy_below(obj, i):
+                if degraded and not obj.pinned and self.copy_below(obj, i):
                     return obj, None
-                if evict and (obj.pinned or not self.may_evict(obj)):
+                if evict and (obj.pinned or not self.prefix.may_evict(obj)):
                     continue
                 if not degraded:
                     return obj, None
@@ -75,19 +111,32 @@ class Policy:
         finally:
             for oid in stale:
                 log.error("dropping a stale %s LRU entry %x", tier.name, oid)   # a bug elsewhere
-                self.lru[tier.name].drop_stale(ns, oid)
+                self.fair[tier.name].drop_stale(ns, oid)
 
-    async def _make_way(self, victim: Obj, i: int, evict_ok: bool) -> None:
-        """Move ``victim`` off tier ``i``: demote it, drop a copy that also lives below, or evict it."""
-        if (evict_ok and not victim.pinned and not self._copy_below(victim, i)
-                and self.may_evict(victim) and not self.admitted(victim, i)):
-            await self.evict(victim)
-        elif i < self._lowest() or self._copy_below(victim, i):
-            await self.demote(victim, i, evict_ok=evict_ok)
-        elif evict_ok:
-            await self.evict(victim)
-        else:
-            raise TierFull(f"{self.tiers[i].name} tier is full and a lower tier is unavailable")
+    def namespace_victims(self, ns: str, keep: Obj | None = None) -> list[Obj]:
+        """``ns``'s idle sealed files on any tier (not open, leased, pinned or moving, and not
+        ``keep``), least recently used first; the prefix rule keeps a block whose descendants
+        are cached, as under pressure (a quota's victims, kvfs.quota)."""
+        objs = self.objs
+        mine = {oid: objs[oid] for lru in self.fair.values() for oid in lru.objects(ns) if oid in objs}
+        return sorted((o for o in mine.values()
+                       if not (o.refs or o.pinned or o.busy or o.dead or o is keep)
+                       and self.prefix.may_evict(o)),
+                      key=lambda o: o.atime)
+
+    # ---- where a victim goes --------------------------------------------------------
+    def way(self, victim: Obj, i: int, evict_ok: bool) -> Literal["evict", "demote"]:
+        """How ``victim`` leaves tier ``i``: evicted, or demoted (copied below, or its copy
+        here dropped when one below holds it). ``evict_ok=False`` never evicts: TierFull
+        instead when it cannot be demoted."""
+        if (evict_ok and not victim.pinned and not self.copy_below(victim, i)
+                and self.prefix.may_evict(victim) and not self.admitted(victim, i)):
+            return "evict"
+        if i < self.lowest() or self.copy_below(victim, i):
+            return "demote"
+        if evict_ok:
+            return "evict"
+        raise TierFull(f"{self.tiers[i].name} tier is full and a lower tier is unavailable")
 
     def admitted(self, obj: Obj, i: int) -> bool:
         """May ``obj`` be demoted off tier ``i``? Each tier may ask for ``admit_after`` uses
@@ -99,40 +148,20 @@ class Policy:
         self.telemetry.not_admitted(below.name)
         return False
 
-    async def make_room(self, i: int, need: int, *, evict_ok: bool = True) -> None:
-        """Demote (or, on the lowest reachable tier, evict) until tier ``i`` has ``need`` bytes free.
+    # ---- promotion --------------------------------------------------------------------
+    def wants_promotion(self, obj: Obj, now: float) -> bool:
+        """Count an open of ``obj`` in its promotion window; True when it is due to be
+        copied up to RAM (``promote_hits`` opens within ``promote_window`` seconds)."""
+        if now - obj.win_start > self.promote_window:
+            obj.win_start, obj.win_count = now, 0
+        obj.win_count += 1
+        return bool(obj.size) and self.ram.name not in obj.place and obj.win_count >= self.promote_hits
 
-        ``evict_ok=False`` (promotions while a tier is unavailable) never destroys an
-        object: it raises TierFull instead of evicting.
-        """
-        tier = self.tiers[i]
-        if i and tier.free() < need:
-            await self.wait_loaded()        # a durable tier's LRU is complete once scanned
-        while tier.free() < need:
-            victim = self._victim(tier, i >= self._lowest())
-            if victim is None:
-                raise TierFull(f"{tier.name} tier is full and what remains is pinned or in use")
-            await self._make_way(victim, i, evict_ok)
+    def promotable(self, obj: Obj) -> bool:
+        """Not in RAM yet, and small enough for RAM's low watermark."""
+        return self.ram.name not in obj.place and obj.size <= self.target(self.ram)
 
-    async def relieve(self) -> None:
-        """Bring every tier above its high watermark down to the low one."""
-        for i, tier in enumerate(self.tiers):
-            if not tier.available or tier.used <= tier.capacity * self.high:
-                continue
-            target = tier.capacity * self.low
-            if i:
-                await self.wait_loaded()
-            while tier.used > target:
-                victim = self._victim(tier, i >= self._lowest())
-                if victim is None:
-                    break
-                try:
-                    await self._make_way(victim, i, True)
-                except (TierFull, TierUnavailable, TierWriteFailed) as e:
-                    # a failed write below leaves the victim where it was: nothing has to go now
-                    log.warning("cannot relieve %s tier: %s", tier.name, e)
-                    break
-                except (CorruptObject, NoSuchObject) as e:    # the victim's bytes are gone
-                    log.warning("relieving %s tier: %x: %s", tier.name, victim.oid, e)
-                    if not victim.dead:
-                        break
+    def promotion_may_evict(self) -> bool:
+        """A promotion only speeds reads up: while a tier is unreachable it must not push an
+        object out of the hierarchy (its lower copy may be the only one left)."""
+        return all(t.available for t in self.tiers)

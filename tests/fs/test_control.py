@@ -128,7 +128,7 @@ async def test_sealed_map_survives_restart(tmp_path):
     async with open_cache(tmp_path) as cache:
         ops = KvfsOperations(cache, dict)
         rels, _ = await make_chain(ops, 5, size=200_000)
-        await cache.store.write_down_volatile()
+        await cache.store.mover.write_down_volatile()
     async with open_cache(tmp_path) as cache:
         ops = KvfsOperations(cache, dict)
         fh = await open_ctl(ops, b"lookup")
@@ -147,7 +147,7 @@ async def test_lease_hands_out_backing_locations_and_holds_objects(ops):
     cache = ops.cache
     rels, inos = await make_chain(ops, 4, size=1 << 20)          # >= 1 MiB: tmpfs-backed in RAM
     obj0 = cache.store.objs[cache.getattr(inos[rels[0]])["oid"]]
-    await cache.store.demote(obj0, 0)                            # block 0 on NVMe, the rest in RAM
+    await cache.store.mover.demote(obj0, 0)                            # block 0 on NVMe, the rest in RAM
     fh = await open_ctl(ops, b"lease")
     ans = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels) + b"\nzz/missing.kv\n")
     assert ans["prefix"] == 4 and ans["tiers"] == ["nvme", "ram", "ram", "ram"]
@@ -160,7 +160,7 @@ async def test_lease_hands_out_backing_locations_and_holds_objects(ops):
     assert all(o.refs == 1 for o in objs) and all(o.hits == 1 for o in objs)
     # leased objects are not demoted and their bytes are not freed when their names go
     cache.store.ram.capacity = 1 << 20
-    await cache.store.relieve()
+    await cache.store.mover.relieve()
     assert all(o.place.get("ram") is not None for o in objs[1:])
     shard = (await ops.lookup((await ops.lookup(ROOT_INO, b"ns", CTX)).st_ino, rels[1][:2], CTX)).st_ino
     await ops.unlink(shard, rels[1][3:], CTX)
@@ -216,7 +216,7 @@ async def test_lease_answer_follows_placement(ops):
     assert await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels)) == dict(first, lease=first["lease"] + 1)
     await ask(ops, fh, b"\0release\n")
     obj1 = cache.store.objs[cache.getattr(inos[rels[1]])["oid"]]
-    await cache.store.demote(obj1, 0)                            # block 1 leaves RAM for NVMe
+    await cache.store.mover.demote(obj1, 0)                            # block 1 leaves RAM for NVMe
     again = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels))
     assert [b[0] for b in again["blocks"]] == ["ram", "nvme", "ram"]
     assert again["blocks"][0] == first["blocks"][0] and again["blocks"][1] != first["blocks"][1]
@@ -241,7 +241,7 @@ async def test_lease_during_a_demotion_keeps_the_leased_copy(ops):
     nvme.put = put_when_told
     fh = await open_ctl(ops, b"lease")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(cache.store.demote, obj, 0)
+        nursery.start_soon(cache.store.mover.demote, obj, 0)
         await entered.wait()
         ans = await ask(ops, fh, b"\0base ns\n" + rels[0] + b"\n")    # leased mid-copy
         assert ans["blocks"][0][0] == "ram"
@@ -251,6 +251,6 @@ async def test_lease_during_a_demotion_keeps_the_leased_copy(ops):
     _check_backing(ans["blocks"][0], bytes([0]) * (1 << 20))        # still there, still right
     assert "nvme" in cache.index.get_object(obj.oid)["place"]         # the NVMe copy is recorded
     await ask(ops, fh, b"\0release\n")
-    await cache.store.demote(obj, 0)              # not in use any more: the RAM copy goes
+    await cache.store.mover.demote(obj, 0)              # not in use any more: the RAM copy goes
     assert set(obj.place) == {"nvme"} and not os.path.exists(ans["blocks"][0][1])
     await ops.release(fh)

@@ -138,7 +138,7 @@ async def test_corrupt_nvme_object_is_eio_and_dropped(ops):
     data = os.urandom(200_000)
     ino = await put(ops, ROOT_INO, b"victim", data)
     obj = cache.store.objs[cache.getattr(ino)["oid"]]
-    await cache.store.demote(obj, 0)
+    await cache.store.mover.demote(obj, 0)
     assert await ops.getxattr(ino, b"user.kvfs.tier", CTX) == b"nvme"
     path = cache.store.tiers[1].path(obj.oid)
     raw = bytearray(path.read_bytes())
@@ -157,7 +157,7 @@ async def test_enospc_when_everything_is_pinned(tmp_path):
         for i in range(6):
             ino = await put(ops, ROOT_INO, b"p%d" % i, os.urandom(500_000))
             await ops.setxattr(ino, b"user.kvfs.pin", b"1", CTX)
-            await cache.store.relieve()
+            await cache.store.mover.relieve()
         fi, _ = await ops.create(ROOT_INO, b"big", 0o644, os.O_WRONLY, CTX)
         await ops.write(fi.fh, 0, os.urandom(1_500_000))
         assert await fuse_errno(ops.flush(fi.fh)) == errno.ENOSPC

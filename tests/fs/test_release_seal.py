@@ -158,7 +158,7 @@ async def test_a_reader_of_an_old_version_keeps_its_inode_when_the_current_versi
     await ops.release(w.fh)                               # v2 installed; r keeps v1
     current = ops.cache.ns.sealed.get(ino)
     assert current is not None and current.refs == 0
-    await ops.cache.store.evict(current)
+    await ops.cache.store.mover.evict(current)
     assert (await ops.getattr(ino, CTX)).st_ino == ino   # not ENOENT
     assert await read_all(ops, r.fh) == v1
     # the name's file is gone: an open (or a truncate by path) can only come through a name
@@ -184,7 +184,7 @@ async def test_requests_for_an_evicted_inode_answer_estale_so_the_kernel_drops_i
     # left that name (and its cached attributes) in the kernel, so a later stat succeeded
     # for a file that was gone; ESTALE makes the kernel look it up again
     ino = await sealed_file(ops, content(10))
-    await ops.cache.store.evict(ops.cache.ns.sealed.get(ino))
+    await ops.cache.store.mover.evict(ops.cache.ns.sealed.get(ino))
     for call in (ops.getattr(ino, CTX), ops.open(ino, os.O_RDONLY, CTX),
                  ops.setattr(ino, pyfuse3.EntryAttributes(), pyfuse3.SetattrFields(), None, CTX)):
         with pytest.raises(pyfuse3.FUSEError) as e:

@@ -26,15 +26,16 @@ from kvfs.store.tier import ObjectInfo  # noqa: E402
 
 @contextlib.asynccontextmanager
 async def open_cache(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chunk: int = 64 << 10,
-                     extra_tiers=(), high=0.9, low=0.6, clean: bool = False):
+                     extra_tiers=(), high=0.9, low=0.6, admit_after: int | dict = 1, clean: bool = False):
     """A Cache over real tiers, without the kernel. Yields the Cache. ``clean``: close as a
     clean unmount does (write-down, then the clean-unmount marker); otherwise the next
-    open recovers as after a crash."""
+    open recovers as after a crash. ``admit_after``: as in the config (uses before a lower
+    tier takes an object)."""
     index = Index(tmp / "state")
     tiers = [RamTier(ram, "/dev/shm", index.instance_id), NvmeTier(nvme, tmp / "nvme"), *extra_tiers]
     for t in tiers:
         await t.open()
-    cfg = Config(chunk_size=chunk, high_watermark=high, low_watermark=low)
+    cfg = Config(chunk_size=chunk, high_watermark=high, low_watermark=low, admit_after=admit_after)
     store = build_store(cfg, index, tiers)
     cache = Cache(index, store, tiers[1].staging_dir)
     cache.recovered = await cache.start()
@@ -43,7 +44,7 @@ async def open_cache(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chu
     finally:
         store.flush_stats()
         if clean:
-            await store.write_down_volatile()
+            await store.mover.write_down_volatile()
             cache.mark_clean()
         for t in tiers:
             await t.close()

@@ -31,7 +31,7 @@ async def test_a_clean_start_builds_objects_on_first_use(tmp_path):
             want[b"f%d" % i] = os.urandom(i * 997)
             await write(cache, d, b"f%d" % i, want[b"f%d" % i])
         for i in range(1, 40, 3):          # some on NVMe only, the rest written down at close
-            await cache.store.demote(cache.ns.sealed[cache.ns.lookup(d, b"f%d" % i)], 0)
+            await cache.store.mover.demote(cache.ns.sealed[cache.ns.lookup(d, b"f%d" % i)], 0)
         cache.set_xattr(cache.ns.lookup(d, b"f5"), b"user.kvfs.pin", b"1")
     ix = Index(tmp_path / "state")                    # consumes the marker and the totals: ...
     tally.invalidate(ix)
@@ -116,7 +116,7 @@ async def test_open_files_or_ram_only_objects_keep_the_unmount_unclean(tmp_path)
         await cache.release(fh)
         await write(cache, ROOT_INO, b"in-ram", b"r" * 4000)
         assert not cache.mark_clean()                       # RAM-only, not written down
-        await cache.store.write_down_volatile()
+        await cache.store.mover.write_down_volatile()
         assert cache.mark_clean()
 
 
@@ -126,14 +126,14 @@ async def test_eviction_after_a_clean_start_waits_for_the_scan_and_keeps_prefixe
     async with open_cache(tmp_path, ram=256 << 10, nvme=1 << 20, clean=True) as cache:
         for i, h in enumerate(chain):
             await write(cache, ROOT_INO, names[i], block("ns", h, chain[i - 1] if i else "", 16 * (i + 1)))
-        kv = dict(cache.ns.kv_children)
-        await cache.store.write_down_volatile()
+        kv = dict(cache.ns.prefix.children)
+        await cache.store.mover.write_down_volatile()
         lru = list(cache.store.lru["nvme"])
     assert len(kv) == 3 and len(lru) == 4
     async with open_cache(tmp_path, ram=256 << 10, nvme=1 << 20, clean=True) as cache:
         assert not cache.store.table_loaded      # closed before its scan ran: counts unknown
     async with open_cache(tmp_path, ram=256 << 10, nvme=1 << 20, clean=True) as cache:
-        assert not cache.store.table_loaded and not cache.ns.kv_children
+        assert not cache.store.table_loaded and not cache.ns.prefix.children
         objtable.SCAN_BATCH = 1
         try:
             for _ in range(2):              # cancelled after its first step, twice: it resumes
@@ -144,13 +144,13 @@ async def test_eviction_after_a_clean_start_waits_for_the_scan_and_keeps_prefixe
             await cache.store.wait_loaded()
         finally:
             objtable.SCAN_BATCH = 500
-        assert cache.ns.kv_children == kv and list(cache.store.lru["nvme"]) == lru
+        assert cache.ns.prefix.children == kv and list(cache.store.lru["nvme"]) == lru
     async with open_cache(tmp_path, ram=256 << 10, nvme=1 << 20) as cache:
         assert not cache.store.table_loaded
         k = 0
         while cache.store.counters["nvme"].evictions == 0:   # pressure: make_room waits for the scan
             await write(cache, ROOT_INO, b"plain%d" % k, os.urandom(60_000))
-            await cache.store.relieve()
+            await cache.store.mover.relieve()
             k += 1
             assert k < 60, "pressure never evicted"
         assert cache.store.table_loaded

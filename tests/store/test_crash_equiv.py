@@ -69,13 +69,13 @@ async def _apply(cache, dirs: list[int], op: tuple, seq: int) -> None:
             if op[4]:
                 obj = cache.ns.sealed.get(cache.ns.lookup(dirs[op[1]], name(op[2])))
                 if obj is not None and obj.size:
-                    await cache.store.demote(obj, 0)
+                    await cache.store.mover.demote(obj, 0)
         elif kind == "kv":                  # a KV block naming its parent (-1: a head)
             head = op[3] < 0
             data = block("ns", hx(str(op[2])), "" if head else hx(str(op[3])), 16 if head else 32)
             await write(cache, dirs[op[1]], name(op[2]), data)
             if op[4]:
-                await cache.store.demote(cache.ns.sealed[cache.index.lookup(dirs[op[1]], name(op[2]))], 0)
+                await cache.store.mover.demote(cache.ns.sealed[cache.index.lookup(dirs[op[1]], name(op[2]))], 0)
         elif kind == "unsealed":            # created, never sealed (its writer went away)
             cache.ns.make(dirs[op[1]], name(op[2]), FILE, 0, 0, oid=None)
         elif kind == "open":                # being written at the kill
@@ -84,7 +84,7 @@ async def _apply(cache, dirs: list[int], op: tuple, seq: int) -> None:
         elif kind == "demote":
             obj = cache.ns.sealed.get(cache.ns.lookup(dirs[op[1]], name(op[2])))
             if obj is not None and obj.size and "ram" in obj.place:
-                await cache.store.demote(obj, 0)
+                await cache.store.mover.demote(obj, 0)
         elif kind == "rename":
             await cache.rename(dirs[op[1]], name(op[2]), dirs[op[3]], name(op[4]), 0)
         elif kind == "unlink":
@@ -120,7 +120,7 @@ async def _state(cache) -> dict:
     assert t.current() == t.recount(r for _o, r in ix.iter_objects())     # totals = records
     return dict(tree=tree, inodes=inodes, objects=objects, sets=sets, totals=t.current(),
                 nvme=(nvme.used, nvme.objects), count=len(cache.store.objs),
-                telemetry=cache.telemetry.totals(), kv=dict(cache.ns.kv_children))
+                telemetry=cache.telemetry.totals(), kv=dict(cache.ns.prefix.children))
 
 
 def _copy(src: Path, dst: Path) -> None:
@@ -291,7 +291,7 @@ def test_fsck_reports_a_kv_parent_the_index_says_none_has(tmp_path):
 
     async def start():
         async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
-            assert cache.store.table_loaded and cache.ns.kv_children == {("ns", hx("0")): 1}
+            assert cache.store.table_loaded and cache.ns.prefix.children == {("ns", hx("0")): 1}
             assert not cache.store.tally.no_kv
     trio.run(start)
 
@@ -318,5 +318,5 @@ def test_a_clean_unmount_notes_that_no_kv_parent_exists_for_the_next_crash_start
         async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
             assert cache.store._scan_kv                 # a child was written since
             await cache.store.wait_loaded()
-            assert cache.ns.kv_children == {("ns", hx("1")): 1}
+            assert cache.ns.prefix.children == {("ns", hx("1")): 1}
     trio.run(run)

@@ -38,7 +38,7 @@ async def _build(cache) -> dict[tuple[bytes, bytes], bytes]:
         ns, d = (b"a", a) if i % 2 else (b"b", b)
         data = os.urandom(100 + i * 1111)
         await write(cache, d, b"f%d" % i, data)
-        await cache.store.demote(cache.ns.sealed[cache.ns.lookup(d, b"f%d" % i)], 0)
+        await cache.store.mover.demote(cache.ns.sealed[cache.ns.lookup(d, b"f%d" % i)], 0)
         durable[(ns, b"f%d" % i)] = data
     await cache.rename(a, b"f1", b, b"moved", 0)              # into another namespace
     durable[(b"b", b"moved")] = durable.pop((b"a", b"f1"))
@@ -92,7 +92,7 @@ async def test_totals_stay_exact_across_repeated_crashes_and_a_clean_unmount(tmp
             a = cache.ns.lookup(ROOT_INO, b"a")
             await write(cache, a, b"r%d" % round_, os.urandom(2000))    # RAM-only, then lost
             await write(cache, a, b"w%d" % round_, os.urandom(4000))
-            await cache.store.demote(cache.ns.sealed[cache.ns.lookup(a, b"w%d" % round_)], 0)
+            await cache.store.mover.demote(cache.ns.sealed[cache.ns.lookup(a, b"w%d" % round_)], 0)
             if round_ == 0:
                 await cache.unlink(a, b"f5")
             cache.index.commit()

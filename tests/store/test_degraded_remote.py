@@ -16,7 +16,7 @@ async def write(cache, name: bytes, data: bytes) -> None:
     fh, _, _ = await cache.create(ROOT_INO, name, 0o644, 0, 0)
     await cache.write(fh, 0, data)
     await cache.release(fh)
-    await cache.store.relieve()
+    await cache.store.mover.relieve()
 
 
 async def read(cache, name: bytes) -> bytes:
@@ -57,7 +57,7 @@ async def test_promotion_with_the_remote_down_never_evicts(tmp_path):
         assert not remote.available
         for n in files:                                 # hot NVMe objects want to move up
             if tops[n] == "nvme":
-                await store.promote(obj_of(cache, n))
+                await store.mover.promote(obj_of(cache, n))
         assert evictions(cache) == 0
         for n, data in files.items():                  # everything above the remote still reads
             if tops[n] != "remote":
@@ -74,10 +74,10 @@ async def test_pressure_with_the_remote_down_drops_copies_that_live_there_first(
         files = await fill(cache, 16, "f")
         hot = next(n for n in files if store.top_tier(obj_of(cache, n)) == "remote")
         obj = obj_of(cache, hot)
-        await store.promote(obj)                        # RAM + remote
+        await store.mover.promote(obj)                        # RAM + remote
         assert set(obj.place) == {"ram", "remote"}
         await remote.vol.close()
-        await store.demote(obj, 0)                      # no remote: it is copied to NVMe
+        await store.mover.demote(obj, 0)                      # no remote: it is copied to NVMe
         assert set(obj.place) == {"nvme", "remote"}
         more = await fill(cache, 12, "g")               # new writes push NVMe to evict
         assert evictions(cache) > 0                     # the rule: evict from NVMe instead

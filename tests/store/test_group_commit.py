@@ -109,7 +109,7 @@ def test_a_durable_copy_is_freed_only_after_the_commit_that_dropped_it(tmp_path)
             for name in (b"gone", b"over"):
                 ino = await write_file(cache, ROOT_INO, name, os.urandom(70_000))
                 obj = cache.ns.sealed[ino]
-                await store.demote(obj, 0)
+                await store.mover.demote(obj, 0)
                 assert set(obj.place) == {"nvme"}
                 victims.append(obj.oid)
             ix.commit()
@@ -140,7 +140,7 @@ def test_reopen_after_close_keeps_every_operation(tmp_path):
             for i in range(50):
                 await write_file(cache, ROOT_INO, f"f{i}".encode(), bytes([i]) * 3000)
             assert cache.index.pending
-            await cache.store.write_down_volatile()      # the unmount's write-down (one sync)
+            await cache.store.mover.write_down_volatile()      # the unmount's write-down (one sync)
         async with open_cache(tmp_path) as cache:
             names = sorted(n for _, n, _ in cache.index.readdir(ROOT_INO, 0))
             assert names == sorted(f"f{i}".encode() for i in range(50))

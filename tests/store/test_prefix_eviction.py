@@ -12,7 +12,7 @@ async def write(cache, name: bytes, data: bytes) -> None:
     fh, _, _ = await cache.create(ROOT_INO, name, 0o644, 0, 0)
     await cache.write(fh, 0, data)
     await cache.release(fh)
-    await cache.store.relieve()
+    await cache.store.mover.relieve()
 
 
 def exists(cache, name: bytes) -> bool:

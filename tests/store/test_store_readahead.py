@@ -16,7 +16,7 @@ async def _sealed_on_nvme(cache, name: bytes, data: bytes):
     await cache.write(fh, 0, data)
     await cache.release(fh)
     obj = cache.ns.sealed[ino]
-    await cache.store.demote(obj, 0)
+    await cache.store.mover.demote(obj, 0)
     assert set(obj.place) == {"nvme"}
     return obj
 

@@ -19,7 +19,7 @@ async def test_demoting_an_empty_object_writes_no_nvme_file(tmp_path):
         d, _ = cache.ns.make(ROOT_INO, b"d", stat.S_IFDIR | 0o755, 0, 0)
         for i, size in enumerate((0, 5000, 0, 70000)):
             await write(cache, d, b"f%d" % i, os.urandom(size))
-            await cache.store.demote(cache.ns.sealed[cache.ns.lookup(d, b"f%d" % i)], 0)
+            await cache.store.mover.demote(cache.ns.sealed[cache.ns.lookup(d, b"f%d" % i)], 0)
         nvme = cache.store.tiers[1]
         running = (nvme.used, nvme.objects)
         files = [oid async for oid, _, _ in nvme.scan()]
@@ -43,10 +43,10 @@ async def test_failed_nvme_writes_leave_objects_in_ram_through_relief_and_write_
             for name, data in want.items():
                 await write(cache, d, name, data)
             store = cache.store
-            await store.relieve()                       # EPERM on the first victim: it stays
+            await store.mover.relieve()                       # EPERM on the first victim: it stays
             with pytest.raises(TierWriteFailed):        # a direct move says why it did not happen
-                await store.demote(cache.ns.sealed[cache.ns.lookup(d, b"f0")], 0)
-            assert await store.write_down_volatile() == len(want)   # all lost, none raised
+                await store.mover.demote(cache.ns.sealed[cache.ns.lookup(d, b"f0")], 0)
+            assert await store.mover.write_down_volatile() == len(want)   # all lost, none raised
             c = store.counters["nvme"]
             assert c.errors == 2 + len(want) and store.tiers[1].objects == 0
             assert all(set(o.place) == {"ram"} for o in store.objs.values() if o.size)
@@ -54,7 +54,7 @@ async def test_failed_nvme_writes_leave_objects_in_ram_through_relief_and_write_
                 assert await read(cache, d, name) == data
         finally:
             subprocess.run(["chattr", "-i", *map(str, shards)], check=True)
-        await cache.store.relieve()                     # the directory takes writes again
+        await cache.store.mover.relieve()                     # the directory takes writes again
         assert cache.store.tiers[1].objects > 0
         for name, data in want.items():
             assert await read(cache, d, name) == data

@@ -22,13 +22,13 @@ async def test_settled_is_false_while_a_promotion_is_handed_to_the_waiting_loop(
         await cache.write(fh, 0, os.urandom(256 << 10))
         await cache.release(fh)
         obj = cache.ns.sealed[ino]
-        await store.demote(obj, 0)
+        await store.mover.demote(obj, 0)
         assert set(obj.place) == {"nvme"}
         async with trio.open_nursery() as nursery:
             await nursery.start(store.serve)
             await trio.testing.wait_all_tasks_blocked()
             assert store.settled()
-            for _ in range(store.promote_hits):
+            for _ in range(store.policy.promote_hits):
                 store.note_open(obj)
             assert not store.settled()                  # queued, its task not yet run
             while not store.settled():

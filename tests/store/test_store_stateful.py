@@ -63,7 +63,7 @@ class StoreMachine(RuleBasedStateMachine):
         async def down():
             if clean:
                 self.store.flush_stats()
-                await self.store.write_down_volatile()
+                await self.store.mover.write_down_volatile()
             for t in self.store.tiers:
                 await t.close()
             self.cache.index.close()
@@ -198,7 +198,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule()
     def relieve(self):
-        self.run(self.store.relieve)
+        self.run(self.store.mover.relieve)
         self._forget_missing()
 
     @rule()
@@ -209,7 +209,7 @@ class StoreMachine(RuleBasedStateMachine):
                     obj = self.store._promote_recv.receive_nowait()
                 except trio.WouldBlock:
                     return
-                await self.store.promote(obj)
+                await self.store.mover.promote(obj)
         self.run(drain)
         self._forget_missing()
 

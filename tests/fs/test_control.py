@@ -17,7 +17,7 @@ import xxhash
 from kvfs.fs import control  # noqa: E402
 from kvfs.fs.ops import KvfsOperations  # noqa: E402
 from kvfs.store.index import ROOT_INO  # noqa: E402
-from storekit import open_cache  # noqa: E402
+from storekit import open_store  # noqa: E402
 
 CTX = types.SimpleNamespace(uid=0, gid=0, pid=os.getpid(), umask=0o022)
 
@@ -43,7 +43,7 @@ async def open_ctl(ops, name: bytes) -> int:
 
 @pytest.fixture
 async def ops(tmp_path):
-    async with open_cache(tmp_path, ram=8 << 20, nvme=32 << 20) as cache:
+    async with open_store(tmp_path, ram=8 << 20, nvme=32 << 20) as cache:
         yield KvfsOperations(cache, dict)
 
 
@@ -125,11 +125,11 @@ async def test_only_sealed_regular_files_count(ops):
 
 
 async def test_sealed_map_survives_restart(tmp_path):
-    async with open_cache(tmp_path) as cache:
+    async with open_store(tmp_path) as cache:
         ops = KvfsOperations(cache, dict)
         rels, _ = await make_chain(ops, 5, size=200_000)
         await cache.store.write_down_volatile()
-    async with open_cache(tmp_path) as cache:
+    async with open_store(tmp_path) as cache:
         ops = KvfsOperations(cache, dict)
         fh = await open_ctl(ops, b"lookup")
         assert await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels)) == {"prefix": 5, "tiers": ["nvme"] * 5}
@@ -144,9 +144,9 @@ def _check_backing(block, data: bytes) -> None:
 
 
 async def test_lease_hands_out_backing_locations_and_holds_objects(ops):
-    cache = ops.cache
+    cache = ops.store
     rels, inos = await make_chain(ops, 4, size=1 << 20)          # >= 1 MiB: tmpfs-backed in RAM
-    obj0 = cache.store.objs[cache.getattr(inos[rels[0]])["oid"]]
+    obj0 = cache.store.objs[cache.files.getattr(inos[rels[0]])["oid"]]
     await cache.store.demote(obj0, 0)                            # block 0 on NVMe, the rest in RAM
     fh = await open_ctl(ops, b"lease")
     ans = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels) + b"\nzz/missing.kv\n")
@@ -156,7 +156,7 @@ async def test_lease_hands_out_backing_locations_and_holds_objects(ops):
         _check_backing(block, bytes([i]) * (1 << 20))
     assert ans["blocks"][0][5] == cache.store.tiers[1].direct
     assert cache.statistics()["leases"] == 1
-    objs = [cache.store.objs[cache.getattr(inos[r])["oid"]] for r in rels]
+    objs = [cache.store.objs[cache.files.getattr(inos[r])["oid"]] for r in rels]
     assert all(o.refs == 1 for o in objs) and all(o.hits == 1 for o in objs)
     # leased objects are not demoted and their bytes are not freed when their names go
     cache.store.ram.capacity = 1 << 20
@@ -176,21 +176,21 @@ async def test_lease_hands_out_backing_locations_and_holds_objects(ops):
     await ask(ops, fh, b"\0base ns\n" + rels[0] + b"\n")
     assert objs[0].refs == 1
     await ops.release(fh)
-    assert objs[0].refs == 0 and cache.leases == {}
+    assert objs[0].refs == 0 and cache.leases.live == {}
 
 
 async def test_lease_expires(ops):
-    cache = ops.cache
+    cache = ops.store
     rels, inos = await make_chain(ops, 2, size=1 << 20)
     fh = await open_ctl(ops, b"lease")
     ans = await ask(ops, fh, b"\0ttl 0.05\n\0base ns\n" + b"\n".join(rels))
     assert ans["prefix"] == 2 and ans["ttl"] == 0.05
-    obj = cache.store.objs[cache.getattr(inos[rels[0]])["oid"]]
+    obj = cache.store.objs[cache.files.getattr(inos[rels[0]])["oid"]]
     assert obj.refs == 1
     with trio.fail_after(10):
-        while await cache.expire_leases() == 0:
+        while await cache.leases.expire() == 0:
             await trio.sleep(0.01)
-    assert obj.refs == 0 and cache.leases == {}
+    assert obj.refs == 0 and cache.leases.live == {}
     await ops.release(fh)               # releasing an expired lease is harmless
     assert obj.refs == 0
 
@@ -208,14 +208,14 @@ async def test_lease_without_fast_path_gives_null(ops):
 
 async def test_lease_answer_follows_placement(ops):
     """Lease entries are memoised per object: a block that moved is answered where it is now."""
-    cache = ops.cache
+    cache = ops.store
     rels, inos = await make_chain(ops, 3, size=1 << 20)
     fh = await open_ctl(ops, b"lease")
     first = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels))
     assert [b[0] for b in first["blocks"]] == ["ram", "ram", "ram"]
     assert await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels)) == dict(first, lease=first["lease"] + 1)
     await ask(ops, fh, b"\0release\n")
-    obj1 = cache.store.objs[cache.getattr(inos[rels[1]])["oid"]]
+    obj1 = cache.store.objs[cache.files.getattr(inos[rels[1]])["oid"]]
     await cache.store.demote(obj1, 0)                            # block 1 leaves RAM for NVMe
     again = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels))
     assert [b[0] for b in again["blocks"]] == ["ram", "nvme", "ram"]
@@ -228,9 +228,9 @@ async def test_lease_answer_follows_placement(ops):
 async def test_lease_during_a_demotion_keeps_the_leased_copy(ops):
     """A block leased while a demotion is copying it keeps the copy the lease handed out: the
     demotion ends with both copies (durably recorded) and drops the upper one only later."""
-    cache = ops.cache
+    cache = ops.store
     rels, inos = await make_chain(ops, 1, size=1 << 20)
-    obj = cache.store.objs[cache.getattr(inos[rels[0]])["oid"]]
+    obj = cache.store.objs[cache.files.getattr(inos[rels[0]])["oid"]]
     nvme = cache.store.tiers[1]
     real_put, entered, go = nvme.put, trio.Event(), trio.Event()
 

@@ -14,7 +14,7 @@ import xxhash
 from kvfs.fs import control  # noqa: E402
 from kvfs.fs.ops import KvfsOperations  # noqa: E402
 from kvfs.store.index import ROOT_INO  # noqa: E402
-from storekit import open_cache  # noqa: E402
+from storekit import open_store  # noqa: E402
 
 CTX = types.SimpleNamespace(uid=0, gid=0, pid=os.getpid(), umask=0o022)
 
@@ -49,7 +49,7 @@ async def get(ops, ino, size=1 << 30) -> bytes:
 
 @pytest.fixture
 async def ops(tmp_path):
-    async with open_cache(tmp_path) as cache:
+    async with open_store(tmp_path) as cache:
         yield KvfsOperations(cache, lambda: {"pid": os.getpid()})
 
 
@@ -134,10 +134,10 @@ async def test_control_stats_and_lookup(ops):
 
 
 async def test_corrupt_nvme_object_is_eio_and_dropped(ops):
-    cache = ops.cache
+    cache = ops.store
     data = os.urandom(200_000)
     ino = await put(ops, ROOT_INO, b"victim", data)
-    obj = cache.store.objs[cache.getattr(ino)["oid"]]
+    obj = cache.store.objs[cache.files.getattr(ino)["oid"]]
     await cache.store.demote(obj, 0)
     assert await ops.getxattr(ino, b"user.kvfs.tier", CTX) == b"nvme"
     path = cache.store.tiers[1].path(obj.oid)
@@ -152,7 +152,7 @@ async def test_corrupt_nvme_object_is_eio_and_dropped(ops):
 
 
 async def test_enospc_when_everything_is_pinned(tmp_path):
-    async with open_cache(tmp_path, ram=1 << 20, nvme=2 << 20) as cache:
+    async with open_store(tmp_path, ram=1 << 20, nvme=2 << 20) as cache:
         ops = KvfsOperations(cache, dict)
         for i in range(6):
             ino = await put(ops, ROOT_INO, b"p%d" % i, os.urandom(500_000))

@@ -15,7 +15,7 @@ import xxhash
 from kvfs.blockformat import build_header
 from kvfs.config import Config  # noqa: E402
 from kvfs.build import build_store  # noqa: E402
-from kvfs.store.cache import Cache  # noqa: E402
+from kvfs.store.store import Store  # noqa: E402
 from kvfs.store.index import Index  # noqa: E402
 from kvfs.store.nvme import NvmeTier  # noqa: E402
 from kvfs.errors import NoSuchObject, TierFull
@@ -25,9 +25,9 @@ from kvfs.store.tier import ObjectInfo  # noqa: E402
 
 
 @contextlib.asynccontextmanager
-async def open_cache(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chunk: int = 64 << 10,
+async def open_store(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chunk: int = 64 << 10,
                      extra_tiers=(), high=0.9, low=0.6, clean: bool = False):
-    """A Cache over real tiers, without the kernel. Yields the Cache. ``clean``: close as a
+    """A Store over real tiers, without the kernel. Yields the Store. ``clean``: close as a
     clean unmount does (write-down, then the clean-unmount marker); otherwise the next
     open recovers as after a crash."""
     index = Index(tmp / "state")
@@ -36,7 +36,7 @@ async def open_cache(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chu
         await t.open()
     cfg = Config(chunk_size=chunk, high_watermark=high, low_watermark=low)
     store = build_store(cfg, index, tiers)
-    cache = Cache(index, store, tiers[1].staging_dir)
+    cache = Store(index, store, tiers[1].staging_dir)
     cache.recovered = await cache.start()
     try:
         yield cache
@@ -149,18 +149,18 @@ def hx(s: str) -> str:
 
 
 async def write_file(cache, parent: int, name: bytes, data: bytes) -> int:
-    fh, ino, _ = await cache.create(parent, name, 0o644, 0, 0)
-    await cache.write(fh, 0, data)
-    await cache.release(fh)
+    fh, ino, _ = await cache.files.create(parent, name, 0o644, 0, 0)
+    await cache.files.write(fh, 0, data)
+    await cache.files.release(fh)
     return ino
 
 
 async def read_file(cache, parent: int, name: bytes) -> bytes:
-    fh = await cache.open(cache.ns.lookup(parent, name), os.O_RDONLY)
+    fh = await cache.files.open(cache.ns.lookup(parent, name), os.O_RDONLY)
     try:
-        return bytes(await cache.read(fh, 0, 1 << 20))
+        return bytes(await cache.files.read(fh, 0, 1 << 20))
     finally:
-        await cache.release(fh)
+        await cache.files.release(fh)
 
 
 @contextlib.contextmanager

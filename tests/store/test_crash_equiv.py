@@ -30,7 +30,7 @@ from kvfs.errors import NamespaceError, StoreError
 from kvfs.store import tally
 from kvfs.store.fsck import run_fsck
 from kvfs.store.index import ENV_NAME, RECOVER, ROOT_INO, Index
-from storekit import block, hx, open_cache
+from storekit import block, hx, open_store
 from storekit import read_file as read, write_file as write
 
 DIR = stat.S_IFDIR | 0o755
@@ -79,16 +79,16 @@ async def _apply(cache, dirs: list[int], op: tuple, seq: int) -> None:
         elif kind == "unsealed":            # created, never sealed (its writer went away)
             cache.ns.make(dirs[op[1]], name(op[2]), FILE, 0, 0, oid=None)
         elif kind == "open":                # being written at the kill
-            fh, _ino, _ = await cache.create(dirs[op[1]], name(op[2]), 0o644, 0, 0)
-            await cache.write(fh, 0, b"o" * (100 + seq))
+            fh, _ino, _ = await cache.files.create(dirs[op[1]], name(op[2]), 0o644, 0, 0)
+            await cache.files.write(fh, 0, b"o" * (100 + seq))
         elif kind == "demote":
             obj = cache.ns.sealed.get(cache.ns.lookup(dirs[op[1]], name(op[2])))
             if obj is not None and obj.size and "ram" in obj.place:
                 await cache.store.demote(obj, 0)
         elif kind == "rename":
-            await cache.rename(dirs[op[1]], name(op[2]), dirs[op[3]], name(op[4]), 0)
+            await cache.names.rename(dirs[op[1]], name(op[2]), dirs[op[3]], name(op[4]), 0)
         elif kind == "unlink":
-            await cache.unlink(dirs[op[1]], name(op[2]))
+            await cache.names.unlink(dirs[op[1]], name(op[2]))
         else:
             cache.index.commit()
     except (NamespaceError, StoreError, KeyError):
@@ -100,7 +100,7 @@ async def _state(cache) -> dict:
     tree = {}
 
     async def walk(d: int, path: bytes) -> None:
-        for _e, n, ino, rec in list(cache.entries(d, 0)):
+        for _e, n, ino, rec in list(cache.names.entries(d, 0)):
             if stat.S_ISDIR(rec["mode"]):
                 tree[path + n] = "dir"
                 await walk(ino, path + n + b"/")
@@ -131,7 +131,7 @@ def _copy(src: Path, dst: Path) -> None:
 async def _crash_and_compare(ops: list[tuple], base: Path) -> dict:
     """The counts of the start from the sets (after checking it against the full one)."""
     orig, fast, full = base / "orig", base / "fast", base / "full"
-    async with open_cache(orig, ram=RAM, nvme=NVME) as cache:
+    async with open_store(orig, ram=RAM, nvme=NVME) as cache:
         dirs = await _dirs(cache)
         cache.index.commit()
         for i, op in enumerate(ops):
@@ -141,7 +141,7 @@ async def _crash_and_compare(ops: list[tuple], base: Path) -> dict:
     ix = Index(full / "state")
     tally.invalidate(ix)
     ix.close()
-    async with open_cache(fast, ram=RAM, nvme=NVME) as cache:
+    async with open_store(fast, ram=RAM, nvme=NVME) as cache:
         got = cache.recovered
         assert "dangling_names" not in got, got                 # the sets, not the full scan
         assert got["decoded"] <= 3 * (got["dropped_files"] + got["lost_objects"])
@@ -150,7 +150,7 @@ async def _crash_and_compare(ops: list[tuple], base: Path) -> dict:
         if not any(op[0] == "kv" for op in ops):
             assert not cache.store._scan_kv
         a = await _state(cache)
-    async with open_cache(full, ram=RAM, nvme=NVME) as cache:
+    async with open_store(full, ram=RAM, nvme=NVME) as cache:
         assert cache.store.table_loaded                         # the full recovery
         assert not cache.recovered["unowned_objects"]            # (its dangling names: those
                                                                 # of the files it dropped)
@@ -212,13 +212,13 @@ def test_an_index_of_an_older_kvfs_recovers_through_the_full_scan(tmp_path):
            ("unsealed", 2, 1), ("rename", 0, 0, 1, 2), ("commit",)]
 
     async def run():
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as cache:
             dirs = await _dirs(cache)
             for i, op in enumerate(ops):
                 await _apply(cache, dirs, op, i)
             cache.index.commit()
         _make_old(tmp_path / "state")
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as cache:
             got = cache.recovered
             assert cache.store.table_loaded and "dangling_names" in got       # the full scan
             assert got["dropped_files"] == 2 and got["lost_objects"] == 1
@@ -229,7 +229,7 @@ def test_an_index_of_an_older_kvfs_recovers_through_the_full_scan(tmp_path):
             await _apply(cache, dirs, ("write", 2, 4, 5000, False), 9)
             await _apply(cache, dirs, ("unsealed", 0, 4), 10)
             cache.index.commit()
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as cache:
             got = cache.recovered
             assert "dangling_names" not in got and not cache.store.table_loaded
             assert got["dropped_files"] == 2 and got["lost_objects"] == 1 and got["decoded"] <= 6
@@ -257,13 +257,13 @@ def test_totals_that_disagree_with_the_index_make_the_start_recover_in_full(tmp_
         base = tmp_path / str(i)
 
         async def run():
-            async with open_cache(base, ram=RAM, nvme=NVME) as cache:
+            async with open_store(base, ram=RAM, nvme=NVME) as cache:
                 dirs = await _dirs(cache)
                 for j, op in enumerate(ops):
                     await _apply(cache, dirs, op, j)
                 cache.index.commit()
             _forge(base / "state", key, a, b)
-            async with open_cache(base, ram=RAM, nvme=NVME) as cache:
+            async with open_store(base, ram=RAM, nvme=NVME) as cache:
                 got = cache.recovered
                 assert cache.store.table_loaded and "dangling_names" in got, key    # in full
                 assert got["dropped_files"] == 2 and got["lost_objects"] == 1
@@ -275,7 +275,7 @@ def test_totals_that_disagree_with_the_index_make_the_start_recover_in_full(tmp_
 
 def test_fsck_reports_a_kv_parent_the_index_says_none_has(tmp_path):
     async def build():
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME, clean=True) as cache:
+        async with open_store(tmp_path, ram=RAM, nvme=NVME, clean=True) as cache:
             dirs = await _dirs(cache)
             await _apply(cache, dirs, ("kv", 0, 1, 0, True), 0)
     trio.run(build)
@@ -290,7 +290,7 @@ def test_fsck_reports_a_kv_parent_the_index_says_none_has(tmp_path):
     assert run_fsck(cfg).problems == []     # forgotten: the next start recovers in full
 
     async def start():
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as cache:
             assert cache.store.table_loaded and cache.ns.kv_children == {("ns", hx("0")): 1}
             assert not cache.store.tally.no_kv
     trio.run(start)
@@ -298,7 +298,7 @@ def test_fsck_reports_a_kv_parent_the_index_says_none_has(tmp_path):
 
 def test_a_clean_unmount_notes_that_no_kv_parent_exists_for_the_next_crash_start(tmp_path):
     async def run():
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as cache:
             dirs = await _dirs(cache)
             await _apply(cache, dirs, ("write", 0, 0, 3000, True), 0)
             await _apply(cache, dirs, ("kv", 1, 1, -1, True), 1)       # a head: no parent
@@ -306,16 +306,16 @@ def test_a_clean_unmount_notes_that_no_kv_parent_exists_for_the_next_crash_start
         with ix.write() as txn:
             txn.w[(RECOVER, tally.NO_KV)] = tally._DEL
         ix.close()
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME, clean=True) as cache:
+        async with open_store(tmp_path, ram=RAM, nvme=NVME, clean=True) as cache:
             assert "dangling_names" not in cache.recovered and cache.store._scan_kv
             await cache.store.wait_loaded()             # the scan finds no KV child
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as cache:
             assert cache.recovered == {"clean": 1}
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as cache:
             assert "dangling_names" not in cache.recovered and not cache.store._scan_kv
             await _apply(cache, await _dirs(cache), ("kv", 0, 2, 1, True), 2)
             cache.index.commit()
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as cache:
             assert cache.store._scan_kv                 # a child was written since
             await cache.store.wait_loaded()
             assert cache.ns.kv_children == {("ns", hx("1")): 1}

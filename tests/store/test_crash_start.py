@@ -16,7 +16,7 @@ from kvfs.config import Config
 from kvfs.store import tally
 from kvfs.store.fsck import run_fsck
 from kvfs.store.index import RECOVER, Index, ROOT_INO
-from storekit import open_cache
+from storekit import open_store
 from storekit import read_file as read, write_file as write
 
 FILE = stat.S_IFREG | 0o644
@@ -40,28 +40,28 @@ async def _build(cache) -> dict[tuple[bytes, bytes], bytes]:
         await write(cache, d, b"f%d" % i, data)
         await cache.store.demote(cache.ns.sealed[cache.ns.lookup(d, b"f%d" % i)], 0)
         durable[(ns, b"f%d" % i)] = data
-    await cache.rename(a, b"f1", b, b"moved", 0)              # into another namespace
+    await cache.names.rename(a, b"f1", b, b"moved", 0)              # into another namespace
     durable[(b"b", b"moved")] = durable.pop((b"a", b"f1"))
-    await cache.unlink(b, b"f2")
+    await cache.names.unlink(b, b"f2")
     del durable[(b"b", b"f2")]
     new = os.urandom(5000)                                      # replaced by a RAM-only version:
     await write(cache, a, b"f3.tmp", new)                       # the file goes with it
-    await cache.rename(a, b"f3.tmp", a, b"f3", 0)
+    await cache.names.rename(a, b"f3.tmp", a, b"f3", 0)
     del durable[(b"a", b"f3")]
     for i in range(5):                                          # RAM-only (never written down)
         await write(cache, b, b"ram%d" % i, os.urandom(3000 + i))
     for i in range(4):                                          # created, never sealed
         cache.ns.make(a, b"unsealed%d" % i, FILE, 0, 0, oid=None)
-    fh, _, _ = await cache.create(b, b"open", 0o644, 0, 0)     # being written at the "crash"
-    await cache.write(fh, 0, b"x" * 1000)
+    fh, _, _ = await cache.files.create(b, b"open", 0o644, 0, 0)     # being written at the "crash"
+    await cache.files.write(fh, 0, b"x" * 1000)
     return durable
 
 
 async def test_a_crash_start_drops_exactly_the_sets_and_keeps_exact_totals(tmp_path):
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
         durable = await _build(cache)
         cache.index.commit()
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
         got = cache.recovered
         fast = totals(cache)
         assert got["dropped_files"] == 5 + 4 + 1 + 1 and got["lost_objects"] == 5 + 1
@@ -69,7 +69,7 @@ async def test_a_crash_start_drops_exactly_the_sets_and_keeps_exact_totals(tmp_p
         assert not cache.store.table_loaded and dict.__len__(cache.store.objs) == 0
         for ns in (b"a", b"b"):
             d = cache.ns.lookup(ROOT_INO, ns)
-            names = {n for _e, n, _i, _r in cache.entries(d, 0)}
+            names = {n for _e, n, _i, _r in cache.names.entries(d, 0)}
             assert names == {n for (s, n) in durable if s == ns}
         for (ns, name), data in durable.items():
             assert await read(cache, cache.ns.lookup(ROOT_INO, ns), name) == data
@@ -77,45 +77,45 @@ async def test_a_crash_start_drops_exactly_the_sets_and_keeps_exact_totals(tmp_p
     ix = Index(tmp_path / "state")
     tally.invalidate(ix)
     ix.close()
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
         assert cache.store.table_loaded and cache.recovered["decoded"] >= 2 * len(durable)
         assert not cache.recovered["dropped_files"] and not cache.recovered["lost_objects"]
         assert totals(cache) == fast                           # the full recount agrees
 
 
 async def test_totals_stay_exact_across_repeated_crashes_and_a_clean_unmount(tmp_path):
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
         await _build(cache)
         cache.index.commit()
     for round_ in range(3):
-        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20, clean=round_ == 1) as cache:
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20, clean=round_ == 1) as cache:
             a = cache.ns.lookup(ROOT_INO, b"a")
             await write(cache, a, b"r%d" % round_, os.urandom(2000))    # RAM-only, then lost
             await write(cache, a, b"w%d" % round_, os.urandom(4000))
             await cache.store.demote(cache.ns.sealed[cache.ns.lookup(a, b"w%d" % round_)], 0)
             if round_ == 0:
-                await cache.unlink(a, b"f5")
+                await cache.names.unlink(a, b"f5")
             cache.index.commit()
             seen = totals(cache)
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
         fast = totals(cache)
     assert fast[2] <= seen[2]
     ix = Index(tmp_path / "state")
     tally.invalidate(ix)
     ix.close()
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
         assert cache.store.table_loaded
         assert totals(cache) == fast
 
 
 def test_fsck_checks_the_sets_and_totals_against_the_records(tmp_path):
     async def build():
-        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
             await _build(cache)
             cache.index.commit()
-        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
             assert cache.recovered["lost_objects"]      # the crash start, then a clean unmount
-        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20, clean=True):
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20, clean=True):
             pass
     trio.run(build)
     cfg = Config(nvme=str(tmp_path / "nvme"), state=str(tmp_path / "state"), nvme_size="8MiB")
@@ -129,7 +129,7 @@ def test_fsck_checks_the_sets_and_totals_against_the_records(tmp_path):
     assert run_fsck(cfg).problems == []             # forgotten: the next start recounts
 
     async def start():
-        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
             assert cache.store.table_loaded         # a full recovery
     trio.run(start)
     assert run_fsck(cfg).problems == []

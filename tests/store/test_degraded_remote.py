@@ -6,27 +6,27 @@ from __future__ import annotations
 import os
 
 from kvfs.store.index import ROOT_INO
-from storekit import file_remote_tier, open_cache
+from storekit import file_remote_tier, open_store
 
 KiB = 1 << 10
 SIZE = 192 * KiB
 
 
 async def write(cache, name: bytes, data: bytes) -> None:
-    fh, _, _ = await cache.create(ROOT_INO, name, 0o644, 0, 0)
-    await cache.write(fh, 0, data)
-    await cache.release(fh)
+    fh, _, _ = await cache.files.create(ROOT_INO, name, 0o644, 0, 0)
+    await cache.files.write(fh, 0, data)
+    await cache.files.release(fh)
     await cache.store.relieve()
 
 
 async def read(cache, name: bytes) -> bytes:
     ino = cache.index.lookup(ROOT_INO, name)
     assert ino is not None, f"{name!r} is gone"
-    fh = await cache.open(ino, os.O_RDONLY)
+    fh = await cache.files.open(ino, os.O_RDONLY)
     try:
-        return bytes(await cache.read(fh, 0, 1 << 30))
+        return bytes(await cache.files.read(fh, 0, 1 << 30))
     finally:
-        await cache.release(fh)
+        await cache.files.release(fh)
 
 
 def obj_of(cache, name: bytes):
@@ -48,7 +48,7 @@ async def fill(cache, n: int, prefix: str) -> dict[bytes, bytes]:
 
 async def test_promotion_with_the_remote_down_never_evicts(tmp_path):
     remote = await file_remote_tier(tmp_path)
-    async with open_cache(tmp_path, ram=1 << 20, nvme=2 << 20, extra_tiers=[remote]) as cache:
+    async with open_store(tmp_path, ram=1 << 20, nvme=2 << 20, extra_tiers=[remote]) as cache:
         store = cache.store
         files = await fill(cache, 16, "f")
         tops = {n: store.top_tier(obj_of(cache, n)) for n in files}
@@ -69,7 +69,7 @@ async def test_promotion_with_the_remote_down_never_evicts(tmp_path):
 
 async def test_pressure_with_the_remote_down_drops_copies_that_live_there_first(tmp_path):
     remote = await file_remote_tier(tmp_path)
-    async with open_cache(tmp_path, ram=1 << 20, nvme=2 << 20, extra_tiers=[remote]) as cache:
+    async with open_store(tmp_path, ram=1 << 20, nvme=2 << 20, extra_tiers=[remote]) as cache:
         store = cache.store
         files = await fill(cache, 16, "f")
         hot = next(n for n in files if store.top_tier(obj_of(cache, n)) == "remote")
@@ -97,7 +97,7 @@ async def test_remote_errors_count_the_stores_and_the_transports(tmp_path):
     import pytest
     from kvfs.errors import TierUnavailable
     remote = await file_remote_tier(tmp_path)
-    async with open_cache(tmp_path, ram=1 << 20, nvme=2 << 20, extra_tiers=[remote]) as cache:
+    async with open_store(tmp_path, ram=1 << 20, nvme=2 << 20, extra_tiers=[remote]) as cache:
         store = cache.store
         files = await fill(cache, 16, "f")
         down = [n for n in files if set(obj_of(cache, n).place) == {"remote"}]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 
 from kvfs.store.index import ROOT_INO
-from storekit import PAYLOAD, block, hx, open_cache  # noqa: F401
+from storekit import PAYLOAD, block, hx, open_store  # noqa: F401
 
 
 async def write(cache, name: bytes, data: bytes) -> None:
-    fh, _, _ = await cache.create(ROOT_INO, name, 0o644, 0, 0)
-    await cache.write(fh, 0, data)
-    await cache.release(fh)
+    fh, _, _ = await cache.files.create(ROOT_INO, name, 0o644, 0, 0)
+    await cache.files.write(fh, 0, data)
+    await cache.files.release(fh)
     await cache.store.relieve()
 
 
@@ -20,14 +20,14 @@ def exists(cache, name: bytes) -> bool:
 
 
 async def test_heads_outlive_tails(tmp_path):
-    async with open_cache(tmp_path, ram=256 << 10, nvme=1 << 20) as cache:
+    async with open_store(tmp_path, ram=256 << 10, nvme=1 << 20) as cache:
         head = [hx(f"head{i}") for i in range(4)]
         # the shared head, written first (so plain LRU would evict it first) ...
         for i, h in enumerate(head):
             await write(cache, f"{h}.kv".encode(), block("ns", h, head[i - 1] if i else "", 16 * (i + 1)))
         ino = cache.index.lookup(ROOT_INO, f"{head[1]}.kv".encode())
-        assert cache.get_xattr(ino, b"user.kvfs.parent").decode() == head[0]
-        assert cache.get_xattr(ino, b"user.kvfs.tokens") == b"32"
+        assert cache.xattrs.get(ino, b"user.kvfs.parent").decode() == head[0]
+        assert cache.xattrs.get(ino, b"user.kvfs.tokens") == b"32"
         # ... then three prompts that extend it, then enough plain files to force eviction
         tails = []
         for p in range(3):

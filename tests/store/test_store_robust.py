@@ -11,11 +11,11 @@ import pytest
 
 from kvfs.errors import TierWriteFailed
 from kvfs.store.index import Index, ROOT_INO
-from storekit import open_cache, read_file as read, write_file as write
+from storekit import open_store, read_file as read, write_file as write
 
 
 async def test_demoting_an_empty_object_writes_no_nvme_file(tmp_path):
-    async with open_cache(tmp_path) as cache:
+    async with open_store(tmp_path) as cache:
         d, _ = cache.ns.make(ROOT_INO, b"d", stat.S_IFDIR | 0o755, 0, 0)
         for i, size in enumerate((0, 5000, 0, 70000)):
             await write(cache, d, b"f%d" % i, os.urandom(size))
@@ -26,7 +26,7 @@ async def test_demoting_an_empty_object_writes_no_nvme_file(tmp_path):
         assert running[1] == len(files) == 2
         assert await cache.sweep_orphans() == 0
     Index(tmp_path / "state").close()
-    async with open_cache(tmp_path) as cache:          # a full load counts from the records
+    async with open_store(tmp_path) as cache:          # a full load counts from the records
         nvme = cache.store.tiers[1]
         assert (nvme.used, nvme.objects) == running
         d = cache.ns.lookup(ROOT_INO, b"d")
@@ -34,7 +34,7 @@ async def test_demoting_an_empty_object_writes_no_nvme_file(tmp_path):
 
 
 async def test_failed_nvme_writes_leave_objects_in_ram_through_relief_and_write_down(tmp_path):
-    async with open_cache(tmp_path, ram=1 << 20) as cache:
+    async with open_store(tmp_path, ram=1 << 20) as cache:
         shards = sorted((tmp_path / "nvme" / "objects").iterdir())
         d, _ = cache.ns.make(ROOT_INO, b"d", stat.S_IFDIR | 0o755, 0, 0)
         want = {b"f%d" % i: os.urandom(60000) for i in range(16)}      # above the high watermark

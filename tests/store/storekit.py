@@ -17,6 +17,7 @@ from kvfs.config import Config  # noqa: E402
 from kvfs.build import build_store  # noqa: E402
 from kvfs.store.store import Store  # noqa: E402
 from kvfs.store.index import Index  # noqa: E402
+from kvfs.store.namespace import Namespace
 from kvfs.store.nvme import NvmeTier  # noqa: E402
 from kvfs.errors import NoSuchObject, TierFull
 from kvfs.store import checksum
@@ -45,6 +46,29 @@ async def open_store(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chu
         if clean:
             await store.write_down_volatile()
             cache.mark_clean()
+        for t in tiers:
+            await t.close()
+        index.close()
+
+
+@contextlib.asynccontextmanager
+async def open_parts(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chunk: int = 64 << 10):
+    """The collaborators ``Store`` gives its members, without a Store: a real LMDB index, an
+    object store over real tiers (tmpfs, a directory on disk) and the namespace over them,
+    started as a fresh store is. Yields ``(index, store, ns, spill_dir)``; a member test builds
+    the member (and the other members it is given) from them."""
+    index = Index(tmp / "state")
+    tiers = [RamTier(ram, "/dev/shm", index.instance_id), NvmeTier(nvme, tmp / "nvme")]
+    for t in tiers:
+        await t.open()
+    store = build_store(Config(chunk_size=chunk), index, tiers)
+    store.ram.overflow = tiers[1].staging_dir
+    ns = Namespace(index, store)
+    ns.recover(store.load())
+    try:
+        yield index, store, ns, tiers[1].staging_dir
+    finally:
+        store.flush_stats()
         for t in tiers:
             await t.close()
         index.close()

@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 
 from kvfs.store.commit import Commits
 from kvfs.store.cred import ROOT, Cred  # noqa: F401  (re-exported: fs imports them from here)
-from kvfs.store.files import CREATE_MTIME_SLACK, FileHandles, Handle, WriteState  # noqa: F401
+from kvfs.store.files import FileHandles, Handle
 from kvfs.store.getbatch import BatchGets
 from kvfs.store.index import Index
 from kvfs.store import marker, records
@@ -28,12 +28,15 @@ from kvfs.store.namespace import Namespace
 from kvfs.store.objects import ObjectStore
 from kvfs.store.owners import Owners
 from kvfs.store.tier import Tier
-from kvfs.store.xattrs import KV_PREFIX, XATTR_MAX, Xattrs  # noqa: F401
+from kvfs.store.xattrs import Xattrs
 
 log = logging.getLogger(__name__)
 
 
 class Store:
+    """The filesystem's store: its members (see the module doc), built here over the index, the
+    object store and the namespace, each given only the collaborators it calls."""
+
     def __init__(self, index: Index, store: ObjectStore, spill_dir):
         self.index = index
         self.store = store

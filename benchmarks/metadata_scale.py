@@ -73,21 +73,21 @@ async def populate(root: Path, count: int, dirs: int, progress) -> float:
     tiers = [RamTier(64 << 20, "/dev/shm", index.instance_id), NvmeTier(1 << 30, root / "nvme")]
     for t in tiers:
         await t.open()
-    cache = Store(index, build_store(Config(), index, tiers), tiers[1].staging_dir)
-    await cache.start()
+    kvstore = Store(index, build_store(Config(), index, tiers), tiers[1].staging_dir)
+    await kvstore.start()
     t0 = time.perf_counter()
     try:
         dino = {}
         for d in range(min(dirs, count)):
-            dino[f"{d:04x}"], _ = cache.ns.make(ROOT_INO, f"{d:04x}".encode(), statmod.S_IFDIR | 0o755,
+            dino[f"{d:04x}"], _ = kvstore.ns.make(ROOT_INO, f"{d:04x}".encode(), statmod.S_IFDIR | 0o755,
                                                 os.getuid(), os.getgid())
         for i, (d, name) in enumerate(file_names(count, dirs)):
-            fh, _, _ = await cache.files.create(dino[d], name.encode(), 0o644, os.getuid(), os.getgid())
-            await cache.files.release(fh)
+            fh, _, _ = await kvstore.files.create(dino[d], name.encode(), 0o644, os.getuid(), os.getgid())
+            await kvstore.files.release(fh)
             if i % 20000 == 19999:
                 progress(f"{count}: {i + 1} files")
-        await cache.store.write_down_volatile()     # what `kvfs umount` does at the end
-        cache.mark_clean()
+        await kvstore.store.write_down_volatile()     # what `kvfs umount` does at the end
+        kvstore.mark_clean()
     finally:
         for t in tiers:
             await t.close()

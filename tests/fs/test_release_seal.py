@@ -26,8 +26,8 @@ def content(seed: int, n: int = SIZE) -> bytes:
 
 @pytest.fixture
 async def ops(tmp_path):
-    async with open_store(tmp_path) as cache:
-        yield KvfsOperations(cache, lambda: {"pid": os.getpid()})
+    async with open_store(tmp_path) as kvstore:
+        yield KvfsOperations(kvstore, lambda: {"pid": os.getpid()})
 
 
 async def read_all(ops, fh) -> bytes:

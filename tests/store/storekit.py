@@ -37,15 +37,15 @@ async def open_store(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chu
         await t.open()
     cfg = Config(chunk_size=chunk, high_watermark=high, low_watermark=low)
     store = build_store(cfg, index, tiers)
-    cache = Store(index, store, tiers[1].staging_dir)
-    cache.recovered = await cache.start()
+    kvstore = Store(index, store, tiers[1].staging_dir)
+    kvstore.recovered = await kvstore.start()
     try:
-        yield cache
+        yield kvstore
     finally:
         store.flush_stats()
         if clean:
             await store.write_down_volatile()
-            cache.mark_clean()
+            kvstore.mark_clean()
         for t in tiers:
             await t.close()
         index.close()
@@ -172,19 +172,19 @@ def hx(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()
 
 
-async def write_file(cache, parent: int, name: bytes, data: bytes) -> int:
-    fh, ino, _ = await cache.files.create(parent, name, 0o644, 0, 0)
-    await cache.files.write(fh, 0, data)
-    await cache.files.release(fh)
+async def write_file(kvstore, parent: int, name: bytes, data: bytes) -> int:
+    fh, ino, _ = await kvstore.files.create(parent, name, 0o644, 0, 0)
+    await kvstore.files.write(fh, 0, data)
+    await kvstore.files.release(fh)
     return ino
 
 
-async def read_file(cache, parent: int, name: bytes) -> bytes:
-    fh = await cache.files.open(cache.ns.lookup(parent, name), os.O_RDONLY)
+async def read_file(kvstore, parent: int, name: bytes) -> bytes:
+    fh = await kvstore.files.open(kvstore.ns.lookup(parent, name), os.O_RDONLY)
     try:
-        return bytes(await cache.files.read(fh, 0, 1 << 20))
+        return bytes(await kvstore.files.read(fh, 0, 1 << 20))
     finally:
-        await cache.files.release(fh)
+        await kvstore.files.release(fh)
 
 
 @contextlib.contextmanager

@@ -16,12 +16,12 @@ async def test_settled_is_false_while_a_promotion_is_handed_to_the_waiting_loop(
     channel's buffer stays empty until that task runs: ``settled`` read the buffer and said
     True in that window (a mount test compared a stats snapshot with a metrics scrape taken
     just after and saw the promotion land between them)."""
-    async with open_store(tmp_path) as cache:
-        store = cache.store
-        fh, ino, _ = await cache.files.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_WRONLY)
-        await cache.files.write(fh, 0, os.urandom(256 << 10))
-        await cache.files.release(fh)
-        obj = cache.ns.sealed[ino]
+    async with open_store(tmp_path) as kvstore:
+        store = kvstore.store
+        fh, ino, _ = await kvstore.files.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_WRONLY)
+        await kvstore.files.write(fh, 0, os.urandom(256 << 10))
+        await kvstore.files.release(fh)
+        obj = kvstore.ns.sealed[ino]
         await store.demote(obj, 0)
         assert set(obj.place) == {"nvme"}
         async with trio.open_nursery() as nursery:

@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 from kvfs.build import build_store  # noqa: E402
 from kvfs.config import Config  # noqa: E402
 from kvfs.fs.ops import KvfsOperations  # noqa: E402
-from kvfs.store.cache import Cache  # noqa: E402
+from kvfs.store.store import Store  # noqa: E402
 from kvfs.store.index import ROOT_INO, Index  # noqa: E402
 from kvfs.store.names import NameTable  # noqa: E402
 from kvfs.store.nvme import NvmeTier  # noqa: E402
@@ -82,8 +82,8 @@ async def measure(files: int, rounds: int, size: int, names: bool = True) -> dic
         for t in tiers:
             await t.open()
         store = build_store(Config(), index, tiers)
-        cache = Cache(index, store, tiers[1].staging_dir)
-        await cache.start()
+        kvstore = Store(index, store, tiers[1].staging_dir)
+        await kvstore.start()
         commit_s = [0.0]
         commit = index.commit
 
@@ -93,7 +93,7 @@ async def measure(files: int, rounds: int, size: int, names: bool = True) -> dic
             commit_s[0] += time.perf_counter() - t0
         index.commit = timed_commit
         try:
-            ops = KvfsOperations(cache, lambda: {})
+            ops = KvfsOperations(kvstore, lambda: {})
             out = {k: [] for k in STEPS}
             payload = os.urandom(size)
             cpu0 = time.process_time()

@@ -4,7 +4,7 @@
         [--rounds 3] [--dir DIR] [--keep DIR] [--json FILE]
 
 For each count N: a fresh state directory is filled with N empty files in ``--dirs`` directories
-through the store itself (``kvfs.store.cache.Cache``, in process: the same index operations a
+through the store itself (``kvfs.store.store.Store``, in process: the same index operations a
 mount makes, without N FUSE round trips) and closed as a clean unmount closes it, then
 ``kvfs mount`` (the CLI, until ready) serves it. ``--keep DIR`` populates each count once into
 DIR and mounts copies (to compare two builds on the same state). Measured: mount-until-ready
@@ -53,7 +53,7 @@ from kvfs.bench import BenchMount, wait_for  # noqa: E402
 from kvfs.config import Config  # noqa: E402
 from kvfs.proc import pid_alive  # noqa: E402
 from kvfs.build import build_store  # noqa: E402
-from kvfs.store.cache import Cache  # noqa: E402
+from kvfs.store.store import Store  # noqa: E402
 from kvfs.store.index import ROOT_INO, Index  # noqa: E402
 from kvfs.store.nvme import NvmeTier  # noqa: E402
 from kvfs.store.ram import RamTier  # noqa: E402
@@ -73,21 +73,21 @@ async def populate(root: Path, count: int, dirs: int, progress) -> float:
     tiers = [RamTier(64 << 20, "/dev/shm", index.instance_id), NvmeTier(1 << 30, root / "nvme")]
     for t in tiers:
         await t.open()
-    cache = Cache(index, build_store(Config(), index, tiers), tiers[1].staging_dir)
-    await cache.start()
+    kvstore = Store(index, build_store(Config(), index, tiers), tiers[1].staging_dir)
+    await kvstore.start()
     t0 = time.perf_counter()
     try:
         dino = {}
         for d in range(min(dirs, count)):
-            dino[f"{d:04x}"], _ = cache.ns.make(ROOT_INO, f"{d:04x}".encode(), statmod.S_IFDIR | 0o755,
+            dino[f"{d:04x}"], _ = kvstore.ns.make(ROOT_INO, f"{d:04x}".encode(), statmod.S_IFDIR | 0o755,
                                                 os.getuid(), os.getgid())
         for i, (d, name) in enumerate(file_names(count, dirs)):
-            fh, _, _ = await cache.create(dino[d], name.encode(), 0o644, os.getuid(), os.getgid())
-            await cache.release(fh)
+            fh, _, _ = await kvstore.files.create(dino[d], name.encode(), 0o644, os.getuid(), os.getgid())
+            await kvstore.files.release(fh)
             if i % 20000 == 19999:
                 progress(f"{count}: {i + 1} files")
-        await cache.store.mover.write_down_volatile()     # what `kvfs umount` does at the end
-        cache.mark_clean()
+        await kvstore.store.mover.write_down_volatile()     # what `kvfs umount` does at the end
+        kvstore.mark_clean()
     finally:
         for t in tiers:
             await t.close()

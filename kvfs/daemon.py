@@ -24,7 +24,7 @@ from kvfs.errors import ConfigError
 from kvfs.fs import loop, transport as transports
 from kvfs.fs.ops import KvfsOperations
 from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY, UNMOUNT_REPORT, UNMOUNT_REPORT_KEY
-from kvfs.store.cache import Cache
+from kvfs.store.store import Store
 from kvfs.store.index import Index
 from kvfs.store.names import NameTable, build_in_background, dirent_count
 from kvfs.store.ram import filesystem_of
@@ -146,20 +146,20 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         index.put_meta(b"nvme_bound", b"1")
         store = build_store(cfg, index, tiers)
         store.events.queue_limit = cfg.events_queue
-        cache = Cache(index, store, tiers[1].staging_dir)
-        recovered = await cache.start()
+        kvstore = Store(index, store, tiers[1].staging_dir)
+        recovered = await kvstore.start()
         index.names = names = _begin_names(cfg, index, tiers[0].dir)
         served, reader, session = {"metrics": None}, loop.Reader(), []
         describe = lambda: dict(_describe(cfg, mountpoint, tiers, index, names), recovered=recovered,
                                 started=started, request_loop=reader.statistics(), **served,
                                 transport=session[0].statistics() if session else None)
-        ops = KvfsOperations(cache, describe)
+        ops = KvfsOperations(kvstore, describe)
         if cfg.share:
             from kvfs.remote.share import attach
-            ops.shared = ops.control.shared = await attach(cache, tiers, ops.kernel_synced)
+            ops.shared = ops.control.shared = await attach(kvstore, tiers, ops.kernel_synced)
         if cfg.metrics:
             from kvfs.metrics import MetricsServer
-            metrics = MetricsServer(cfg.metrics, cache, trio.lowlevel.current_trio_token())
+            metrics = MetricsServer(cfg.metrics, kvstore, trio.lowlevel.current_trio_token())
             served["metrics"] = metrics.address
         fuse = transports.choose(cfg, ops, mountpoint, mount_options(cfg.allow_other))
         fuse.mount()
@@ -174,11 +174,11 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 await nursery.start(index.serve_commits)
                 for t in tiers:
                     nursery.start_soon(t.serve)
-                nursery.start_soon(cache.sweep_orphans)
-                nursery.start_soon(cache.serve_leases)
+                nursery.start_soon(kvstore.sweep_orphans)
+                nursery.start_soon(kvstore.leases.serve)
                 if names.building:
                     nursery.start_soon(build_in_background, index, names, cfg.names_build_step)
-                nursery.start_soon(_on_signals, cache.telemetry.events, fuse)
+                nursery.start_soon(_on_signals, kvstore.telemetry.events, fuse)
                 log.info("mounted %s in %.2fs (%s)", mountpoint, time.monotonic() - started,
                          ", ".join(f"{t.name} {t.capacity}" for t in tiers))
                 huge = filesystem_of(tiers[0].dir)[2].get("huge", "never")
@@ -196,7 +196,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 names.close()
         log.info("unmounted; writing down")
         report = await _write_down(cfg, store)
-        cache.mark_clean()
+        kvstore.mark_clean()
         _report_unmount(cfg, report)
     finally:
         if index.names is not None:

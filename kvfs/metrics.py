@@ -54,17 +54,18 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, n
 
 
-def snapshot(cache) -> dict:
-    """Everything a scrape reports, taken on the trio thread (cheap: no per-object walk)."""
-    store = cache.store
-    doc = cache.statistics()
+def snapshot(kvstore) -> dict:
+    """Everything a scrape reports (``kvstore``: the kvfs.store.store.Store), taken on the trio
+    thread (cheap: no per-object walk)."""
+    store = kvstore.store
+    doc = kvstore.statistics()
     doc["telemetry"] = store.telemetry.snapshot()
-    quotas = getattr(cache, "quotas", None)
+    quotas = getattr(kvstore, "quotas", None)
     doc["quotas"] = quotas.statistics() if quotas is not None else {"limits": {}, "evicted": 0, "refused": 0}
     doc["queues"] = {
         "promotion": store._promote_send.statistics().current_buffer_used,
         "moving": store._moving,
-        "writers": len(cache.writers),
+        "writers": len(kvstore.files.writers),
         "demotion_backlog": {t.name: max(0, int(t.used - store.policy.target(t))) for t in store.tiers},
     }
     return doc
@@ -73,13 +74,13 @@ def snapshot(cache) -> dict:
 class KvfsCollector:
     """A prometheus-client collector over :func:`snapshot` (taken through ``trio_token``)."""
 
-    def __init__(self, cache, trio_token):
-        self.cache = cache
+    def __init__(self, store, trio_token):
+        self.store = store
         self.token = trio_token
 
     def collect(self):
         try:
-            doc = trio.from_thread.run_sync(snapshot, self.cache, trio_token=self.token)
+            doc = trio.from_thread.run_sync(snapshot, self.store, trio_token=self.token)
         except (trio.RunFinishedError, RuntimeError) as e:     # shutting down
             log.debug("no metrics snapshot: %s", e)
             return
@@ -191,10 +192,10 @@ def quota_families(q: dict):
 class MetricsServer:
     """The HTTP endpoint; ``address`` is where it listens (the real port when 0 was asked)."""
 
-    def __init__(self, address: str, cache, trio_token):
+    def __init__(self, address: str, store, trio_token):
         host, port = parse_address(address)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(KvfsCollector(cache, trio_token))
+        self.registry.register(KvfsCollector(store, trio_token))
         ProcessCollector(registry=self.registry)
         try:
             self.httpd = BoundedServer(host, port, make_wsgi_app(self.registry))

@@ -128,7 +128,7 @@ def valid_backing(b: Backing) -> bool:
 
 
 def encode_lease_entry(b: dict | None) -> str:
-    """A lease entry as JSON text from a backing dict (``Cache.backing_of``), or ``null``."""
+    """A lease entry as JSON text from a backing dict (``Owners.backing_of``), or ``null``."""
     if b is None:
         return "null"
     return json.dumps([b["tier"], b["path"], b["offset"], b["size"], b["checksum"], bool(b.get("direct"))],

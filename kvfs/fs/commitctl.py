@@ -131,8 +131,8 @@ def _ranges(tok: bytes, length: int) -> tuple:
 
 
 class CommitControl:
-    def __init__(self, cache, describe):
-        self.cache = cache
+    def __init__(self, store, describe):
+        self.store = store
         self.describe = describe
         self._dev: int | None = None
         self.invalidate = None          # async (names) -> None, set by the fs (kernel entries)
@@ -177,7 +177,7 @@ class CommitControl:
                 entries.append(CommitEntry(path, src, off, length, mode))
                 where.append(i)
             made: list = []
-            done = await self.cache.commit_entries(entries, h.cred, getattr(self.cache, "quotas", None),
+            done = await self.store.commits.commit_entries(entries, h.cred, getattr(self.store, "quotas", None),
                                                    noreplace, dirmode, made)
         finally:
             for src in fds.values():

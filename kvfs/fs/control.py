@@ -18,7 +18,7 @@ not a finite number in (0, 600] is refused with EINVAL.
 Both answer as the caller: the uid, gid and groups of the process that opened the control
 file. A path the caller could not open for reading through the mount (search permission
 on every directory, read permission on the file) ends the prefix like a missing one, so
-neither file answers anything about it; non-root leases are bounded (see Cache.grant_lease).
+neither file answers anything about it; non-root leases are bounded (see Leases.grant).
 
 ``lookup`` answers ``{"prefix": k, "tiers": [...]}``: the first ``k`` paths are sealed
 regular files (the first that is not ends the prefix), with the highest tier of each.
@@ -49,7 +49,7 @@ from kvfs import protocol
 from kvfs.protocol import LEASE_TTL, LEASE_TTL_MAX
 from kvfs.fs import dirreply
 from kvfs.fs.commitctl import CommitControl
-from kvfs.store.cache import ROOT, Cred
+from kvfs.store.store import ROOT, Cred
 
 log = logging.getLogger(__name__)
 
@@ -175,11 +175,11 @@ def parse_request(raw: bytes) -> tuple[list[tuple[bytes, list[bytes]]], dict[byt
 class Control:
     shared = None          # kvfs.remote.share.adopt.SharedNames on a shared remote volume
 
-    def __init__(self, cache, describe):
-        self.cache = cache
+    def __init__(self, store, describe):
+        self.store = store
         self.describe = describe      # () -> dict of mount facts (pid, mountpoint, ...)
-        self.telemetry = cache.store.telemetry
-        self.commits = CommitControl(cache, describe)
+        self.telemetry = store.telemetry
+        self.commits = CommitControl(store, describe)
 
     def lookup(self, name: bytes) -> pyfuse3.EntryAttributes:
         if name not in FILES:
@@ -188,12 +188,12 @@ class Control:
 
     def stats_json(self) -> bytes:
         doc = dict(self.describe())
-        doc.update(self.cache.statistics())
+        doc.update(self.store.statistics())
         tel = self.telemetry.snapshot()
         for key in ("namespaces", "admission_dropped", "deadline_exceeded", "events"):
             doc[key] = tel[key]
         doc["uptime"] = time.time() - self.telemetry.started
-        quotas = getattr(self.cache, "quotas", None)
+        quotas = getattr(self.store, "quotas", None)
         if quotas is not None:
             doc["quotas"] = quotas.statistics()
         return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
@@ -222,12 +222,12 @@ class Control:
     def _lookup_answer(self, groups, cred: Cred) -> dict:
         objs = []
         for base, paths in groups:
-            got = self.cache.prefix_objects(paths, base, cred)
+            got = self.store.leases.prefix_objects(paths, base, cred)
             objs += got
             if len(got) < len(paths):
                 self._misses(base, paths[len(got):])
                 break
-        return self.cache.prefix_answer(objs)
+        return self.store.leases.prefix_answer(objs)
 
     def _misses(self, base: bytes, paths: list[bytes]) -> None:
         """Count the paths past a prefix's end as misses of their namespaces."""
@@ -255,7 +255,7 @@ class Control:
                 raise pyfuse3.FUSEError(errno.EINVAL)
             if self.shared is not None:           # names other nodes published, not yet local
                 await self.shared.adopt_paths(groups)
-            h.answer = await self.cache.get_answer(groups, h.cred)
+            h.answer = await self.store.gets.answer(groups, h.cred)
         if h.answer is None and h.ino in (LOOKUP, LEASE):
             raw, h.request = bytes(h.request), bytearray()
             groups, opts = parse_request(raw)
@@ -273,7 +273,7 @@ class Control:
                         raise pyfuse3.FUSEError(errno.EINVAL)     # one base per lease
                     base, paths = groups[0] if groups else (b"", [])
                     t0 = time.perf_counter()
-                    h.lease, h.answer = self.cache.grant_lease(paths, base, ttl, h.cred)
+                    h.lease, h.answer = self.store.leases.grant(paths, base, ttl, h.cred)
                     self.telemetry.latency["lease"].observe(time.perf_counter() - t0)
                     prefix = int(h.answer.split(b",", 1)[0][len(b'{"prefix":'):])
                     self._misses(base, paths[prefix:])
@@ -297,7 +297,7 @@ class Control:
             self.telemetry.events.unsubscribe(h.events)
         if h.lease is not None:
             lid, h.lease = h.lease, None
-            await self.cache.release_lease(lid)
+            await self.store.leases.release(lid)
 
     async def close(self, h: ControlHandle) -> None:
         """The descriptor was closed: its lease ends, its commit process handle goes."""

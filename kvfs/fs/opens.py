@@ -37,8 +37,8 @@ class Held(Exception):
 
 
 class Opens:
-    def __init__(self, cache):
-        self.cache = cache
+    def __init__(self, store):
+        self.store = store
         self.passthrough = None                 # kvfs.fs.passthrough.Passthrough (kernel transport)
         self.page_key: dict[int, tuple] = {}    # inode -> whose bytes its cached pages hold
         self.open_keys: dict[int, dict[tuple, int]] = {}
@@ -53,7 +53,7 @@ class Opens:
         """keep_cache when the cached pages hold this handle's version (sealed objects never
         change); direct_io while another version of the inode is open (mmap then gives ENODEV)
         or while the kernel reads the inode through passthrough."""
-        h = self.cache.handles[fh]
+        h = self.store.files.handles[fh]
         key = h.content_key()
         passing = await self._pass(fh, ino, h)
         if not passing and self.passthrough is not None and self.passthrough.mode(ino) is not None:
@@ -83,15 +83,15 @@ class Opens:
         """Whether this open is served by the kernel from the object's tier file: a read-only
         open of a sealed version with no write in progress (see the module's text)."""
         pt = self.passthrough
-        if pt is None or not pt.enabled or h.obj is None or h.write or ino in self.cache.writers:
+        if pt is None or not pt.enabled or h.obj is None or h.write or ino in self.store.files.writers:
             return False
         if not await self._may_pass(ino, h.obj, wait=True):
             return False
-        fd = await open_backing(self.cache.store, h.obj)
+        fd = await open_backing(self.store.store, h.obj)
         if fd is None:
             pt.declined += 1
             return False
-        if not await self._may_pass(ino, h.obj, wait=False) or ino in self.cache.writers:
+        if not await self._may_pass(ino, h.obj, wait=False) or ino in self.store.files.writers:
             os.close(fd)                     # another open or a writer came in meanwhile
             return False
         return pt.offer(fh, ino, h.obj, fd)

@@ -1,4 +1,4 @@
-"""pyfuse3 handlers: each translates one request to the store (kvfs.store.cache.Cache)."""
+"""pyfuse3 handlers: each translates one request to the store (kvfs.store.store.Store)."""
 from __future__ import annotations
 
 import errno
@@ -17,7 +17,7 @@ from kvfs.fs.opens import Held, Opens
 from kvfs.fs.errmap import translate
 from kvfs.protocol import ALIGN, CONTROL_NAME_B
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
-from kvfs.store.cache import Cache, Cred
+from kvfs.store.store import Cred, Store
 from kvfs.store.index import ROOT_INO
 
 log = logging.getLogger(__name__)
@@ -72,21 +72,21 @@ class KvfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
     shared = None          # kvfs.remote.share.adopt.SharedNames on a shared remote volume
 
-    def __init__(self, cache: Cache, describe):
+    def __init__(self, store: Store, describe):
         super().__init__()
-        self.cache = cache
-        self.control = control.Control(cache, describe)
-        self._latency = cache.store.telemetry.latency     # kvfs.telemetry histograms
-        self.quotas = cache.quotas = Quotas(cache)          # kvfs.quota
+        self.store = store
+        self.control = control.Control(store, describe)
+        self._latency = store.telemetry.latency     # kvfs.telemetry histograms
+        self.quotas = store.quotas = Quotas(store)          # kvfs.quota
         self._ctl: dict[int, control.ControlHandle] = {}
         self._next_ctl = 1 << 62
         self.notifier = Notifier()
         self._mounted = False         # kernel notifications only while a session exists
-        self.opens = Opens(cache)           # how each open is answered (kvfs/fs/opens.py)
+        self.opens = Opens(store)           # how each open is answered (kvfs/fs/opens.py)
         self.data_reads = 0                 # READs of files (not control files) that reached us
-        cache.on_names_removed(self._name_removed)
-        cache.on_content_changed = self._content_changed
-        cache.on_sealed = self._sealed
+        store.names.on_names_removed(self._name_removed)
+        store.files.on_content_changed = self._content_changed
+        store.files.on_sealed = self._sealed
         self.control.commits.invalidate = self._invalidate_names
 
     async def _invalidate_names(self, names: list[tuple[int, bytes]]) -> None:
@@ -157,17 +157,17 @@ class KvfsOperations(pyfuse3.Operations):
         if name == b".":
             ino = parent_inode
         elif name == b"..":
-            ino = self.cache.inode(parent_inode)["parent"]
+            ino = self.store.names.inode(parent_inode)["parent"]
         else:
             t0 = time.perf_counter()
             try:
-                ino = self.cache.find(parent_inode, name)     # a miss is common: no exception
+                ino = self.store.names.find(parent_inode, name)     # a miss is common: no exception
                 if ino is None and self.shared is not None:
                     # then the other nodes' published blocks; no negative entry (a block
                     # published later must be found)
                     ino = await self.shared.lookup(parent_inode, name)
                     if ino is not None:
-                        return _entry(ino, self.cache.getattr(ino))
+                        return _entry(ino, self.store.files.getattr(ino))
                     self._missed(parent_inode)
                     raise pyfuse3.FUSEError(errno.ENOENT)
                 if ino is None:
@@ -177,18 +177,18 @@ class KvfsOperations(pyfuse3.Operations):
                     raise pyfuse3.FUSEError(errno.ENOENT)
             finally:
                 self._latency["lookup"].observe(time.perf_counter() - t0)
-        return _entry(ino, self.cache.getattr(ino))
+        return _entry(ino, self.store.files.getattr(ino))
 
     def _missed(self, parent: int) -> None:
         """A name looked up and not found: a miss of its namespace (the top-level directory)."""
-        self.cache.telemetry.miss_in(self.cache.top_of(parent))
+        self.store.telemetry.miss_in(self.store.names.top_of(parent))
 
     @translate
     async def getattr(self, inode, ctx=None):
         if control.is_control(inode):
             return control.attrs(inode)
         try:
-            return _entry(inode, self.cache.getattr(inode))
+            return _entry(inode, self.store.files.getattr(inode))
         except NamespaceError as e:
             raise self._stale(inode, e) from None
 
@@ -196,12 +196,12 @@ class KvfsOperations(pyfuse3.Operations):
     async def setattr(self, inode, attr, fields, fh, ctx):
         if control.is_control(inode):
             raise pyfuse3.FUSEError(errno.EPERM)
-        if fh is None and self.cache.evicted(inode):     # by a name (see _stale)
+        if fh is None and self.store.names.evicted(inode):     # by a name (see _stale)
             raise pyfuse3.FUSEError(errno.ESTALE)
         try:
             if fields.update_size:
                 await self.opens.changeable(inode)
-            rec = await self.cache.setattr(
+            rec = await self.store.files.setattr(
                 inode,
                 size=attr.st_size if fields.update_size else None,
                 mode=attr.st_mode if fields.update_mode else None,
@@ -220,7 +220,7 @@ class KvfsOperations(pyfuse3.Operations):
 
     @translate
     async def readlink(self, inode, ctx):
-        rec = self.cache.inode(inode)
+        rec = self.store.names.inode(inode)
         if not stat.S_ISLNK(rec["mode"]):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return rec["target"]
@@ -232,23 +232,23 @@ class KvfsOperations(pyfuse3.Operations):
     @translate
     async def mkdir(self, parent_inode, name, mode, ctx):
         self._parent_ok(parent_inode)
-        ino, rec = self.cache.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid)
+        ino, rec = self.store.names.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid)
         return _entry(ino, rec)
 
     @translate
     async def rmdir(self, parent_inode, name, ctx):
         self._parent_ok(parent_inode)
-        self.cache.rmdir(parent_inode, name)
+        self.store.names.rmdir(parent_inode, name)
 
     @translate
     async def unlink(self, parent_inode, name, ctx):
         self._parent_ok(parent_inode)
-        await self.cache.unlink(parent_inode, name)
+        await self.store.names.unlink(parent_inode, name)
 
     @translate
     async def symlink(self, parent_inode, name, target, ctx):
         self._parent_ok(parent_inode)
-        ino, rec = self.cache.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
+        ino, rec = self.store.names.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
                                    target=bytes(target))
         return _entry(ino, rec)
 
@@ -270,14 +270,14 @@ class KvfsOperations(pyfuse3.Operations):
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         self._parent_ok(parent_inode_old)
         self._parent_ok(parent_inode_new)
-        await self.cache.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        await self.store.names.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     # ---- directories ----------------------------------------------------------
     @translate
     async def opendir(self, inode, ctx):
         if control.is_control(inode):
             return inode
-        if not stat.S_ISDIR(self.cache.inode(inode)["mode"]):
+        if not stat.S_ISDIR(self.store.names.inode(inode)["mode"]):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if self.shared is not None:
             await self.shared.fill(inode)
@@ -288,10 +288,10 @@ class KvfsOperations(pyfuse3.Operations):
         if fh == control.CTRL_DIR:
             self.control.readdir(start_id, token)
             return
-        for eid, name, ino, rec in self.cache.entries(fh, start_id):
+        for eid, name, ino, rec in self.store.names.entries(fh, start_id):
             # the attributes getattr gives (a file being written: its buffer's size), or the
             # kernel would take the sealed size for the inode's
-            if not dirreply.reply(token, name, _entry(ino, self.cache.live_attrs(ino, rec)), eid):
+            if not dirreply.reply(token, name, _entry(ino, self.store.files.live_attrs(ino, rec)), eid):
                 return
 
     async def releasedir(self, fh):
@@ -308,7 +308,7 @@ class KvfsOperations(pyfuse3.Operations):
         try:
             if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
                 await self.opens.changeable(inode)
-            fh = await self.cache.open(inode, flags)
+            fh = await self.store.files.open(inode, flags)
         except NamespaceError as e:
             raise self._stale(inode, e) from None
         except Held:
@@ -327,14 +327,14 @@ class KvfsOperations(pyfuse3.Operations):
         name, whose cached attributes a later stat(2) would still show. An evicted inode kept
         for a reader of an older version is answered so too (``ns.evicted``): a write open
         would have started an empty buffer on an unlinked inode."""
-        if e.errno == errno.ENOENT and self.cache.dropped(inode):
+        if e.errno == errno.ENOENT and self.store.names.dropped(inode):
             return pyfuse3.FUSEError(errno.ESTALE)
         return e
 
     @translate
     async def create(self, parent_inode, name, mode, flags, ctx):
         self._parent_ok(parent_inode)
-        fh, ino, rec = await self.cache.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
+        fh, ino, rec = await self.store.files.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
         return await self.opens.file_info(fh, ino, flags), _entry(ino, rec)
 
     @translate
@@ -344,7 +344,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.data_reads += 1
         t0 = time.perf_counter()
         try:
-            return await self.cache.read(fh, off, size)
+            return await self.store.files.read(fh, off, size)
         finally:
             self._latency["read"].observe(time.perf_counter() - t0)
 
@@ -353,13 +353,13 @@ class KvfsOperations(pyfuse3.Operations):
         if fh in self._ctl:
             return await self.control.write(self._ctl[fh], off, buf)
         self.opens.writing(fh)
-        if off + len(buf) > self.cache.max_file_size():    # before a buffer grows toward it
+        if off + len(buf) > self.store.files.max_file_size():    # before a buffer grows toward it
             raise pyfuse3.FUSEError(errno.EFBIG)
         t0 = time.perf_counter()
         try:
             if self.quotas.limits:
                 await self.quotas.admit_write(fh, off, len(buf))
-            return await self.cache.write(fh, off, buf)
+            return await self.store.files.write(fh, off, buf)
         finally:
             self._latency["write"].observe(time.perf_counter() - t0)
 
@@ -368,13 +368,13 @@ class KvfsOperations(pyfuse3.Operations):
         if fh in self._ctl:
             return
         self.opens.flushed(fh)
-        await self.cache.flush(fh)
+        await self.store.files.flush(fh)
 
     @translate
     async def fsync(self, fh, datasync):
         if fh in self._ctl:
             return
-        await self.cache.fsync(fh)
+        await self.store.files.fsync(fh)
 
     @translate
     async def release(self, fh):
@@ -383,9 +383,9 @@ class KvfsOperations(pyfuse3.Operations):
             await self.control.close(h)        # closing a lease descriptor ends its lease
             return
         self.opens.closed(fh)
-        h = self.cache.handles.get(fh)
+        h = self.store.files.handles.get(fh)
         try:
-            await self.cache.release(fh)
+            await self.store.files.release(fh)
         finally:
             await self.quotas.settle(fh, h.ino if h is not None else None)
 
@@ -396,7 +396,7 @@ class KvfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ENODATA)
         if name == QUOTA_XATTR:
             return self.quotas.get_xattr(inode)
-        value = self.cache.find_xattr(inode, name, Cred(ctx.uid, ctx.gid))
+        value = self.store.xattrs.find(inode, name, Cred(ctx.uid, ctx.gid))
         if value is None:
             raise pyfuse3.FUSEError(errno.ENODATA)
         return value
@@ -407,30 +407,30 @@ class KvfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EPERM)
         if name == QUOTA_XATTR:
             return self.quotas.set_xattr(inode, value, ctx.uid)
-        self.cache.set_xattr(inode, name, value)
+        self.store.xattrs.set(inode, name, value)
 
     @translate
     async def listxattr(self, inode, ctx):
         if control.is_control(inode):
             return []
-        return self.cache.list_xattrs(inode)
+        return self.store.xattrs.names(inode)
 
     @translate
     async def removexattr(self, inode, name, ctx):
         if control.is_control(inode):
             raise pyfuse3.FUSEError(errno.EPERM)
-        self.cache.remove_xattr(inode, name)
+        self.store.xattrs.remove(inode, name)
 
     # ---- filesystem ---------------------------------------------------------------
     @translate
     async def statfs(self, ctx):
-        total, free = self.cache.statfs()
+        total, free = self.store.statfs()
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = ALIGN
         s.f_blocks = total // ALIGN
         s.f_bfree = s.f_bavail = free // ALIGN
         s.f_files = 1 << 32
-        s.f_ffree = s.f_favail = (1 << 32) - self.cache.inode_count()
+        s.f_ffree = s.f_favail = (1 << 32) - self.store.names.inode_count()
         s.f_namemax = 255
         return s
 

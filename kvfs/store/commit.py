@@ -1,5 +1,6 @@
 """Batched publication of files whose bytes the caller hands over by descriptor (the
-``.kvfs/commit`` control file, kvfs/fs/control.py documents the request); a mixin of ``Cache``.
+``.kvfs/commit`` control file, kvfs/fs/control.py documents the request): the ``commits``
+member of ``Store``.
 
 A client names many pages in one request: byte ranges of a memfd it wrote them to, or of its
 own memory. For
@@ -8,7 +9,7 @@ each entry the daemon
 1. resolves the target's parent as the caller (search permission on every directory, write
    and search on the parent, the sticky-bit rule when the name exists): the checks the kernel
    makes for ``create`` and ``rename`` with ``default_permissions``;
-2. creates a hidden temporary file there owned by the caller (``Cache.create``), so quotas,
+2. creates a hidden temporary file there owned by the caller (``FileHandles.create``), so quotas,
    admission, the staging buffer's accounting and spilling are those of any write;
 3. copies the entry's byte range from the caller's descriptor or memory into that
    daemon-owned buffer (copier threads) -- the caller cannot change what is stored afterwards;
@@ -33,6 +34,7 @@ import os
 import stat
 import threading
 import time
+from typing import Awaitable, Callable
 
 import trio
 
@@ -41,7 +43,11 @@ from kvfs.protocol import CONTROL_NAME_B
 from kvfs.store import checksum, ramroom
 from kvfs.store.caller import CallerFile, CallerMemory, CallerProcess, _err  # noqa: F401 -- CallerProcess: the commit file's
 from kvfs.store.cred import Cred
-from kvfs.store.index import ROOT_INO
+from kvfs.store.files import FileHandles
+from kvfs.store.index import ROOT_INO, Index
+from kvfs.store.nameops import NameOps
+from kvfs.store.namespace import Namespace
+from kvfs.store.objects import ObjectStore
 from kvfs.store.sniff import HEAD, peek_block_header
 
 log = logging.getLogger(__name__)
@@ -111,7 +117,20 @@ def _copy_summed(src, dst: int, offset: int, length: int, chunk: int | None) -> 
 
 
 class Commits:
-    """``Cache``'s batched commit (see the module docstring)."""
+    """The batched commit (see the module docstring): over ``files`` (the temp file's handle,
+    its buffer and seal) and ``names`` (its rename, a replaced file's release)."""
+
+    def __init__(self, index: Index, store: ObjectStore, ns: Namespace, files: FileHandles, names: NameOps,
+                 spill_dir):
+        self.index = index
+        self.store = store
+        self.ns = ns
+        self.files = files
+        self.names = names
+        self.spill_dir = spill_dir
+        self.telemetry = store.telemetry
+        # (parent, name) of a published file: a shared volume publishes the name
+        self.on_renamed: Callable[[int, bytes], Awaitable[None]] | None = None
 
     def commit_parent(self, path: bytes, cred: Cred, noreplace: bool = False, dirmode: int | None = None,
                       made: list | None = None) -> tuple[int, bytes]:
@@ -258,17 +277,17 @@ class Commits:
             if m.mapping is not None:       # made by the copy, never adopted
                 m.mapping.close()
                 m.mapping = None
-            if m.fh in self.handles:
+            if m.fh in self.files.handles:
                 if quotas is not None:
                     quotas.forget_handle(m.fh)
-                await self.release(m.fh)
+                await self.files.release(m.fh)
             if m.tmp is None:
                 if m.staging is not None:   # not taken by a published object
                     m.staging.discard()
                     m.staging = None
             elif not m.published:
                 try:
-                    await self.unlink(m.parent, m.tmp)
+                    await self.names.unlink(m.parent, m.tmp)
                 except NamespaceError:
                     pass
 
@@ -281,18 +300,18 @@ class Commits:
         if self._direct(quotas):
             return _Pending(e, parent, name, None, None, None, self.store.ram.new_staging(), cred=cred)
         tmp = TMP_PREFIX + os.urandom(8).hex().encode()
-        fh, ino, _ = await self.create(parent, tmp, e.mode & 0o777, cred.uid, cred.gid, os.O_WRONLY)
+        fh, ino, _ = await self.files.create(parent, tmp, e.mode & 0o777, cred.uid, cred.gid, os.O_WRONLY)
         m = _Pending(e, parent, name, tmp, fh, ino, None)
         try:
             if quotas is not None and quotas.limits and e.length:
                 await quotas.admit_write(fh, 0, e.length, whole=True)
-            m.staging = await self._staging(self.handles[fh].ws)
+            m.staging = await self.files.staging_of(self.files.handles[fh].ws)
         except BaseException:
             if quotas is not None:
                 quotas.forget_handle(fh)
-            await self.release(fh)
+            await self.files.release(fh)
             try:
-                await self.unlink(parent, tmp)
+                await self.names.unlink(parent, tmp)
             except NamespaceError:
                 pass
             raise
@@ -310,7 +329,7 @@ class Commits:
         ``summary``, ``head``: the buffer's checksums and first bytes, taken by the copy that filled it."""
         staging, m.staging = m.staging, None
         ram = self.store.ram
-        if ram.used > ram.capacity and not staging.spilled:     # as a write would (_written)
+        if ram.used > ram.capacity and not staging.spilled:     # as a write would (FileHandles.written)
             self.store.kick()
             await staging.spill(self.spill_dir)
         elif ram.used > ram.capacity * self.store.policy.high:
@@ -324,10 +343,10 @@ class Commits:
         finally:
             staging.discard()               # what the object did not adopt
         kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")} if kv else None
-        gone = self._describe_name(m.parent, m.name)
+        gone = self.names.describe_name(m.parent, m.name)
         try:
             _, dropped = self.ns.publish(m.parent, m.name, m.entry.mode, m.cred.uid, m.cred.gid, obj,
-                                         kvrec, noreplace, self.is_open)
+                                         kvrec, noreplace, self.files.is_open)
         except NamespaceError:
             with self.index.write() as txn:
                 self.store.drop(txn, obj)
@@ -335,7 +354,7 @@ class Commits:
             raise
         m.published = True
         if dropped is not None:
-            self._removed(dropped, gone)
+            self.names.removed(dropped, gone)
             await self.store.release_space(dropped)
         self.telemetry.latency["seal"].observe(time.perf_counter() - t0)
         self.telemetry.events.emit("stored", obj, self.store.top_tier(obj), path=key, kv=kvrec or {})
@@ -381,15 +400,15 @@ class Commits:
             raise _err(errno.EINVAL, f"the source holds {got} of the {m.entry.length} bytes named")
         if m.fh is None:
             return await self._publish(m, noreplace, summary, head)
-        await self._written(self.handles[m.fh].ws, staging)
-        await self.flush(m.fh)              # the seal: as the last close would
+        await self.files.written(self.files.handles[m.fh].ws, staging)
+        await self.files.flush(m.fh)              # the seal: as the last close would
         if quotas is not None:              # _clean sees no handle after this release
             quotas.forget_handle(m.fh)
-        await self.release(m.fh)
+        await self.files.release(m.fh)
         rec = self.index.get_inode(m.ino)
         if rec is None or rec.get("oid") is None:
             raise _err(errno.EIO, "the committed file was not sealed")
-        await self.rename(m.parent, m.tmp, m.parent, m.name, 1 if noreplace else 0)
+        await self.names.rename(m.parent, m.tmp, m.parent, m.name, 1 if noreplace else 0)
         m.published = True
         return m.parent, m.name
 
@@ -399,7 +418,7 @@ class _Pending:
     entry: CommitEntry
     parent: int
     name: bytes
-    tmp: bytes | None           # None: published directly (Commits._publish), no temp file
+    tmp: bytes | None           # None: published directly (:meth:`Commits._publish`), no temp file
     fh: int | None
     ino: int | None
     staging: object

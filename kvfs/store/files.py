@@ -1,5 +1,5 @@
 """Files being read and written: handles, the write state shared by a file's writers, and
-sealing (a mixin of ``Cache``, kvfs/store/cache.py).
+sealing: the ``files`` member of ``Store`` (kvfs/store/store.py).
 
 A file being written has a WriteState shared by all its writers: a staging
 buffer (tmpfs, spilled to NVMe when RAM is full). When the last writer flushes
@@ -16,11 +16,14 @@ import logging
 import os
 import stat
 import time
+from typing import Awaitable, Callable
 
 import trio
 
 from kvfs.errors import NamespaceError, TierFull
-from kvfs.store.objects import Obj
+from kvfs.store.index import Index
+from kvfs.store.namespace import Namespace
+from kvfs.store.objects import Obj, ObjectStore
 from kvfs.store.ram import Staging
 from kvfs.store.sniff import peek_block_header
 from kvfs.store.versions import fit
@@ -40,7 +43,7 @@ class WriteState:
     dirty: bool = False
     sealing: trio.Event | None = None   # set while the buffer is being sealed: writes wait
     ready: trio.Event = dataclasses.field(default_factory=trio.Event)
-    gone: trio.Event = dataclasses.field(default_factory=trio.Event)    # out of Cache.writers
+    gone: trio.Event = dataclasses.field(default_factory=trio.Event)    # out of FileHandles.writers
     serial: int = dataclasses.field(default_factory=itertools.count(1).__next__)
     # the mtime reported while writing and recorded by the seal (None: the seal's time): of the
     # last write, or one set by utimens after it. A file created and written within
@@ -71,7 +74,27 @@ class Handle:
 
 
 class FileHandles:
-    """Attributes, open/create, read/write/flush/release and sealing of ``Cache``."""
+    """Attributes, open/create, read/write/flush/release and sealing. ``grants_follow_setattr``:
+    Owners' (a chown/chmod takes back backing-file grants)."""
+
+    def __init__(self, index: Index, store: ObjectStore, ns: Namespace, spill_dir,
+                 grants_follow_setattr: Callable[[int, dict, bool, bool], None]):
+        self.index = index
+        self.store = store
+        self.ns = ns
+        self.spill_dir = spill_dir
+        self.telemetry = store.telemetry
+        self.grants_follow_setattr = grants_follow_setattr
+        self.handles: dict[int, Handle] = {}
+        self.writers: dict[int, WriteState] = {}
+        self.open_count: dict[int, int] = {}
+        self._next_fh = 1
+        self._releasing = 0                  # releases in progress (a seal may be running)
+        self.on_content_changed: Callable[[int], None] = lambda ino: None
+        # (ino, write state serial, new object id) after a seal; default: content changed
+        self.on_sealed: Callable[[int, int, int], None] = lambda ino, serial, oid: self.on_content_changed(ino)
+        # (new parent, new name) after a rename: a shared volume republishes the moved block
+        self.on_renamed: Callable[[int, bytes], Awaitable[None]] | None = None
 
     # ---- attributes -----------------------------------------------------------
     def getattr(self, ino: int) -> dict:
@@ -95,6 +118,15 @@ class FileHandles:
 
     def is_open(self, ino: int) -> bool:
         return self.open_count.get(ino, 0) > 0
+
+    def dirty(self, ino: int) -> bool:
+        """``ino`` has a write in progress not sealed yet (its bytes are in RAM's buffer)."""
+        ws = self.writers.get(ino)
+        return ws is not None and ws.dirty
+
+    def open_handles(self) -> int:
+        """Handles open, and those whose release (and its seal) is still running."""
+        return len(self.handles) + self._releasing
 
     def max_file_size(self) -> int:
         """The largest tier's capacity: no tier could ever hold a larger file (EFBIG). While a
@@ -133,7 +165,7 @@ class FileHandles:
             if ws is not None:
                 ws.handles += 1                      # held: its writers may release meanwhile
                 try:
-                    await (await self._staging(ws)).truncate(size)
+                    await (await self.staging_of(ws)).truncate(size)
                     if size == 0:                    # every byte rewritten: a failed write is gone
                         ws.failed = None
                     ws.dirty = True
@@ -151,7 +183,7 @@ class FileHandles:
                 ws = await self._begin_write(ino, truncate=size == 0)
                 ws.handles += 1
                 try:
-                    await (await self._staging(ws)).truncate(size)
+                    await (await self.staging_of(ws)).truncate(size)
                     ws.dirty = True
                     ws.mtime = mtime if mtime is not None else time.time_ns()
                     await self._seal(ws)
@@ -204,7 +236,7 @@ class FileHandles:
             ws.handles += 1
             if joined and flags & os.O_TRUNC:
                 try:
-                    await (await self._staging(ws)).truncate(0)
+                    await (await self.staging_of(ws)).truncate(0)
                 except BaseException:
                     with trio.CancelScope(shield=True):
                         ws.writers -= 1
@@ -257,7 +289,7 @@ class FileHandles:
             ws.ready.set()
         return ws
 
-    async def _staging(self, ws: WriteState) -> Staging:
+    async def staging_of(self, ws: WriteState) -> Staging:
         """The write buffer, materialised from the sealed base on first need. Waits while
         the buffer is being sealed (a change now would be lost, or start from the old base)."""
         while ws.sealing is not None:
@@ -338,7 +370,7 @@ class FileHandles:
         if not h.write:
             raise NamespaceError(errno.EBADF)
         ws = h.ws
-        staging = await self._staging(ws)
+        staging = await self.staging_of(ws)
         if h.append:
             offset = staging.size
         try:
@@ -346,10 +378,10 @@ class FileHandles:
         except Exception as e:              # the buffer may lack bytes: sealing it would keep them lost
             ws.failed = f"{type(e).__name__}: {e}"
             raise
-        await self._written(ws, staging)
+        await self.written(ws, staging)
         return n
 
-    async def _written(self, ws: WriteState, staging) -> None:
+    async def written(self, ws: WriteState, staging) -> None:
         """After bytes reach a write buffer: the file is dirty; RAM over its budget spills
         this buffer to NVMe, RAM past the high watermark wakes the mover."""
         ws.dirty = True
@@ -435,7 +467,7 @@ class FileHandles:
             return
         if ws.failed:                        # close answers the error; a never-sealed file goes
             raise TierFull(f"a write to this file failed, not sealed ({ws.failed})")
-        staging = await self._staging(ws)
+        staging = await self.staging_of(ws)
         rec = self.index.get_inode(ws.ino)
         if rec is None:                      # unlinked while open: nothing to keep
             orphan = self.ns.orphans.get(ws.ino)

@@ -1,4 +1,4 @@
-"""``.kvfs/get``: many small files' bytes in one answer (a mixin of ``Cache``).
+"""``.kvfs/get``: many small files' bytes in one answer (the ``gets`` member of ``Store``).
 
 Open ``.kvfs/get`` read-write, write a request at offset 0 (the ``lookup`` grammar of
 kvfs/fs/control.py: paths, ``\\0base DIR``), then read the answer::
@@ -28,10 +28,12 @@ from __future__ import annotations
 import bisect
 import errno
 import logging
+from typing import Callable
 
 from kvfs import protocol
 from kvfs.errors import NoSuchObject, StoreError
 from kvfs.store.cred import ROOT, Cred
+from kvfs.store.objects import Obj, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +44,15 @@ def _joined(base: bytes, path: bytes) -> str:
 
 
 class BatchGets:
-    """``Cache``'s batched get of small files' bytes."""
+    """The batched get of small files' bytes. ``prefix_objects``: Leases' (the sealed objects
+    of the leading paths the caller may read)."""
 
-    def _get_plan(self, groups: list[tuple[bytes, list[bytes]]], cred: Cred, cap: int) -> list:
+    def __init__(self, store: ObjectStore, prefix_objects: Callable[[list[bytes], bytes, Cred], list[Obj]]):
+        self.store = store
+        self.telemetry = store.telemetry
+        self.prefix_objects = prefix_objects
+
+    def _plan(self, groups: list[tuple[bytes, list[bytes]]], cred: Cred, cap: int) -> list:
         """``[(errno, obj or None), ...]`` per path, objects held (refs) until released."""
         plan = []
         total = 0
@@ -67,12 +75,12 @@ class BatchGets:
                     i += 1
         return plan
 
-    async def get_answer(self, groups: list[tuple[bytes, list[bytes]]], cred: Cred = ROOT,
+    async def answer(self, groups: list[tuple[bytes, list[bytes]]], cred: Cred = ROOT,
                          cap: int = protocol.GET_MAX) -> "Pieces":
         """The ``.kvfs/get`` answer for ``groups`` (``[(base, paths), ...]``) as ``cred``: the
         index, then views of the objects' bytes (a view keeps its bytes as they were, even
         once the object is replaced or freed: nothing is copied here)."""
-        plan = self._get_plan(groups, cred, cap)
+        plan = self._plan(groups, cred, cap)
         n = len(plan)
         head = bytearray(protocol.get_data_offset(n))
         protocol.GET_HEAD.pack_into(head, 0, protocol.GET_MAGIC, n)

@@ -1,5 +1,6 @@
 """The control files' store side: the batched prefix lookup and fast-path leases (the
-leased objects' backing locations, held where they are until released); a mixin of ``Cache``."""
+leased objects' backing locations, held where they are until released): the ``leases``
+member of ``Store``."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,9 @@ from kvfs.errors import NamespaceError
 from kvfs.protocol import LEASE_TTL, LEASE_TTL_MAX, encode_lease_entry
 from kvfs.store.cred import ROOT, Cred
 from kvfs.store.index import _U64, ROOT_INO, Index, _U64x2, k64
-from kvfs.store.objects import Obj
-from kvfs.store.owners import DAEMON_UID
+from kvfs.store.namespace import Namespace
+from kvfs.store.objects import Obj, ObjectStore
+from kvfs.store.owners import DAEMON_UID, Owners
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,17 @@ class Lease:
 
 
 class Leases:
-    """``Cache``'s batched prefix lookup and fast-path leases."""
+    """The batched prefix lookup and fast-path leases."""
+
+    def __init__(self, index: Index, store: ObjectStore, ns: Namespace, owners: Owners):
+        self.index = index
+        self.store = store
+        self.ns = ns
+        self.owners = owners
+        self.live: dict[int, Lease] = {}     # by lease id
+        self._next_lease = 1
+        self._lease_entries: dict[int, tuple[str, bytes, str]] = {}    # see lease_entry
+        self._released: list[Obj] = []       # objects of leases dropped in sync code
 
     # ---- control and stats ------------------------------------------------------
     def prefix_objects(self, paths: list[bytes], base: bytes = b"", cred: Cred = ROOT) -> list[Obj]:
@@ -99,10 +111,10 @@ class Leases:
         return {"prefix": len(objs), "tiers": [top(o) for o in objs]}
 
     # ---- leases: the fast path's batched backing locations -------------------------
-    def grant_lease(self, paths: list[bytes], base: bytes = b"", ttl: float = LEASE_TTL,
+    def grant(self, paths: list[bytes], base: bytes = b"", ttl: float = LEASE_TTL,
                     cred: Cred = ROOT) -> tuple[int, bytes]:
         """Backing locations of the leading sealed ``paths``, held for the loader until
-        ``release_lease`` (or ``ttl`` seconds): while leased, an object is neither demoted,
+        ``release`` (or ``ttl`` seconds): while leased, an object is neither demoted,
         evicted nor freed (it counts as open). Each block counts a hit, like an open.
         Returns the lease id and the answer (JSON, see kvfs/fs/control.py).
 
@@ -116,11 +128,11 @@ class Leases:
         budget = None
         if cred.uid != 0:
             ttl = min(ttl, LEASE_TTL_MAX_USER)
-            mine = sorted((lz for lz in self.leases.values() if lz.uid == cred.uid), key=lambda lz: lz.id)
+            mine = sorted((lz for lz in self.live.values() if lz.uid == cred.uid), key=lambda lz: lz.id)
             for old in mine[:max(0, len(mine) - LEASES_PER_USER + 1)]:
-                self._drop_lease(old.id)
+                self._drop(old.id)
             budget = self.store.ram.capacity // LEASE_PIN_SHARE - sum(
-                lz.pinned for lz in self.leases.values() if lz.uid == cred.uid)
+                lz.pinned for lz in self.live.values() if lz.uid == cred.uid)
         lease = Lease(self._next_lease, [], time.monotonic() + ttl, cred.uid)
         self._next_lease += 1
         entries = []
@@ -133,15 +145,15 @@ class Leases:
             lease.pinned += obj.size
             self.store.note_open(obj)
             entries.append(self.lease_entry(obj, cred))
-        self.leases[lease.id] = lease
+        self.live[lease.id] = lease
         answer = self.prefix_answer(objs)
         answer.update(lease=lease.id, ttl=ttl)
         head = json.dumps(answer, separators=(",", ":"))
         return lease.id, (head[:-1] + ',"blocks":[' + ",".join(entries) + "]}\n").encode()
 
-    def _drop_lease(self, lease_id: int) -> None:
+    def _drop(self, lease_id: int) -> None:
         """Release a lease from sync code: its objects are freed by the next release_space."""
-        lease = self.leases.pop(lease_id, None)
+        lease = self.live.pop(lease_id, None)
         if lease is not None:
             for obj in lease.objs:
                 obj.refs -= 1
@@ -153,21 +165,21 @@ class Leases:
         placement: a hot prefix is leased again and again. A caller other than the daemon's
         user gets a path only to its own namespace's blocks (kvfs/store/owners.py)."""
         if cred.uid not in (0, DAEMON_UID):
-            return encode_lease_entry(self.backing_for(obj, cred))
-        copy = self._fast_copy(obj)
+            return encode_lease_entry(self.owners.backing_for(obj, cred))
+        copy = self.owners.fast_copy(obj)
         if copy is None:
             return "null"
         memo = self._lease_entries.get(obj.oid)
         if memo is not None and memo[:2] == (copy[0].name, copy[1]):
             return memo[2]
-        text = encode_lease_entry(self.backing_of(obj))
+        text = encode_lease_entry(self.owners.backing_of(obj))
         if len(self._lease_entries) >= _LEASE_ENTRY_MEMO:
             self._lease_entries.clear()
         self._lease_entries[obj.oid] = (copy[0].name, copy[1], text)
         return text
 
-    async def release_lease(self, lease_id: int) -> bool:
-        lease = self.leases.pop(lease_id, None)
+    async def release(self, lease_id: int) -> bool:
+        lease = self.live.pop(lease_id, None)
         if lease is not None:
             for obj in lease.objs:
                 obj.refs -= 1
@@ -176,21 +188,21 @@ class Leases:
             await self.store.release_space(self._released.pop())
         return lease is not None
 
-    async def expire_leases(self) -> int:
+    async def expire(self) -> int:
         now = time.monotonic()
-        old = [lid for lid, lease in self.leases.items() if lease.expires <= now]
+        old = [lid for lid, lease in self.live.items() if lease.expires <= now]
         for lid in old:
             log.debug("lease %d expired", lid)
-            await self.release_lease(lid)
+            await self.release(lid)
         if self._released:
-            await self.release_lease(-1)
+            await self.release(-1)
         return len(old)
 
-    async def serve_leases(self, interval: float = 1.0) -> None:
+    async def serve(self, interval: float = 1.0) -> None:
         """Background task: release leases whose holder neither released nor closed them."""
         while True:
             await trio.sleep(interval)
-            await self.expire_leases()
+            await self.expire()
 
 
 def resolve_prefix(index: Index, base: list[bytes], paths: list[bytes], sealed: dict) -> list:

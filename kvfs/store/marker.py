@@ -1,5 +1,5 @@
 """The clean-unmount marker: a meta record in the index that lets the next mount skip
-recovery (kvfs.store.objtable, ``Cache.start``).
+recovery (kvfs.store.objtable, ``Store.start``).
 
 ``write`` puts it after every pending change, in its own LMDB transaction, and notes that
 transaction's id. ``take`` removes it in the first write transaction of whoever opens the

@@ -85,7 +85,7 @@ class Namespace:
         self.renames = 0        # renames so far: a path taken before an await holds if unchanged
         self.dir_renames = 0    # renames of directories: what top_of remembers holds if unchanged
         self._tops: dict[int, tuple[int, str]] = {}
-        self.is_open: Callable[[int], bool] = lambda ino: False     # set by the cache
+        self.is_open: Callable[[int], bool] = lambda ino: False     # set by the Store (FileHandles.is_open)
         # regular files made in this session and not sealed yet (dropped at a clean unmount,
         # as recovery would drop them: the next mount need not look for them)
         self.unsealed: set[int] = set()

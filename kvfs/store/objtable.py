@@ -7,7 +7,7 @@ with the objects used, not with the objects stored. What the store needs about t
 others, it learns without keeping them:
 
 * tier usage, object counts and per-namespace bytes come from the clean-unmount
-  marker (kvfs.store.index ``Index.clean``), written by ``Cache.mark_clean``;
+  marker (kvfs.store.index ``Index.clean``), written by ``Store.mark_clean``;
 * the per-tier LRU order (oids only) and the prefix-aware eviction counts
   (``PrefixRule.children``, kvfs.store.prefix) are built by ``ObjTable.scan``, a background task in the
   store's nursery that reads the records in batches on the trio thread. Eviction and

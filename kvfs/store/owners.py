@@ -1,4 +1,4 @@
-"""Which caller may be handed which backing file; a mixin of ``Cache``.
+"""Which caller may be handed which backing file: the ``owners`` member of ``Store``.
 
 The daemon's user (and root) get the object's own file, as before. A namespace's owner (the
 uid of a top-level directory, when that is not the daemon's user) gets its own name of the
@@ -20,8 +20,10 @@ import os
 
 from kvfs.store import checksum
 from kvfs.store.cred import ROOT, Cred
-from kvfs.store.index import ROOT_INO
-from kvfs.store.objects import Obj
+from kvfs.store.index import ROOT_INO, Index
+from kvfs.store.namespace import Namespace
+from kvfs.store.objects import Obj, ObjectStore
+from kvfs.store.tier import Tier
 from kvfs.telemetry import namespace_of
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,29 @@ DAEMON_UID = os.geteuid()
 
 
 class Owners:
-    """``Cache``'s rule for backing paths, and the taking back of owners' grants."""
+    """Where the fast path reads an object, the rule for who gets that path, and the taking
+    back of owners' grants."""
+
+    def __init__(self, index: Index, store: ObjectStore, ns: Namespace):
+        self.index = index
+        self.store = store
+        self.ns = ns
+
+    def fast_copy(self, obj: Obj) -> tuple[Tier, bytes] | None:
+        """The copy the fast path reads: ``obj``'s highest copy on an available tier."""
+        for t in self.store.tiers:
+            if t.name in obj.place and t.available:
+                return t, obj.place[t.name]
+        return None
+
+    def backing_of(self, obj: Obj) -> dict | None:
+        """Where the fast path reads ``obj``: its highest available copy, if that tier has
+        a location a loader can read (tmpfs or NVMe file); None otherwise."""
+        copy = self.fast_copy(obj)
+        b = copy and copy[0].backing(obj.oid, copy[1])
+        if not b:
+            return None
+        return dict(b, tier=copy[0].name, size=obj.size, checksum=checksum.hexdigest(obj.checksum))
 
     def namespace_owner(self, obj: Obj) -> int | None:
         """The owner of ``obj``'s namespace: the uid of its top-level directory when that
@@ -52,7 +76,7 @@ class Owners:
             return self.backing_of(obj)
         if self.namespace_owner(obj) != cred.uid:
             return None
-        copy = self._fast_copy(obj)
+        copy = self.fast_copy(obj)
         if copy is None:
             return None
         b = copy[0].grant_read(obj.oid, copy[1], cred.uid)

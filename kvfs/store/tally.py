@@ -18,7 +18,7 @@ they describe (so every group commit carries them consistent with the records):
 * ``v``: the totals are valid. A writer without a tally (fsck, a tool) that changes an
   object record deletes it, so the next start recounts everything.
 
-A start after a crash (``Cache.start``) then reads only these sets and the totals
+A start after a crash (``Store.start``) then reads only these sets and the totals
 (``recover``: the records it decodes are those of the sets), instead of every record; the
 full consistency walk (dangling names, unowned objects) is ``kvfs fsck``'s.
 """

@@ -1,17 +1,19 @@
 """Extended attributes: user xattrs kept in the index and the read-only ``user.kvfs.*`` ones
-computed from the object (tier, checksum, backing, ...); a mixin of ``Cache``."""
+computed from the object (tier, checksum, backing, ...): the ``xattrs`` member of ``Store``."""
 from __future__ import annotations
 
 import errno
 import json
 import logging
 import stat
+from typing import Callable
 
 from kvfs.errors import NamespaceError
 from kvfs.store import checksum
 from kvfs.store.cred import ROOT, Cred
-from kvfs.store.objects import Obj
-from kvfs.store.tier import Tier
+from kvfs.store.namespace import Namespace
+from kvfs.store.objects import ObjectStore
+from kvfs.store.owners import Owners
 
 log = logging.getLogger(__name__)
 
@@ -20,16 +22,22 @@ XATTR_MAX = 64 * 1024
 
 
 class Xattrs:
-    """``Cache``'s xattr requests."""
+    """The xattr requests. ``dirty(ino)``: a write to ``ino`` is not sealed yet (FileHandles)."""
+
+    def __init__(self, store: ObjectStore, ns: Namespace, owners: Owners, dirty: Callable[[int], bool]):
+        self.store = store
+        self.ns = ns
+        self.owners = owners
+        self.dirty = dirty
 
     # ---- xattrs -----------------------------------------------------------------
-    def get_xattr(self, ino: int, name: bytes, cred: Cred = ROOT) -> bytes:
-        value = self.find_xattr(ino, name, cred)
+    def get(self, ino: int, name: bytes, cred: Cred = ROOT) -> bytes:
+        value = self.find(ino, name, cred)
         if value is None:
             raise NamespaceError(errno.ENODATA)
         return value
 
-    def find_xattr(self, ino: int, name: bytes, cred: Cred = ROOT) -> bytes | None:
+    def find(self, ino: int, name: bytes, cred: Cred = ROOT) -> bytes | None:
         """The value, or None when the file has no such attribute (the kernel asks for
         ``security.capability`` before every write: a miss is the common answer)."""
         rec = self.ns.inode(ino)
@@ -46,7 +54,7 @@ class Xattrs:
         if key == "pin":
             return "1" if rec.get("pin") else "0"
         if key == "tier":
-            if ino in self.writers and self.writers[ino].dirty:
+            if self.dirty(ino):
                 return self.store.ram.name
             return self.store.top_tier(obj) if obj else None
         if obj is None:
@@ -60,27 +68,11 @@ class Xattrs:
         if key in ("tokens", "parent", "hash", "namespace"):
             return kv.get(key) if kv else None
         if key == "backing":
-            b = self.backing_for(obj, cred)
+            b = self.owners.backing_for(obj, cred)
             return None if b is None else json.dumps(b)
         return None
 
-    def _fast_copy(self, obj: Obj) -> tuple[Tier, bytes] | None:
-        """The copy the fast path reads: ``obj``'s highest copy on an available tier."""
-        for t in self.store.tiers:
-            if t.name in obj.place and t.available:
-                return t, obj.place[t.name]
-        return None
-
-    def backing_of(self, obj: Obj) -> dict | None:
-        """Where the fast path reads ``obj``: its highest available copy, if that tier has
-        a location a loader can read (tmpfs or NVMe file); None otherwise."""
-        copy = self._fast_copy(obj)
-        b = copy and copy[0].backing(obj.oid, copy[1])
-        if not b:
-            return None
-        return dict(b, tier=copy[0].name, size=obj.size, checksum=checksum.hexdigest(obj.checksum))
-
-    def list_xattrs(self, ino: int) -> list[bytes]:
+    def names(self, ino: int) -> list[bytes]:
         rec = self.ns.inode(ino)
         names = list(rec["xattrs"])
         if stat.S_ISREG(rec["mode"]):
@@ -89,7 +81,7 @@ class Xattrs:
                 names += [KV_PREFIX + b"tokens", KV_PREFIX + b"parent"]
         return names
 
-    def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+    def set(self, ino: int, name: bytes, value: bytes) -> None:
         rec = self.ns.inode(ino)
         if not name.startswith(b"user."):
             raise NamespaceError(errno.ENOTSUP)
@@ -110,7 +102,7 @@ class Xattrs:
             raise NamespaceError(errno.E2BIG)
         self.ns.set_user_xattr(ino, name, value)
 
-    def remove_xattr(self, ino: int, name: bytes) -> None:
+    def remove(self, ino: int, name: bytes) -> None:
         if name.startswith(KV_PREFIX):
             raise NamespaceError(errno.EPERM)
         self.ns.remove_user_xattr(ino, name)

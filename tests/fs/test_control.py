@@ -17,7 +17,7 @@ import xxhash
 from kvfs.fs import control  # noqa: E402
 from kvfs.fs.ops import KvfsOperations  # noqa: E402
 from kvfs.store.index import ROOT_INO  # noqa: E402
-from storekit import open_cache  # noqa: E402
+from storekit import open_store  # noqa: E402
 
 CTX = types.SimpleNamespace(uid=0, gid=0, pid=os.getpid(), umask=0o022)
 
@@ -43,8 +43,8 @@ async def open_ctl(ops, name: bytes) -> int:
 
 @pytest.fixture
 async def ops(tmp_path):
-    async with open_cache(tmp_path, ram=8 << 20, nvme=32 << 20) as cache:
-        yield KvfsOperations(cache, dict)
+    async with open_store(tmp_path, ram=8 << 20, nvme=32 << 20) as kvstore:
+        yield KvfsOperations(kvstore, dict)
 
 
 async def make_chain(ops, n: int, size: int = 1000) -> tuple[list[bytes], dict]:
@@ -125,12 +125,12 @@ async def test_only_sealed_regular_files_count(ops):
 
 
 async def test_sealed_map_survives_restart(tmp_path):
-    async with open_cache(tmp_path) as cache:
-        ops = KvfsOperations(cache, dict)
+    async with open_store(tmp_path) as kvstore:
+        ops = KvfsOperations(kvstore, dict)
         rels, _ = await make_chain(ops, 5, size=200_000)
-        await cache.store.mover.write_down_volatile()
-    async with open_cache(tmp_path) as cache:
-        ops = KvfsOperations(cache, dict)
+        await kvstore.store.mover.write_down_volatile()
+    async with open_store(tmp_path) as kvstore:
+        ops = KvfsOperations(kvstore, dict)
         fh = await open_ctl(ops, b"lookup")
         assert await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels)) == {"prefix": 5, "tiers": ["nvme"] * 5}
 
@@ -144,23 +144,23 @@ def _check_backing(block, data: bytes) -> None:
 
 
 async def test_lease_hands_out_backing_locations_and_holds_objects(ops):
-    cache = ops.cache
+    kvstore = ops.store
     rels, inos = await make_chain(ops, 4, size=1 << 20)          # >= 1 MiB: tmpfs-backed in RAM
-    obj0 = cache.store.objs[cache.getattr(inos[rels[0]])["oid"]]
-    await cache.store.mover.demote(obj0, 0)                            # block 0 on NVMe, the rest in RAM
+    obj0 = kvstore.store.objs[kvstore.files.getattr(inos[rels[0]])["oid"]]
+    await kvstore.store.mover.demote(obj0, 0)                            # block 0 on NVMe, the rest in RAM
     fh = await open_ctl(ops, b"lease")
     ans = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels) + b"\nzz/missing.kv\n")
     assert ans["prefix"] == 4 and ans["tiers"] == ["nvme", "ram", "ram", "ram"]
     assert [b[0] for b in ans["blocks"]] == ["nvme", "ram", "ram", "ram"]
     for i, block in enumerate(ans["blocks"]):
         _check_backing(block, bytes([i]) * (1 << 20))
-    assert ans["blocks"][0][5] == cache.store.tiers[1].direct
-    assert cache.statistics()["leases"] == 1
-    objs = [cache.store.objs[cache.getattr(inos[r])["oid"]] for r in rels]
+    assert ans["blocks"][0][5] == kvstore.store.tiers[1].direct
+    assert kvstore.statistics()["leases"] == 1
+    objs = [kvstore.store.objs[kvstore.files.getattr(inos[r])["oid"]] for r in rels]
     assert all(o.refs == 1 for o in objs) and all(o.hits == 1 for o in objs)
     # leased objects are not demoted and their bytes are not freed when their names go
-    cache.store.ram.capacity = 1 << 20
-    await cache.store.mover.relieve()
+    kvstore.store.ram.capacity = 1 << 20
+    await kvstore.store.mover.relieve()
     assert all(o.place.get("ram") is not None for o in objs[1:])
     shard = (await ops.lookup((await ops.lookup(ROOT_INO, b"ns", CTX)).st_ino, rels[1][:2], CTX)).st_ino
     await ops.unlink(shard, rels[1][3:], CTX)
@@ -172,25 +172,25 @@ async def test_lease_hands_out_backing_locations_and_holds_objects(ops):
     assert objs[0].refs == 1 and objs[2].refs == 0
     # \0release grants nothing and releases; close releases too
     assert await ask(ops, fh, b"\0release\n") == {"released": True}
-    assert objs[0].refs == 0 and cache.statistics()["leases"] == 0
+    assert objs[0].refs == 0 and kvstore.statistics()["leases"] == 0
     await ask(ops, fh, b"\0base ns\n" + rels[0] + b"\n")
     assert objs[0].refs == 1
     await ops.release(fh)
-    assert objs[0].refs == 0 and cache.leases == {}
+    assert objs[0].refs == 0 and kvstore.leases.live == {}
 
 
 async def test_lease_expires(ops):
-    cache = ops.cache
+    kvstore = ops.store
     rels, inos = await make_chain(ops, 2, size=1 << 20)
     fh = await open_ctl(ops, b"lease")
     ans = await ask(ops, fh, b"\0ttl 0.05\n\0base ns\n" + b"\n".join(rels))
     assert ans["prefix"] == 2 and ans["ttl"] == 0.05
-    obj = cache.store.objs[cache.getattr(inos[rels[0]])["oid"]]
+    obj = kvstore.store.objs[kvstore.files.getattr(inos[rels[0]])["oid"]]
     assert obj.refs == 1
     with trio.fail_after(10):
-        while await cache.expire_leases() == 0:
+        while await kvstore.leases.expire() == 0:
             await trio.sleep(0.01)
-    assert obj.refs == 0 and cache.leases == {}
+    assert obj.refs == 0 and kvstore.leases.live == {}
     await ops.release(fh)               # releasing an expired lease is harmless
     assert obj.refs == 0
 
@@ -208,15 +208,15 @@ async def test_lease_without_fast_path_gives_null(ops):
 
 async def test_lease_answer_follows_placement(ops):
     """Lease entries are memoised per object: a block that moved is answered where it is now."""
-    cache = ops.cache
+    kvstore = ops.store
     rels, inos = await make_chain(ops, 3, size=1 << 20)
     fh = await open_ctl(ops, b"lease")
     first = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels))
     assert [b[0] for b in first["blocks"]] == ["ram", "ram", "ram"]
     assert await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels)) == dict(first, lease=first["lease"] + 1)
     await ask(ops, fh, b"\0release\n")
-    obj1 = cache.store.objs[cache.getattr(inos[rels[1]])["oid"]]
-    await cache.store.mover.demote(obj1, 0)                            # block 1 leaves RAM for NVMe
+    obj1 = kvstore.store.objs[kvstore.files.getattr(inos[rels[1]])["oid"]]
+    await kvstore.store.mover.demote(obj1, 0)                            # block 1 leaves RAM for NVMe
     again = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels))
     assert [b[0] for b in again["blocks"]] == ["ram", "nvme", "ram"]
     assert again["blocks"][0] == first["blocks"][0] and again["blocks"][1] != first["blocks"][1]
@@ -228,10 +228,10 @@ async def test_lease_answer_follows_placement(ops):
 async def test_lease_during_a_demotion_keeps_the_leased_copy(ops):
     """A block leased while a demotion is copying it keeps the copy the lease handed out: the
     demotion ends with both copies (durably recorded) and drops the upper one only later."""
-    cache = ops.cache
+    kvstore = ops.store
     rels, inos = await make_chain(ops, 1, size=1 << 20)
-    obj = cache.store.objs[cache.getattr(inos[rels[0]])["oid"]]
-    nvme = cache.store.tiers[1]
+    obj = kvstore.store.objs[kvstore.files.getattr(inos[rels[0]])["oid"]]
+    nvme = kvstore.store.tiers[1]
     real_put, entered, go = nvme.put, trio.Event(), trio.Event()
 
     async def put_when_told(info, data):          # the real NVMe put, held at its start
@@ -241,7 +241,7 @@ async def test_lease_during_a_demotion_keeps_the_leased_copy(ops):
     nvme.put = put_when_told
     fh = await open_ctl(ops, b"lease")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(cache.store.mover.demote, obj, 0)
+        nursery.start_soon(kvstore.store.mover.demote, obj, 0)
         await entered.wait()
         ans = await ask(ops, fh, b"\0base ns\n" + rels[0] + b"\n")    # leased mid-copy
         assert ans["blocks"][0][0] == "ram"
@@ -249,8 +249,8 @@ async def test_lease_during_a_demotion_keeps_the_leased_copy(ops):
     nvme.put = real_put
     assert set(obj.place) == {"ram", "nvme"}
     _check_backing(ans["blocks"][0], bytes([0]) * (1 << 20))        # still there, still right
-    assert "nvme" in cache.index.get_object(obj.oid)["place"]         # the NVMe copy is recorded
+    assert "nvme" in kvstore.index.get_object(obj.oid)["place"]         # the NVMe copy is recorded
     await ask(ops, fh, b"\0release\n")
-    await cache.store.mover.demote(obj, 0)              # not in use any more: the RAM copy goes
+    await kvstore.store.mover.demote(obj, 0)              # not in use any more: the RAM copy goes
     assert set(obj.place) == {"nvme"} and not os.path.exists(ans["blocks"][0][1])
     await ops.release(fh)

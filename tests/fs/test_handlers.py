@@ -14,7 +14,7 @@ import xxhash
 from kvfs.fs import control  # noqa: E402
 from kvfs.fs.ops import KvfsOperations  # noqa: E402
 from kvfs.store.index import ROOT_INO  # noqa: E402
-from storekit import open_cache  # noqa: E402
+from storekit import open_store  # noqa: E402
 
 CTX = types.SimpleNamespace(uid=0, gid=0, pid=os.getpid(), umask=0o022)
 
@@ -49,8 +49,8 @@ async def get(ops, ino, size=1 << 30) -> bytes:
 
 @pytest.fixture
 async def ops(tmp_path):
-    async with open_cache(tmp_path) as cache:
-        yield KvfsOperations(cache, lambda: {"pid": os.getpid()})
+    async with open_store(tmp_path) as kvstore:
+        yield KvfsOperations(kvstore, lambda: {"pid": os.getpid()})
 
 
 async def test_write_read_and_attributes(ops):
@@ -134,13 +134,13 @@ async def test_control_stats_and_lookup(ops):
 
 
 async def test_corrupt_nvme_object_is_eio_and_dropped(ops):
-    cache = ops.cache
+    kvstore = ops.store
     data = os.urandom(200_000)
     ino = await put(ops, ROOT_INO, b"victim", data)
-    obj = cache.store.objs[cache.getattr(ino)["oid"]]
-    await cache.store.mover.demote(obj, 0)
+    obj = kvstore.store.objs[kvstore.files.getattr(ino)["oid"]]
+    await kvstore.store.mover.demote(obj, 0)
     assert await ops.getxattr(ino, b"user.kvfs.tier", CTX) == b"nvme"
-    path = cache.store.tiers[1].path(obj.oid)
+    path = kvstore.store.tiers[1].path(obj.oid)
     raw = bytearray(path.read_bytes())
     raw[123_456] ^= 0x01
     path.write_bytes(bytes(raw))
@@ -148,16 +148,16 @@ async def test_corrupt_nvme_object_is_eio_and_dropped(ops):
     assert await fuse_errno(ops.read(fi.fh, 0, 1 << 20)) == errno.EIO
     await ops.release(fi.fh)
     assert await fuse_errno(ops.lookup(ROOT_INO, b"victim", CTX)) == errno.ENOENT
-    assert cache.store.statistics()["nvme"]["checksum_failures"] == 1
+    assert kvstore.store.statistics()["nvme"]["checksum_failures"] == 1
 
 
 async def test_enospc_when_everything_is_pinned(tmp_path):
-    async with open_cache(tmp_path, ram=1 << 20, nvme=2 << 20) as cache:
-        ops = KvfsOperations(cache, dict)
+    async with open_store(tmp_path, ram=1 << 20, nvme=2 << 20) as kvstore:
+        ops = KvfsOperations(kvstore, dict)
         for i in range(6):
             ino = await put(ops, ROOT_INO, b"p%d" % i, os.urandom(500_000))
             await ops.setxattr(ino, b"user.kvfs.pin", b"1", CTX)
-            await cache.store.mover.relieve()
+            await kvstore.store.mover.relieve()
         fi, _ = await ops.create(ROOT_INO, b"big", 0o644, os.O_WRONLY, CTX)
         await ops.write(fi.fh, 0, os.urandom(1_500_000))
         assert await fuse_errno(ops.flush(fi.fh)) == errno.ENOSPC

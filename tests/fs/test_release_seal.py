@@ -13,7 +13,7 @@ import trio
 
 from kvfs.fs.ops import KvfsOperations
 from kvfs.store.index import ROOT_INO
-from storekit import open_cache
+from storekit import open_store
 
 CTX = types.SimpleNamespace(uid=0, gid=0, pid=os.getpid(), umask=0o022)
 SIZE = 3 << 20          # hashed in a worker thread: the seal waits, other requests run meanwhile
@@ -26,8 +26,8 @@ def content(seed: int, n: int = SIZE) -> bytes:
 
 @pytest.fixture
 async def ops(tmp_path):
-    async with open_cache(tmp_path) as cache:
-        yield KvfsOperations(cache, lambda: {"pid": os.getpid()})
+    async with open_store(tmp_path) as kvstore:
+        yield KvfsOperations(kvstore, lambda: {"pid": os.getpid()})
 
 
 async def read_all(ops, fh) -> bytes:
@@ -46,7 +46,7 @@ async def release_sealing(ops, nursery, ino: int, fh: int) -> None:
     """Start the release of ``fh`` (the file's only writer, dirty, never flushed) and return
     once its seal is under way."""
     nursery.start_soon(ops.release, fh)
-    while ino not in ops.cache.writers or ops.cache.writers[ino].sealing is None:
+    while ino not in ops.store.files.writers or ops.store.files.writers[ino].sealing is None:
         await trio.sleep(0)
 
 
@@ -83,9 +83,9 @@ async def test_a_truncate_during_the_release_seal_is_kept(ops):
     await ops.write(fi.fh, 0, data)
     async with trio.open_nursery() as n:
         await release_sealing(ops, n, ino, fi.fh)
-        rec = await ops.cache.setattr(ino, size=1000)      # truncate(2) of the path
+        rec = await ops.store.files.setattr(ino, size=1000)      # truncate(2) of the path
     assert rec["size"] == 1000
-    assert ino not in ops.cache.writers                    # sealed, nothing left open
+    assert ino not in ops.store.files.writers                    # sealed, nothing left open
     r = await ops.open(ino, os.O_RDONLY, CTX)
     assert await read_all(ops, r.fh) == data[:1000]
     await ops.release(r.fh)
@@ -100,7 +100,7 @@ async def test_a_reader_that_joined_the_write_reads_it_through_the_release_seal(
     seen = []
     async with trio.open_nursery() as n:
         await release_sealing(ops, n, ino, w.fh)
-        while ino in ops.cache.writers:                   # every step of the seal and release
+        while ino in ops.store.files.writers:                   # every step of the seal and release
             seen.append(await read_all(ops, r.fh))
             await trio.sleep(0)
     seen.append(await read_all(ops, r.fh))
@@ -110,7 +110,7 @@ async def test_a_reader_that_joined_the_write_reads_it_through_the_release_seal(
 
 async def test_a_rename_during_the_release_seal_is_the_path_the_stored_event_names(ops):
     import json
-    sub = ops.cache.telemetry.events.subscribe()
+    sub = ops.store.telemetry.events.subscribe()
     d = await ops.mkdir(ROOT_INO, b"d", 0o755, CTX)
     fi, attr = await ops.create(d.st_ino, b"blk.tmp", 0o644, os.O_WRONLY, CTX)
     await ops.write(fi.fh, 0, content(6))
@@ -130,12 +130,12 @@ async def test_a_writer_opening_while_a_truncate_seals_waits_for_it(ops):
     with trio.fail_after(60):
         async with trio.open_nursery() as n:
             async def grow():
-                got["rec"] = await ops.cache.setattr(ino, size=SIZE + 4096)
+                got["rec"] = await ops.store.files.setattr(ino, size=SIZE + 4096)
             n.start_soon(grow)
-            while ino not in ops.cache.writers or ops.cache.writers[ino].sealing is None:
+            while ino not in ops.store.files.writers or ops.store.files.writers[ino].sealing is None:
                 await trio.sleep(0)
             w = await ops.open(ino, os.O_RDWR, CTX)      # waits until the truncate's seal is done
-            assert ino in ops.cache.writers and ops.cache.writers[ino].writers == 1
+            assert ino in ops.store.files.writers and ops.store.files.writers[ino].writers == 1
     assert got["rec"]["size"] == SIZE + 4096
     await ops.write(w.fh, 0, b"Y")
     await ops.flush(w.fh)
@@ -156,9 +156,9 @@ async def test_a_reader_of_an_old_version_keeps_its_inode_when_the_current_versi
     await ops.write(w.fh, 0, v2)
     await ops.flush(w.fh)
     await ops.release(w.fh)                               # v2 installed; r keeps v1
-    current = ops.cache.ns.sealed.get(ino)
+    current = ops.store.ns.sealed.get(ino)
     assert current is not None and current.refs == 0
-    await ops.cache.store.mover.evict(current)
+    await ops.store.store.mover.evict(current)
     assert (await ops.getattr(ino, CTX)).st_ino == ino   # not ENOENT
     assert await read_all(ops, r.fh) == v1
     # the name's file is gone: an open (or a truncate by path) can only come through a name
@@ -174,9 +174,9 @@ async def test_a_reader_of_an_old_version_keeps_its_inode_when_the_current_versi
         await ops.setattr(ino, pyfuse3.EntryAttributes(), pyfuse3.SetattrFields(), None, CTX)
     assert e.value.errno == errno.ESTALE
     assert (await ops.setattr(ino, pyfuse3.EntryAttributes(), pyfuse3.SetattrFields(), r.fh, CTX)).st_ino == ino
-    assert ino not in ops.cache.writers
+    assert ino not in ops.store.files.writers
     await ops.release(r.fh)
-    assert ino not in ops.cache.ns.orphans and ino not in ops.cache.ns.evicted
+    assert ino not in ops.store.ns.orphans and ino not in ops.store.ns.evicted
 
 
 async def test_requests_for_an_evicted_inode_answer_estale_so_the_kernel_drops_its_name(ops):
@@ -184,7 +184,7 @@ async def test_requests_for_an_evicted_inode_answer_estale_so_the_kernel_drops_i
     # left that name (and its cached attributes) in the kernel, so a later stat succeeded
     # for a file that was gone; ESTALE makes the kernel look it up again
     ino = await sealed_file(ops, content(10))
-    await ops.cache.store.mover.evict(ops.cache.ns.sealed.get(ino))
+    await ops.store.store.mover.evict(ops.store.ns.sealed.get(ino))
     for call in (ops.getattr(ino, CTX), ops.open(ino, os.O_RDONLY, CTX),
                  ops.setattr(ino, pyfuse3.EntryAttributes(), pyfuse3.SetattrFields(), None, CTX)):
         with pytest.raises(pyfuse3.FUSEError) as e:

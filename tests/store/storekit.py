@@ -15,8 +15,9 @@ import xxhash
 from kvfs.blockformat import build_header
 from kvfs.config import Config  # noqa: E402
 from kvfs.build import build_store  # noqa: E402
-from kvfs.store.cache import Cache  # noqa: E402
+from kvfs.store.store import Store  # noqa: E402
 from kvfs.store.index import Index  # noqa: E402
+from kvfs.store.namespace import Namespace
 from kvfs.store.nvme import NvmeTier  # noqa: E402
 from kvfs.errors import NoSuchObject, TierFull
 from kvfs.store import checksum
@@ -25,9 +26,10 @@ from kvfs.store.tier import ObjectInfo  # noqa: E402
 
 
 @contextlib.asynccontextmanager
-async def open_cache(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chunk: int = 64 << 10,
-                     extra_tiers=(), high=0.9, low=0.6, admit_after: int | dict = 1, clean: bool = False):
-    """A Cache over real tiers, without the kernel. Yields the Cache. ``clean``: close as a
+async def open_store(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chunk: int = 64 << 10,
+                     extra_tiers=(), high=0.9, low=0.6, admit_after: int | dict = 1,
+                     clean: bool = False):
+    """A Store over real tiers, without the kernel. Yields the Store. ``clean``: close as a
     clean unmount does (write-down, then the clean-unmount marker); otherwise the next
     open recovers as after a crash. ``admit_after``: as in the config (uses before a lower
     tier takes an object)."""
@@ -37,15 +39,38 @@ async def open_cache(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chu
         await t.open()
     cfg = Config(chunk_size=chunk, high_watermark=high, low_watermark=low, admit_after=admit_after)
     store = build_store(cfg, index, tiers)
-    cache = Cache(index, store, tiers[1].staging_dir)
-    cache.recovered = await cache.start()
+    kvstore = Store(index, store, tiers[1].staging_dir)
+    kvstore.recovered = await kvstore.start()
     try:
-        yield cache
+        yield kvstore
     finally:
         store.flush_stats()
         if clean:
             await store.mover.write_down_volatile()
-            cache.mark_clean()
+            kvstore.mark_clean()
+        for t in tiers:
+            await t.close()
+        index.close()
+
+
+@contextlib.asynccontextmanager
+async def open_parts(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chunk: int = 64 << 10):
+    """The collaborators ``Store`` gives its members, without a Store: a real LMDB index, an
+    object store over real tiers (tmpfs, a directory on disk) and the namespace over them,
+    started as a fresh store is. Yields ``(index, store, ns, spill_dir)``; a member test builds
+    the member (and the other members it is given) from them."""
+    index = Index(tmp / "state")
+    tiers = [RamTier(ram, "/dev/shm", index.instance_id), NvmeTier(nvme, tmp / "nvme")]
+    for t in tiers:
+        await t.open()
+    store = build_store(Config(chunk_size=chunk), index, tiers)
+    store.ram.overflow = tiers[1].staging_dir
+    ns = Namespace(index, store)
+    ns.recover(store.load())
+    try:
+        yield index, store, ns, tiers[1].staging_dir
+    finally:
+        store.flush_stats()
         for t in tiers:
             await t.close()
         index.close()
@@ -149,19 +174,19 @@ def hx(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()
 
 
-async def write_file(cache, parent: int, name: bytes, data: bytes) -> int:
-    fh, ino, _ = await cache.create(parent, name, 0o644, 0, 0)
-    await cache.write(fh, 0, data)
-    await cache.release(fh)
+async def write_file(kvstore, parent: int, name: bytes, data: bytes) -> int:
+    fh, ino, _ = await kvstore.files.create(parent, name, 0o644, 0, 0)
+    await kvstore.files.write(fh, 0, data)
+    await kvstore.files.release(fh)
     return ino
 
 
-async def read_file(cache, parent: int, name: bytes) -> bytes:
-    fh = await cache.open(cache.ns.lookup(parent, name), os.O_RDONLY)
+async def read_file(kvstore, parent: int, name: bytes) -> bytes:
+    fh = await kvstore.files.open(kvstore.ns.lookup(parent, name), os.O_RDONLY)
     try:
-        return bytes(await cache.read(fh, 0, 1 << 20))
+        return bytes(await kvstore.files.read(fh, 0, 1 << 20))
     finally:
-        await cache.release(fh)
+        await kvstore.files.release(fh)
 
 
 @contextlib.contextmanager

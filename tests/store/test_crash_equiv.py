@@ -30,7 +30,7 @@ from kvfs.errors import NamespaceError, StoreError
 from kvfs.store import tally
 from kvfs.store.fsck import run_fsck
 from kvfs.store.index import ENV_NAME, RECOVER, ROOT_INO, Index
-from storekit import block, hx, open_cache
+from storekit import block, hx, open_store
 from storekit import read_file as read, write_file as write
 
 DIR = stat.S_IFDIR | 0o755
@@ -52,75 +52,75 @@ OPS = st.one_of(
 )
 
 
-async def _dirs(cache) -> list[int]:
-    a = cache.index.lookup(ROOT_INO, b"a")
+async def _dirs(kvstore) -> list[int]:
+    a = kvstore.index.lookup(ROOT_INO, b"a")
     if a is None:
-        a, _ = cache.ns.make(ROOT_INO, b"a", DIR, 0, 0)
-        cache.ns.make(ROOT_INO, b"b", DIR, 0, 0)
-        cache.ns.make(a, b"sub", DIR, 0, 0)
-    return [a, cache.index.lookup(ROOT_INO, b"b"), cache.index.lookup(a, b"sub")]
+        a, _ = kvstore.ns.make(ROOT_INO, b"a", DIR, 0, 0)
+        kvstore.ns.make(ROOT_INO, b"b", DIR, 0, 0)
+        kvstore.ns.make(a, b"sub", DIR, 0, 0)
+    return [a, kvstore.index.lookup(ROOT_INO, b"b"), kvstore.index.lookup(a, b"sub")]
 
 
-async def _apply(cache, dirs: list[int], op: tuple, seq: int) -> None:
+async def _apply(kvstore, dirs: list[int], op: tuple, seq: int) -> None:
     kind, name = op[0], lambda i: b"f%d" % i
     try:
         if kind == "write":
-            await write(cache, dirs[op[1]], name(op[2]), bytes([seq % 251]) * op[3])
+            await write(kvstore, dirs[op[1]], name(op[2]), bytes([seq % 251]) * op[3])
             if op[4]:
-                obj = cache.ns.sealed.get(cache.ns.lookup(dirs[op[1]], name(op[2])))
+                obj = kvstore.ns.sealed.get(kvstore.ns.lookup(dirs[op[1]], name(op[2])))
                 if obj is not None and obj.size:
-                    await cache.store.mover.demote(obj, 0)
+                    await kvstore.store.mover.demote(obj, 0)
         elif kind == "kv":                  # a KV block naming its parent (-1: a head)
             head = op[3] < 0
             data = block("ns", hx(str(op[2])), "" if head else hx(str(op[3])), 16 if head else 32)
-            await write(cache, dirs[op[1]], name(op[2]), data)
+            await write(kvstore, dirs[op[1]], name(op[2]), data)
             if op[4]:
-                await cache.store.mover.demote(cache.ns.sealed[cache.index.lookup(dirs[op[1]], name(op[2]))], 0)
+                await kvstore.store.mover.demote(kvstore.ns.sealed[kvstore.index.lookup(dirs[op[1]], name(op[2]))], 0)
         elif kind == "unsealed":            # created, never sealed (its writer went away)
-            cache.ns.make(dirs[op[1]], name(op[2]), FILE, 0, 0, oid=None)
+            kvstore.ns.make(dirs[op[1]], name(op[2]), FILE, 0, 0, oid=None)
         elif kind == "open":                # being written at the kill
-            fh, _ino, _ = await cache.create(dirs[op[1]], name(op[2]), 0o644, 0, 0)
-            await cache.write(fh, 0, b"o" * (100 + seq))
+            fh, _ino, _ = await kvstore.files.create(dirs[op[1]], name(op[2]), 0o644, 0, 0)
+            await kvstore.files.write(fh, 0, b"o" * (100 + seq))
         elif kind == "demote":
-            obj = cache.ns.sealed.get(cache.ns.lookup(dirs[op[1]], name(op[2])))
+            obj = kvstore.ns.sealed.get(kvstore.ns.lookup(dirs[op[1]], name(op[2])))
             if obj is not None and obj.size and "ram" in obj.place:
-                await cache.store.mover.demote(obj, 0)
+                await kvstore.store.mover.demote(obj, 0)
         elif kind == "rename":
-            await cache.rename(dirs[op[1]], name(op[2]), dirs[op[3]], name(op[4]), 0)
+            await kvstore.names.rename(dirs[op[1]], name(op[2]), dirs[op[3]], name(op[4]), 0)
         elif kind == "unlink":
-            await cache.unlink(dirs[op[1]], name(op[2]))
+            await kvstore.names.unlink(dirs[op[1]], name(op[2]))
         else:
-            cache.index.commit()
+            kvstore.index.commit()
     except (NamespaceError, StoreError, KeyError):
         pass                                # a name that is not there (or open): no change
 
 
-async def _state(cache) -> dict:
+async def _state(kvstore) -> dict:
     """Everything the two starts must agree on."""
     tree = {}
 
     async def walk(d: int, path: bytes) -> None:
-        for _e, n, ino, rec in list(cache.entries(d, 0)):
+        for _e, n, ino, rec in list(kvstore.names.entries(d, 0)):
             if stat.S_ISDIR(rec["mode"]):
                 tree[path + n] = "dir"
                 await walk(ino, path + n + b"/")
             else:
-                tree[path + n] = await read(cache, d, n)
+                tree[path + n] = await read(kvstore, d, n)
     await walk(ROOT_INO, b"/")
-    ix = cache.index
+    ix = kvstore.index
     ix.commit()
     inodes = {ino: (r["parent"], r["name"], r.get("oid"), r["size"]) for ino, r in ix.iter_inodes()}
     objects = {oid: (r["ino"], r["size"], sorted(r["place"])) for oid, r in ix.iter_objects()}
     with ix.env.begin() as t:
         sets = sorted(bytes(k) for k in t.cursor(db=ix.recover).iternext(values=False)
                       if k[:1] in (tally.UNSEALED, tally.RAM_ONLY))
-    await cache.store.wait_loaded()         # the KV child counts: scanned, or known empty
-    nvme = cache.store.tiers[1]
-    t = cache.store.tally
+    await kvstore.store.wait_loaded()         # the KV child counts: scanned, or known empty
+    nvme = kvstore.store.tiers[1]
+    t = kvstore.store.tally
     assert t.current() == t.recount(r for _o, r in ix.iter_objects())     # totals = records
     return dict(tree=tree, inodes=inodes, objects=objects, sets=sets, totals=t.current(),
-                nvme=(nvme.used, nvme.objects), count=len(cache.store.objs),
-                telemetry=cache.telemetry.totals(), kv=dict(cache.ns.prefix.children))
+                nvme=(nvme.used, nvme.objects), count=len(kvstore.store.objs),
+                telemetry=kvstore.telemetry.totals(), kv=dict(kvstore.ns.prefix.children))
 
 
 def _copy(src: Path, dst: Path) -> None:
@@ -131,30 +131,30 @@ def _copy(src: Path, dst: Path) -> None:
 async def _crash_and_compare(ops: list[tuple], base: Path) -> dict:
     """The counts of the start from the sets (after checking it against the full one)."""
     orig, fast, full = base / "orig", base / "fast", base / "full"
-    async with open_cache(orig, ram=RAM, nvme=NVME) as cache:
-        dirs = await _dirs(cache)
-        cache.index.commit()
+    async with open_store(orig, ram=RAM, nvme=NVME) as kvstore:
+        dirs = await _dirs(kvstore)
+        kvstore.index.commit()
         for i, op in enumerate(ops):
-            await _apply(cache, dirs, op, i)
+            await _apply(kvstore, dirs, op, i)
         _copy(orig, fast)                   # kill -9 here: LMDB holds the last group commit
         _copy(orig, full)
     ix = Index(full / "state")
     tally.invalidate(ix)
     ix.close()
-    async with open_cache(fast, ram=RAM, nvme=NVME) as cache:
-        got = cache.recovered
+    async with open_store(fast, ram=RAM, nvme=NVME) as kvstore:
+        got = kvstore.recovered
         assert "dangling_names" not in got, got                 # the sets, not the full scan
         assert got["decoded"] <= 3 * (got["dropped_files"] + got["lost_objects"])
         # no KV block ever written: the background scan skips the inodes (as after a clean
         # unmount); with one (committed or not), it may scan: the counts are compared below
         if not any(op[0] == "kv" for op in ops):
-            assert not cache.store._scan_kv
-        a = await _state(cache)
-    async with open_cache(full, ram=RAM, nvme=NVME) as cache:
-        assert cache.store.table_loaded                         # the full recovery
-        assert not cache.recovered["unowned_objects"]            # (its dangling names: those
+            assert not kvstore.store._scan_kv
+        a = await _state(kvstore)
+    async with open_store(full, ram=RAM, nvme=NVME) as kvstore:
+        assert kvstore.store.table_loaded                         # the full recovery
+        assert not kvstore.recovered["unowned_objects"]            # (its dangling names: those
                                                                 # of the files it dropped)
-        b = await _state(cache)
+        b = await _state(kvstore)
     assert a == b
     assert not a["sets"]                    # nothing unsealed or RAM-only is left after a start
     return {**got, "kv": a["kv"]}
@@ -212,28 +212,28 @@ def test_an_index_of_an_older_kvfs_recovers_through_the_full_scan(tmp_path):
            ("unsealed", 2, 1), ("rename", 0, 0, 1, 2), ("commit",)]
 
     async def run():
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
-            dirs = await _dirs(cache)
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as kvstore:
+            dirs = await _dirs(kvstore)
             for i, op in enumerate(ops):
-                await _apply(cache, dirs, op, i)
-            cache.index.commit()
+                await _apply(kvstore, dirs, op, i)
+            kvstore.index.commit()
         _make_old(tmp_path / "state")
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
-            got = cache.recovered
-            assert cache.store.table_loaded and "dangling_names" in got       # the full scan
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as kvstore:
+            got = kvstore.recovered
+            assert kvstore.store.table_loaded and "dangling_names" in got       # the full scan
             assert got["dropped_files"] == 2 and got["lost_objects"] == 1
-            state = await _state(cache)
+            state = await _state(kvstore)
             assert set(state["tree"]) == {b"/a", b"/b", b"/a/sub", b"/b/f2", b"/b/f1"}
             assert state["tree"][b"/b/f2"] == bytes([0]) * 3000
-            dirs = await _dirs(cache)       # the sets are kept from here on
-            await _apply(cache, dirs, ("write", 2, 4, 5000, False), 9)
-            await _apply(cache, dirs, ("unsealed", 0, 4), 10)
-            cache.index.commit()
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
-            got = cache.recovered
-            assert "dangling_names" not in got and not cache.store.table_loaded
+            dirs = await _dirs(kvstore)       # the sets are kept from here on
+            await _apply(kvstore, dirs, ("write", 2, 4, 5000, False), 9)
+            await _apply(kvstore, dirs, ("unsealed", 0, 4), 10)
+            kvstore.index.commit()
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as kvstore:
+            got = kvstore.recovered
+            assert "dangling_names" not in got and not kvstore.store.table_loaded
             assert got["dropped_files"] == 2 and got["lost_objects"] == 1 and got["decoded"] <= 6
-            after = await _state(cache)
+            after = await _state(kvstore)
             assert after["tree"] == state["tree"] and after["totals"] == state["totals"]
     trio.run(run)
 
@@ -257,17 +257,17 @@ def test_totals_that_disagree_with_the_index_make_the_start_recover_in_full(tmp_
         base = tmp_path / str(i)
 
         async def run():
-            async with open_cache(base, ram=RAM, nvme=NVME) as cache:
-                dirs = await _dirs(cache)
+            async with open_store(base, ram=RAM, nvme=NVME) as kvstore:
+                dirs = await _dirs(kvstore)
                 for j, op in enumerate(ops):
-                    await _apply(cache, dirs, op, j)
-                cache.index.commit()
+                    await _apply(kvstore, dirs, op, j)
+                kvstore.index.commit()
             _forge(base / "state", key, a, b)
-            async with open_cache(base, ram=RAM, nvme=NVME) as cache:
-                got = cache.recovered
-                assert cache.store.table_loaded and "dangling_names" in got, key    # in full
+            async with open_store(base, ram=RAM, nvme=NVME) as kvstore:
+                got = kvstore.recovered
+                assert kvstore.store.table_loaded and "dangling_names" in got, key    # in full
                 assert got["dropped_files"] == 2 and got["lost_objects"] == 1
-                state = await _state(cache)                     # totals recounted
+                state = await _state(kvstore)                     # totals recounted
                 assert state["count"] == 2 and state["totals"][objects] == [2, 0]
                 assert state["nvme"][1] == 2
         trio.run(run)
@@ -275,9 +275,9 @@ def test_totals_that_disagree_with_the_index_make_the_start_recover_in_full(tmp_
 
 def test_fsck_reports_a_kv_parent_the_index_says_none_has(tmp_path):
     async def build():
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME, clean=True) as cache:
-            dirs = await _dirs(cache)
-            await _apply(cache, dirs, ("kv", 0, 1, 0, True), 0)
+        async with open_store(tmp_path, ram=RAM, nvme=NVME, clean=True) as kvstore:
+            dirs = await _dirs(kvstore)
+            await _apply(kvstore, dirs, ("kv", 0, 1, 0, True), 0)
     trio.run(build)
     cfg = Config(nvme=str(tmp_path / "nvme"), state=str(tmp_path / "state"), nvme_size="8MiB")
     assert run_fsck(cfg).problems == []
@@ -290,33 +290,33 @@ def test_fsck_reports_a_kv_parent_the_index_says_none_has(tmp_path):
     assert run_fsck(cfg).problems == []     # forgotten: the next start recovers in full
 
     async def start():
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
-            assert cache.store.table_loaded and cache.ns.prefix.children == {("ns", hx("0")): 1}
-            assert not cache.store.tally.no_kv
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as kvstore:
+            assert kvstore.store.table_loaded and kvstore.ns.prefix.children == {("ns", hx("0")): 1}
+            assert not kvstore.store.tally.no_kv
     trio.run(start)
 
 
 def test_a_clean_unmount_notes_that_no_kv_parent_exists_for_the_next_crash_start(tmp_path):
     async def run():
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
-            dirs = await _dirs(cache)
-            await _apply(cache, dirs, ("write", 0, 0, 3000, True), 0)
-            await _apply(cache, dirs, ("kv", 1, 1, -1, True), 1)       # a head: no parent
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as kvstore:
+            dirs = await _dirs(kvstore)
+            await _apply(kvstore, dirs, ("write", 0, 0, 3000, True), 0)
+            await _apply(kvstore, dirs, ("kv", 1, 1, -1, True), 1)       # a head: no parent
         ix = Index(tmp_path / "state")      # as an index from before the key leaves it
         with ix.write() as txn:
             txn.w[(RECOVER, tally.NO_KV)] = tally._DEL
         ix.close()
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME, clean=True) as cache:
-            assert "dangling_names" not in cache.recovered and cache.store._scan_kv
-            await cache.store.wait_loaded()             # the scan finds no KV child
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
-            assert cache.recovered == {"clean": 1}
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
-            assert "dangling_names" not in cache.recovered and not cache.store._scan_kv
-            await _apply(cache, await _dirs(cache), ("kv", 0, 2, 1, True), 2)
-            cache.index.commit()
-        async with open_cache(tmp_path, ram=RAM, nvme=NVME) as cache:
-            assert cache.store._scan_kv                 # a child was written since
-            await cache.store.wait_loaded()
-            assert cache.ns.prefix.children == {("ns", hx("1")): 1}
+        async with open_store(tmp_path, ram=RAM, nvme=NVME, clean=True) as kvstore:
+            assert "dangling_names" not in kvstore.recovered and kvstore.store._scan_kv
+            await kvstore.store.wait_loaded()             # the scan finds no KV child
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as kvstore:
+            assert kvstore.recovered == {"clean": 1}
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as kvstore:
+            assert "dangling_names" not in kvstore.recovered and not kvstore.store._scan_kv
+            await _apply(kvstore, await _dirs(kvstore), ("kv", 0, 2, 1, True), 2)
+            kvstore.index.commit()
+        async with open_store(tmp_path, ram=RAM, nvme=NVME) as kvstore:
+            assert kvstore.store._scan_kv                 # a child was written since
+            await kvstore.store.wait_loaded()
+            assert kvstore.ns.prefix.children == {("ns", hx("1")): 1}
     trio.run(run)

@@ -16,106 +16,106 @@ from kvfs.config import Config
 from kvfs.store import tally
 from kvfs.store.fsck import run_fsck
 from kvfs.store.index import RECOVER, Index, ROOT_INO
-from storekit import open_cache
+from storekit import open_store
 from storekit import read_file as read, write_file as write
 
 FILE = stat.S_IFREG | 0o644
 DIR = stat.S_IFDIR | 0o755
 
 
-def totals(cache) -> tuple:
-    nvme = cache.store.tiers[1]
-    return nvme.used, nvme.objects, len(cache.store.objs), cache.telemetry.totals()
+def totals(kvstore) -> tuple:
+    nvme = kvstore.store.tiers[1]
+    return nvme.used, nvme.objects, len(kvstore.store.objs), kvstore.telemetry.totals()
 
 
-async def _build(cache) -> dict[tuple[bytes, bytes], bytes]:
+async def _build(kvstore) -> dict[tuple[bytes, bytes], bytes]:
     """Files in two namespaces: durable ones, RAM-only ones, unsealed ones, renamed, replaced
     and removed ones; returns the durable files' contents by (namespace, name)."""
-    a, _ = cache.ns.make(ROOT_INO, b"a", DIR, 0, 0)
-    b, _ = cache.ns.make(ROOT_INO, b"b", DIR, 0, 0)
+    a, _ = kvstore.ns.make(ROOT_INO, b"a", DIR, 0, 0)
+    b, _ = kvstore.ns.make(ROOT_INO, b"b", DIR, 0, 0)
     durable = {}
     for i in range(30):
         ns, d = (b"a", a) if i % 2 else (b"b", b)
         data = os.urandom(100 + i * 1111)
-        await write(cache, d, b"f%d" % i, data)
-        await cache.store.mover.demote(cache.ns.sealed[cache.ns.lookup(d, b"f%d" % i)], 0)
+        await write(kvstore, d, b"f%d" % i, data)
+        await kvstore.store.mover.demote(kvstore.ns.sealed[kvstore.ns.lookup(d, b"f%d" % i)], 0)
         durable[(ns, b"f%d" % i)] = data
-    await cache.rename(a, b"f1", b, b"moved", 0)              # into another namespace
+    await kvstore.names.rename(a, b"f1", b, b"moved", 0)              # into another namespace
     durable[(b"b", b"moved")] = durable.pop((b"a", b"f1"))
-    await cache.unlink(b, b"f2")
+    await kvstore.names.unlink(b, b"f2")
     del durable[(b"b", b"f2")]
     new = os.urandom(5000)                                      # replaced by a RAM-only version:
-    await write(cache, a, b"f3.tmp", new)                       # the file goes with it
-    await cache.rename(a, b"f3.tmp", a, b"f3", 0)
+    await write(kvstore, a, b"f3.tmp", new)                       # the file goes with it
+    await kvstore.names.rename(a, b"f3.tmp", a, b"f3", 0)
     del durable[(b"a", b"f3")]
     for i in range(5):                                          # RAM-only (never written down)
-        await write(cache, b, b"ram%d" % i, os.urandom(3000 + i))
+        await write(kvstore, b, b"ram%d" % i, os.urandom(3000 + i))
     for i in range(4):                                          # created, never sealed
-        cache.ns.make(a, b"unsealed%d" % i, FILE, 0, 0, oid=None)
-    fh, _, _ = await cache.create(b, b"open", 0o644, 0, 0)     # being written at the "crash"
-    await cache.write(fh, 0, b"x" * 1000)
+        kvstore.ns.make(a, b"unsealed%d" % i, FILE, 0, 0, oid=None)
+    fh, _, _ = await kvstore.files.create(b, b"open", 0o644, 0, 0)     # being written at the "crash"
+    await kvstore.files.write(fh, 0, b"x" * 1000)
     return durable
 
 
 async def test_a_crash_start_drops_exactly_the_sets_and_keeps_exact_totals(tmp_path):
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
-        durable = await _build(cache)
-        cache.index.commit()
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
-        got = cache.recovered
-        fast = totals(cache)
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
+        durable = await _build(kvstore)
+        kvstore.index.commit()
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
+        got = kvstore.recovered
+        fast = totals(kvstore)
         assert got["dropped_files"] == 5 + 4 + 1 + 1 and got["lost_objects"] == 5 + 1
         assert got["decoded"] <= 3 * (got["dropped_files"] + got["lost_objects"])   # the sets only
-        assert not cache.store.table_loaded and dict.__len__(cache.store.objs) == 0
+        assert not kvstore.store.table_loaded and dict.__len__(kvstore.store.objs) == 0
         for ns in (b"a", b"b"):
-            d = cache.ns.lookup(ROOT_INO, ns)
-            names = {n for _e, n, _i, _r in cache.entries(d, 0)}
+            d = kvstore.ns.lookup(ROOT_INO, ns)
+            names = {n for _e, n, _i, _r in kvstore.names.entries(d, 0)}
             assert names == {n for (s, n) in durable if s == ns}
         for (ns, name), data in durable.items():
-            assert await read(cache, cache.ns.lookup(ROOT_INO, ns), name) == data
-        await cache.store.wait_loaded()
+            assert await read(kvstore, kvstore.ns.lookup(ROOT_INO, ns), name) == data
+        await kvstore.store.wait_loaded()
     ix = Index(tmp_path / "state")
     tally.invalidate(ix)
     ix.close()
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
-        assert cache.store.table_loaded and cache.recovered["decoded"] >= 2 * len(durable)
-        assert not cache.recovered["dropped_files"] and not cache.recovered["lost_objects"]
-        assert totals(cache) == fast                           # the full recount agrees
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
+        assert kvstore.store.table_loaded and kvstore.recovered["decoded"] >= 2 * len(durable)
+        assert not kvstore.recovered["dropped_files"] and not kvstore.recovered["lost_objects"]
+        assert totals(kvstore) == fast                           # the full recount agrees
 
 
 async def test_totals_stay_exact_across_repeated_crashes_and_a_clean_unmount(tmp_path):
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
-        await _build(cache)
-        cache.index.commit()
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
+        await _build(kvstore)
+        kvstore.index.commit()
     for round_ in range(3):
-        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20, clean=round_ == 1) as cache:
-            a = cache.ns.lookup(ROOT_INO, b"a")
-            await write(cache, a, b"r%d" % round_, os.urandom(2000))    # RAM-only, then lost
-            await write(cache, a, b"w%d" % round_, os.urandom(4000))
-            await cache.store.mover.demote(cache.ns.sealed[cache.ns.lookup(a, b"w%d" % round_)], 0)
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20, clean=round_ == 1) as kvstore:
+            a = kvstore.ns.lookup(ROOT_INO, b"a")
+            await write(kvstore, a, b"r%d" % round_, os.urandom(2000))    # RAM-only, then lost
+            await write(kvstore, a, b"w%d" % round_, os.urandom(4000))
+            await kvstore.store.mover.demote(kvstore.ns.sealed[kvstore.ns.lookup(a, b"w%d" % round_)], 0)
             if round_ == 0:
-                await cache.unlink(a, b"f5")
-            cache.index.commit()
-            seen = totals(cache)
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
-        fast = totals(cache)
+                await kvstore.names.unlink(a, b"f5")
+            kvstore.index.commit()
+            seen = totals(kvstore)
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
+        fast = totals(kvstore)
     assert fast[2] <= seen[2]
     ix = Index(tmp_path / "state")
     tally.invalidate(ix)
     ix.close()
-    async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
-        assert cache.store.table_loaded
-        assert totals(cache) == fast
+    async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
+        assert kvstore.store.table_loaded
+        assert totals(kvstore) == fast
 
 
 def test_fsck_checks_the_sets_and_totals_against_the_records(tmp_path):
     async def build():
-        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
-            await _build(cache)
-            cache.index.commit()
-        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
-            assert cache.recovered["lost_objects"]      # the crash start, then a clean unmount
-        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20, clean=True):
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
+            await _build(kvstore)
+            kvstore.index.commit()
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
+            assert kvstore.recovered["lost_objects"]      # the crash start, then a clean unmount
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20, clean=True):
             pass
     trio.run(build)
     cfg = Config(nvme=str(tmp_path / "nvme"), state=str(tmp_path / "state"), nvme_size="8MiB")
@@ -129,7 +129,7 @@ def test_fsck_checks_the_sets_and_totals_against_the_records(tmp_path):
     assert run_fsck(cfg).problems == []             # forgotten: the next start recounts
 
     async def start():
-        async with open_cache(tmp_path, ram=1 << 20, nvme=8 << 20) as cache:
-            assert cache.store.table_loaded         # a full recovery
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
+            assert kvstore.store.table_loaded         # a full recovery
     trio.run(start)
     assert run_fsck(cfg).problems == []

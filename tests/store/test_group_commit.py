@@ -12,7 +12,7 @@ import trio
 
 from kvfs.errors import NamespaceError
 from kvfs.store.index import DIRENTS, ROOT_INO, k64
-from storekit import open_cache
+from storekit import open_store
 
 DIR = stat.S_IFDIR | 0o755
 FILE = stat.S_IFREG | 0o644
@@ -24,24 +24,24 @@ def in_lmdb(index, db, key: bytes) -> bool:
         return txn.get(key, db=db) is not None
 
 
-async def write_file(cache, parent: int, name: bytes, data: bytes, *, fsync: bool = False) -> int:
-    fh, ino, _ = await cache.create(parent, name, 0o644, 0, 0)
-    await cache.write(fh, 0, data)
+async def write_file(kvstore, parent: int, name: bytes, data: bytes, *, fsync: bool = False) -> int:
+    fh, ino, _ = await kvstore.files.create(parent, name, 0o644, 0, 0)
+    await kvstore.files.write(fh, 0, data)
     if fsync:
-        await cache.fsync(fh)
-    await cache.release(fh)
+        await kvstore.files.fsync(fh)
+    await kvstore.files.release(fh)
     return ino
 
 
 def test_operations_are_served_from_memory_and_committed_in_one_transaction(tmp_path):
     async def main():
-        async with open_cache(tmp_path) as cache:
-            ix, ns = cache.index, cache.ns
+        async with open_store(tmp_path) as kvstore:
+            ix, ns = kvstore.index, kvstore.ns
             ix.commit()
             before = ix.commits
             d, _ = ns.make(ROOT_INO, b"d", DIR, 0, 0)
             files = [ns.make(d, f"f{i}".encode(), FILE, 0, 0, oid=None)[0] for i in range(20)]
-            ns.rename(d, b"f0", d, b"g0", 0, cache.is_open)
+            ns.rename(d, b"f0", d, b"g0", 0, kvstore.files.is_open)
             assert ix.pending == 22
             assert ns.lookup(d, b"g0") == files[0] and ns.inode(files[0])["name"] == b"g0"
             assert not in_lmdb(ix, ix.dirents, k64(d) + b"g0")
@@ -55,8 +55,8 @@ def test_operations_are_served_from_memory_and_committed_in_one_transaction(tmp_
 
 def test_a_failed_operation_leaves_nothing_pending(tmp_path):
     async def main():
-        async with open_cache(tmp_path) as cache:
-            ix, ns = cache.index, cache.ns
+        async with open_store(tmp_path) as kvstore:
+            ix, ns = kvstore.index, kvstore.ns
             d, _ = ns.make(ROOT_INO, b"d", DIR, 0, 0)
             f, _ = ns.make(d, b"f", FILE, 0, 0, oid=None)
             ix.commit()
@@ -64,7 +64,7 @@ def test_a_failed_operation_leaves_nothing_pending(tmp_path):
                 ns.make(d, b"f", FILE, 0, 0, oid=None)
             assert e.value.errno == errno.EEXIST
             with pytest.raises(NamespaceError) as e:
-                ns.rename(d, b"f", f, b"x", 0, cache.is_open)      # into a file
+                ns.rename(d, b"f", f, b"x", 0, kvstore.files.is_open)      # into a file
             assert e.value.errno == errno.ENOTDIR
             assert ix.pending == 0
             assert ns.lookup(d, b"f") == f
@@ -73,8 +73,8 @@ def test_a_failed_operation_leaves_nothing_pending(tmp_path):
 
 def test_range_reads_and_rmdir_see_the_pending_changes(tmp_path):
     async def main():
-        async with open_cache(tmp_path) as cache:
-            ix, ns = cache.index, cache.ns
+        async with open_store(tmp_path) as kvstore:
+            ix, ns = kvstore.index, kvstore.ns
             d, _ = ns.make(ROOT_INO, b"d", DIR, 0, 0)
             ns.make(d, b"a", FILE, 0, 0, oid=None)
             ns.make(d, b"b", FILE, 0, 0, oid=None)
@@ -84,7 +84,7 @@ def test_range_reads_and_rmdir_see_the_pending_changes(tmp_path):
                 ns.rmdir(ROOT_INO, b"d")
             assert e.value.errno == errno.ENOTEMPTY
             for n in (b"a", b"b", b"c"):
-                await cache.unlink(d, n)
+                await kvstore.names.unlink(d, n)
             ns.rmdir(ROOT_INO, b"d")                                 # empty, though not committed
             assert ix.pending and [n for _, n, _ in ix.readdir(ROOT_INO, 0)] == []
             assert ix.counts()["inodes"] == 1 and ix.pending == 0
@@ -95,8 +95,8 @@ def test_a_durable_copy_is_freed_only_after_the_commit_that_dropped_it(tmp_path)
     """Unlink and rename over a file whose bytes are on NVMe: when its copy is deleted, LMDB
     no longer has the record (a kill -9 then finds the file absent, never unreadable)."""
     async def main():
-        async with open_cache(tmp_path) as cache:
-            ix, store = cache.index, cache.store
+        async with open_store(tmp_path) as kvstore:
+            ix, store = kvstore.index, kvstore.store
             nvme = store.tiers[1]
             seen = []
             real_delete = nvme.delete
@@ -107,25 +107,25 @@ def test_a_durable_copy_is_freed_only_after_the_commit_that_dropped_it(tmp_path)
             nvme.delete = delete
             victims = []
             for name in (b"gone", b"over"):
-                ino = await write_file(cache, ROOT_INO, name, os.urandom(70_000))
-                obj = cache.ns.sealed[ino]
+                ino = await write_file(kvstore, ROOT_INO, name, os.urandom(70_000))
+                obj = kvstore.ns.sealed[ino]
                 await store.mover.demote(obj, 0)
                 assert set(obj.place) == {"nvme"}
                 victims.append(obj.oid)
             ix.commit()
-            await cache.unlink(ROOT_INO, b"gone")
-            await write_file(cache, ROOT_INO, b"new", b"x" * 10)
-            await cache.rename(ROOT_INO, b"new", ROOT_INO, b"over", 0)
+            await kvstore.names.unlink(ROOT_INO, b"gone")
+            await write_file(kvstore, ROOT_INO, b"new", b"x" * 10)
+            await kvstore.names.rename(ROOT_INO, b"new", ROOT_INO, b"over", 0)
             assert seen == [(victims[0], False), (victims[1], False)]
     trio.run(main)
 
 
 def test_fsync_puts_the_sealed_record_in_lmdb(tmp_path):
     async def main():
-        async with open_cache(tmp_path) as cache:
-            ix = cache.index
-            ino = await write_file(cache, ROOT_INO, b"f", b"y" * 5000, fsync=True)
-            oid = cache.ns.sealed[ino].oid
+        async with open_store(tmp_path) as kvstore:
+            ix = kvstore.index
+            ino = await write_file(kvstore, ROOT_INO, b"f", b"y" * 5000, fsync=True)
+            oid = kvstore.ns.sealed[ino].oid
             assert ix.pending == 0
             assert in_lmdb(ix, ix.objects, k64(oid)) and in_lmdb(ix, ix.dirents, k64(ROOT_INO) + b"f")
             with ix.env.begin() as txn:
@@ -136,18 +136,18 @@ def test_fsync_puts_the_sealed_record_in_lmdb(tmp_path):
 
 def test_reopen_after_close_keeps_every_operation(tmp_path):
     async def main():
-        async with open_cache(tmp_path) as cache:
+        async with open_store(tmp_path) as kvstore:
             for i in range(50):
-                await write_file(cache, ROOT_INO, f"f{i}".encode(), bytes([i]) * 3000)
-            assert cache.index.pending
-            await cache.store.mover.write_down_volatile()      # the unmount's write-down (one sync)
-        async with open_cache(tmp_path) as cache:
-            names = sorted(n for _, n, _ in cache.index.readdir(ROOT_INO, 0))
+                await write_file(kvstore, ROOT_INO, f"f{i}".encode(), bytes([i]) * 3000)
+            assert kvstore.index.pending
+            await kvstore.store.mover.write_down_volatile()      # the unmount's write-down (one sync)
+        async with open_store(tmp_path) as kvstore:
+            names = sorted(n for _, n, _ in kvstore.index.readdir(ROOT_INO, 0))
             assert names == sorted(f"f{i}".encode() for i in range(50))
             for i in range(50):
-                fh = await cache.open(cache.ns.lookup(ROOT_INO, f"f{i}".encode()), os.O_RDONLY)
-                assert bytes(await cache.read(fh, 0, 4000)) == bytes([i]) * 3000
-                await cache.release(fh)
+                fh = await kvstore.files.open(kvstore.ns.lookup(ROOT_INO, f"f{i}".encode()), os.O_RDONLY)
+                assert bytes(await kvstore.files.read(fh, 0, 4000)) == bytes([i]) * 3000
+                await kvstore.files.release(fh)
     trio.run(main)
 
 
@@ -156,12 +156,12 @@ def test_a_name_made_and_removed_within_one_group_never_reaches_lmdb(tmp_path):
     delete); a name LMDB already holds is still deleted there, also when it is made again
     and removed again within the next group."""
     async def main():
-        async with open_cache(tmp_path) as cache:
-            ix, ns = cache.index, cache.ns
+        async with open_store(tmp_path) as kvstore:
+            ix, ns = kvstore.index, kvstore.ns
             d, _ = ns.make(ROOT_INO, b"d", DIR, 0, 0)
             ix.commit()
             ino = ns.make(d, b".t.tmp", FILE, 0, 0, oid=None)[0]
-            ns.rename(d, b".t.tmp", d, b"t", 0, cache.is_open)
+            ns.rename(d, b".t.tmp", d, b"t", 0, kvstore.files.is_open)
             assert (DIRENTS, k64(d) + b".t.tmp") not in ix._pending     # nothing to delete in LMDB
             assert ns.find(d, b".t.tmp") is None and ns.lookup(d, b"t") == ino
             kept = ns.make(d, b"kept", FILE, 0, 0, oid=None)[0]
@@ -170,9 +170,9 @@ def test_a_name_made_and_removed_within_one_group_never_reaches_lmdb(tmp_path):
             assert not in_lmdb(ix, ix.dirents, k64(d) + b".t.tmp")
             assert [n for _e, n, _i in ix.readdir(d, 0)] == [b"t", b"kept"]
             # in LMDB now: unlinked, made again and renamed away in one group -> deleted in LMDB
-            ns.unlink(d, b"kept", cache.is_open)
+            ns.unlink(d, b"kept", kvstore.files.is_open)
             again = ns.make(d, b"kept", FILE, 0, 0, oid=None)[0]
-            ns.rename(d, b"kept", d, b"moved", 0, cache.is_open)
+            ns.rename(d, b"kept", d, b"moved", 0, kvstore.files.is_open)
             ix.commit()
             assert not in_lmdb(ix, ix.dirents, k64(d) + b"kept")
             assert ns.lookup(d, b"moved") == again and ns.find(d, b"kept") is None

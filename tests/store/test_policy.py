@@ -12,26 +12,26 @@ import pytest
 
 from kvfs.errors import TierFull
 from kvfs.store.index import ROOT_INO
-from storekit import block, file_remote_tier, hx, open_cache, write_file
+from storekit import block, file_remote_tier, hx, open_store, write_file
 
 KiB = 1 << 10
 
 
-async def put(cache, parent: int, name: bytes, size: int = 64 * KiB):
-    ino = await write_file(cache, parent, name, os.urandom(size))
-    return cache.ns.sealed[ino]
+async def put(kvstore, parent: int, name: bytes, size: int = 64 * KiB):
+    ino = await write_file(kvstore, parent, name, os.urandom(size))
+    return kvstore.ns.sealed[ino]
 
 
-def mkdir(cache, name: bytes) -> int:
-    return cache.make(ROOT_INO, name, stat.S_IFDIR | 0o755, 0, 0)[0]
+def mkdir(kvstore, name: bytes) -> int:
+    return kvstore.names.make(ROOT_INO, name, stat.S_IFDIR | 0o755, 0, 0)[0]
 
 
 async def test_victims_are_least_recently_used_from_the_namespace_furthest_over_its_share(tmp_path):
-    async with open_cache(tmp_path) as cache:
-        store, policy = cache.store, cache.store.policy
-        a, b = mkdir(cache, b"a"), mkdir(cache, b"b")
-        a1, a2, a3 = [await put(cache, a, b"f%d" % i) for i in range(3)]
-        await put(cache, b, b"g")
+    async with open_store(tmp_path) as kvstore:
+        store, policy = kvstore.store, kvstore.store.policy
+        a, b = mkdir(kvstore, b"a"), mkdir(kvstore, b"b")
+        a1, a2, a3 = [await put(kvstore, a, b"f%d" % i) for i in range(3)]
+        await put(kvstore, b, b"g")
         assert policy.victim(store.ram) is a1       # a holds most of RAM; its oldest first
         store.note_open(a1)                         # used again: now the most recent of a
         assert policy.victim(store.ram) is a2
@@ -47,9 +47,9 @@ async def test_victims_are_least_recently_used_from_the_namespace_furthest_over_
 
 
 async def test_pinning_keeps_an_object_on_the_lowest_tier_but_not_in_ram(tmp_path):
-    async with open_cache(tmp_path) as cache:
-        store, policy = cache.store, cache.store.policy
-        old, new = await put(cache, ROOT_INO, b"old"), await put(cache, ROOT_INO, b"new")
+    async with open_store(tmp_path) as kvstore:
+        store, policy = kvstore.store, kvstore.store.policy
+        old, new = await put(kvstore, ROOT_INO, b"old"), await put(kvstore, ROOT_INO, b"new")
         old.pinned = True
         assert policy.victim(store.ram) is old      # demotion keeps it: pinning does not stop it
         for obj in (old, new):
@@ -62,12 +62,12 @@ async def test_pinning_keeps_an_object_on_the_lowest_tier_but_not_in_ram(tmp_pat
 
 
 async def test_the_prefix_rule_keeps_a_block_with_cached_children(tmp_path):
-    async with open_cache(tmp_path) as cache:
-        store, policy = cache.store, cache.store.policy
+    async with open_store(tmp_path) as kvstore:
+        store, policy = kvstore.store, kvstore.store.policy
         parent, child = hx("p"), hx("c")
-        pino = await write_file(cache, ROOT_INO, f"{parent}.kv".encode(), block("ns", parent, "", 16))
-        cino = await write_file(cache, ROOT_INO, f"{child}.kv".encode(), block("ns", child, parent, 32))
-        p, c = cache.ns.sealed[pino], cache.ns.sealed[cino]
+        pino = await write_file(kvstore, ROOT_INO, f"{parent}.kv".encode(), block("ns", parent, "", 16))
+        cino = await write_file(kvstore, ROOT_INO, f"{child}.kv".encode(), block("ns", child, parent, 32))
+        p, c = kvstore.ns.sealed[pino], kvstore.ns.sealed[cino]
         assert policy.prefix.children == {("ns", parent): 1}
         assert not policy.prefix.may_evict(p) and policy.prefix.may_evict(c)
         assert policy.victim(store.ram) is p        # RAM demotes: the rule is about eviction
@@ -80,11 +80,11 @@ async def test_the_prefix_rule_keeps_a_block_with_cached_children(tmp_path):
 
 
 async def test_a_quotas_victims_are_its_idle_files_oldest_first_on_any_tier(tmp_path):
-    async with open_cache(tmp_path) as cache:
-        store, policy = cache.store, cache.store.policy
-        a, b = mkdir(cache, b"a"), mkdir(cache, b"b")
-        f0, f1, f2, f3 = [await put(cache, a, b"f%d" % i) for i in range(4)]
-        await put(cache, b, b"other")
+    async with open_store(tmp_path) as kvstore:
+        store, policy = kvstore.store, kvstore.store.policy
+        a, b = mkdir(kvstore, b"a"), mkdir(kvstore, b"b")
+        f0, f1, f2, f3 = [await put(kvstore, a, b"f%d" % i) for i in range(4)]
+        await put(kvstore, b, b"other")
         await store.mover.demote(f1, 0)             # on NVMe: still one of a's files
         f2.pinned = True
         f3.refs = 1
@@ -97,14 +97,14 @@ async def test_a_quotas_victims_are_its_idle_files_oldest_first_on_any_tier(tmp_
 
 
 async def test_watermarks(tmp_path):
-    async with open_cache(tmp_path, ram=1 << 20, high=0.9, low=0.6) as cache:
-        store, policy = cache.store, cache.store.policy
+    async with open_store(tmp_path, ram=1 << 20, high=0.9, low=0.6) as kvstore:
+        store, policy = kvstore.store, kvstore.store.policy
         ram, nvme = store.tiers
         assert policy.target(ram) == 0.6 * ram.capacity
         assert not policy.pressed() and not policy.over_high(ram)
         n = 0
         while ram.used <= 0.9 * ram.capacity:
-            await put(cache, ROOT_INO, b"f%d" % n, 96 * KiB)
+            await put(kvstore, ROOT_INO, b"f%d" % n, 96 * KiB)
             n += 1
             assert n < 20, "RAM never passed its high watermark"
             assert policy.pressed() == policy.over_high(ram) == (ram.used > 0.9 * ram.capacity)
@@ -114,9 +114,9 @@ async def test_watermarks(tmp_path):
 
 
 async def test_demote_or_evict_and_admission(tmp_path):
-    async with open_cache(tmp_path, admit_after={"nvme": 2}) as cache:
-        store, policy = cache.store, cache.store.policy
-        once, twice, pinned = [await put(cache, ROOT_INO, n) for n in (b"once", b"twice", b"pinned")]
+    async with open_store(tmp_path, admit_after={"nvme": 2}) as kvstore:
+        store, policy = kvstore.store, kvstore.store.policy
+        once, twice, pinned = [await put(kvstore, ROOT_INO, n) for n in (b"once", b"twice", b"pinned")]
         store.note_open(twice)
         pinned.pinned = True
         assert not policy.admitted(once, 0) and policy.admitted(twice, 0)
@@ -134,9 +134,9 @@ async def test_demote_or_evict_and_admission(tmp_path):
 
 
 async def test_promotion(tmp_path):
-    async with open_cache(tmp_path, ram=1 << 20, low=0.6) as cache:
-        store, policy = cache.store, cache.store.policy
-        small, big = await put(cache, ROOT_INO, b"small"), await put(cache, ROOT_INO, b"big", 700 * KiB)
+    async with open_store(tmp_path, ram=1 << 20, low=0.6) as kvstore:
+        store, policy = kvstore.store, kvstore.store.policy
+        small, big = await put(kvstore, ROOT_INO, b"small"), await put(kvstore, ROOT_INO, b"big", 700 * KiB)
         assert not policy.promotable(small)               # already in RAM
         assert not policy.wants_promotion(small, time.time())
         for obj in (small, big):
@@ -153,10 +153,10 @@ async def test_promotion(tmp_path):
 
 async def test_with_the_remote_tier_down(tmp_path):
     remote = await file_remote_tier(tmp_path)
-    async with open_cache(tmp_path, extra_tiers=[remote]) as cache:
-        store, policy = cache.store, cache.store.policy
+    async with open_store(tmp_path, extra_tiers=[remote]) as kvstore:
+        store, policy = kvstore.store, kvstore.store.policy
         nvme = store.tiers[1]
-        old, both = await put(cache, ROOT_INO, b"old"), await put(cache, ROOT_INO, b"both")
+        old, both = await put(kvstore, ROOT_INO, b"old"), await put(kvstore, ROOT_INO, b"both")
         await store.mover.demote(old, 0)
         await store.mover.demote(both, 0)
         await store.mover.demote(both, 1)

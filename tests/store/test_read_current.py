@@ -7,22 +7,22 @@ import os
 import pytest
 
 from kvfs.store.index import ROOT_INO
-from storekit import open_cache, small_tmpfs
+from storekit import open_store, small_tmpfs
 
 KiB, MiB = 1 << 10, 1 << 20
 
 
-async def _two_writers(cache, head: bytes, how: str):
+async def _two_writers(kvstore, head: bytes, how: str):
     """A file holding ``head``, open twice for writing; its content a spilled buffer
     (``spilled``) or its sealed object (``sealed``: the handles read ``ws.base``)."""
-    fh, ino, _ = await cache.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_RDWR)
-    await cache.write(fh, 0, head)
+    fh, ino, _ = await kvstore.files.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_RDWR)
+    await kvstore.files.write(fh, 0, head)
     if how == "sealed":
-        await cache.flush(fh)
-    fh2 = await cache.open(ino, os.O_WRONLY)
-    ws = cache.handles[fh].ws
+        await kvstore.files.flush(fh)
+    fh2 = await kvstore.files.open(ino, os.O_WRONLY)
+    ws = kvstore.files.handles[fh].ws
     if how == "spilled":
-        await ws.staging.spill(cache.spill_dir)
+        await ws.staging.spill(kvstore.spill_dir)
         assert ws.staging.spilled
     else:
         assert ws.staging is None and ws.base is not None
@@ -34,34 +34,34 @@ async def test_a_read_racing_a_write_that_extends_the_current_version(tmp_path, 
     """The race of a read (its bytes fetched at size S, in a worker thread) with a write through
     another descriptor extending the file to S+W, taken step by step as the daemon interleaves
     it: the reader gets the file's real bytes, never W zeros (kvfs/store/files.py _fitted)."""
-    async with open_cache(tmp_path) as cache:
+    async with open_store(tmp_path) as kvstore:
         head, tail = os.urandom(256 * KiB), os.urandom(128 * KiB)
-        fh, fh2 = await _two_writers(cache, head, how)
-        h = cache.handles[fh]
-        data, n = await cache._content(h, 0, MiB)        # the bytes, before the await returns
+        fh, fh2 = await _two_writers(kvstore, head, how)
+        h = kvstore.files.handles[fh]
+        data, n = await kvstore.files._content(h, 0, MiB)        # the bytes, before the await returns
         assert bytes(data) == head and n == len(head)
-        await cache.write(fh2, len(head), tail)           # meanwhile, through the other fd
-        got = await cache._fitted(h, 0, MiB, data, n)     # then fitted to the size now
+        await kvstore.files.write(fh2, len(head), tail)           # meanwhile, through the other fd
+        got = await kvstore.files._fitted(h, 0, MiB, data, n)     # then fitted to the size now
         assert bytes(got) == head + tail
-        assert bytes(await cache.read(fh, 0, MiB)) == head + tail
-        await cache.release(fh2)
-        await cache.release(fh)
+        assert bytes(await kvstore.files.read(fh, 0, MiB)) == head + tail
+        await kvstore.files.release(fh2)
+        await kvstore.files.release(fh)
 
 
 async def test_an_older_version_is_still_padded_to_the_current_size(tmp_path):
     """A reader of the sealed version a new buffer replaced reads zeros past its end (docs/design.md,
     "Versions and sizes"): only the current version is never padded."""
-    async with open_cache(tmp_path) as cache:
+    async with open_store(tmp_path) as kvstore:
         head, tail = os.urandom(64 * KiB), os.urandom(32 * KiB)
-        fh, ino, _ = await cache.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_WRONLY)
-        await cache.write(fh, 0, head)
-        await cache.release(fh)
-        rd = await cache.open(ino, os.O_RDONLY)
-        wr = await cache.open(ino, os.O_WRONLY)
-        await cache.write(wr, len(head), tail)
-        assert bytes(await cache.read(rd, 0, MiB)) == head + bytes(len(tail))
-        await cache.release(wr)
-        await cache.release(rd)
+        fh, ino, _ = await kvstore.files.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_WRONLY)
+        await kvstore.files.write(fh, 0, head)
+        await kvstore.files.release(fh)
+        rd = await kvstore.files.open(ino, os.O_RDONLY)
+        wr = await kvstore.files.open(ino, os.O_WRONLY)
+        await kvstore.files.write(wr, len(head), tail)
+        assert bytes(await kvstore.files.read(rd, 0, MiB)) == head + bytes(len(tail))
+        await kvstore.files.release(wr)
+        await kvstore.files.release(rd)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")
@@ -71,22 +71,22 @@ async def test_a_failed_buffer_truncated_to_zero_seals_again(tmp_path, how):
     truncate to 0 (truncate(2), or an O_TRUNC open joining the writers) rewrites the whole
     buffer: the file seals again."""
     with small_tmpfs(tmp_path / "nvme", "8m"):
-        async with open_cache(tmp_path, ram=2 * MiB, nvme=64 * MiB) as cache:
-            fh, ino, _ = await cache.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_RDWR)
+        async with open_store(tmp_path, ram=2 * MiB, nvme=64 * MiB) as kvstore:
+            fh, ino, _ = await kvstore.files.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_RDWR)
             with pytest.raises(OSError):
                 for i in range(32):                       # past RAM: spilled, then the disk is full
-                    await cache.write(fh, i * MiB, os.urandom(MiB))
-            assert cache.handles[fh].ws.failed
+                    await kvstore.files.write(fh, i * MiB, os.urandom(MiB))
+            assert kvstore.files.handles[fh].ws.failed
             other = None
             if how == "truncate":
-                await cache.setattr(ino, size=0)
+                await kvstore.files.setattr(ino, size=0)
             else:
-                other = await cache.open(ino, os.O_WRONLY | os.O_TRUNC)
-                await cache.release(other)
+                other = await kvstore.files.open(ino, os.O_WRONLY | os.O_TRUNC)
+                await kvstore.files.release(other)
             data = os.urandom(100 * KiB)
-            await cache.write(fh, 0, data)
-            await cache.flush(fh)                         # seals (TierFull before the fix)
-            await cache.release(fh)
-            rd = await cache.open(ino, os.O_RDONLY)
-            assert bytes(await cache.read(rd, 0, MiB)) == data
-            await cache.release(rd)
+            await kvstore.files.write(fh, 0, data)
+            await kvstore.files.flush(fh)                         # seals (TierFull before the fix)
+            await kvstore.files.release(fh)
+            rd = await kvstore.files.open(ino, os.O_RDONLY)
+            assert bytes(await kvstore.files.read(rd, 0, MiB)) == data
+            await kvstore.files.release(rd)

@@ -6,7 +6,7 @@ import os
 import trio
 import trio.testing
 
-from storekit import open_cache
+from storekit import open_store
 
 from kvfs.store.index import ROOT_INO
 
@@ -16,12 +16,12 @@ async def test_settled_is_false_while_a_promotion_is_handed_to_the_waiting_loop(
     channel's buffer stays empty until that task runs: ``settled`` read the buffer and said
     True in that window (a mount test compared a stats snapshot with a metrics scrape taken
     just after and saw the promotion land between them)."""
-    async with open_cache(tmp_path) as cache:
-        store = cache.store
-        fh, ino, _ = await cache.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_WRONLY)
-        await cache.write(fh, 0, os.urandom(256 << 10))
-        await cache.release(fh)
-        obj = cache.ns.sealed[ino]
+    async with open_store(tmp_path) as kvstore:
+        store = kvstore.store
+        fh, ino, _ = await kvstore.files.create(ROOT_INO, b"f", 0o644, 0, 0, os.O_WRONLY)
+        await kvstore.files.write(fh, 0, os.urandom(256 << 10))
+        await kvstore.files.release(fh)
+        obj = kvstore.ns.sealed[ino]
         await store.mover.demote(obj, 0)
         assert set(obj.place) == {"nvme"}
         async with trio.open_nursery() as nursery:

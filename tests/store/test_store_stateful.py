@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvfs.config import Config
 from kvfs.build import build_store
 from kvfs.errors import NamespaceError, StoreError, TierFull
-from kvfs.store.cache import Cache
+from kvfs.store.store import Store
 from kvfs.store.index import ROOT_INO, Index
 from kvfs.store.nvme import NvmeTier
 from kvfs.store.ram import RamTier
@@ -53,11 +53,11 @@ class StoreMachine(RuleBasedStateMachine):
                 await t.open()
             cfg = Config(chunk_size=CHUNK, high_watermark=0.8, low_watermark=0.5, promote_hits=2)
             store = build_store(cfg, index, tiers)
-            cache = Cache(index, store, tiers[1].staging_dir)
-            await cache.start()
-            return cache
-        self.cache = trio.run(build)
-        self.store = self.cache.store
+            kvstore = Store(index, store, tiers[1].staging_dir)
+            await kvstore.start()
+            return kvstore
+        self.kvstore = trio.run(build)
+        self.store = self.kvstore.store
 
     def _close(self, clean: bool) -> None:
         async def down():
@@ -66,7 +66,7 @@ class StoreMachine(RuleBasedStateMachine):
                 await self.store.mover.write_down_volatile()
             for t in self.store.tiers:
                 await t.close()
-            self.cache.index.close()
+            self.kvstore.index.close()
         trio.run(down)
 
     def teardown(self):
@@ -80,41 +80,41 @@ class StoreMachine(RuleBasedStateMachine):
 
     # ---- helpers ------------------------------------------------------------
     def _ino(self, name: bytes) -> int | None:
-        return self.cache.index.lookup(ROOT_INO, name)
+        return self.kvstore.index.lookup(ROOT_INO, name)
 
     async def _write(self, name: bytes, data: bytes, append: bool) -> None:
         ino = self._ino(name)
         if ino is None:
-            fh, _, _ = await self.cache.create(ROOT_INO, name, 0o644, 0, 0)
+            fh, _, _ = await self.kvstore.files.create(ROOT_INO, name, 0o644, 0, 0)
         else:
-            fh = await self.cache.open(ino, os.O_WRONLY | (os.O_APPEND if append else os.O_TRUNC))
+            fh = await self.kvstore.files.open(ino, os.O_WRONLY | (os.O_APPEND if append else os.O_TRUNC))
         try:
             # the kernel resolves O_APPEND offsets from i_size before it sends the write
-            base = self.cache.getattr(self._ino(name))["size"] if append and ino is not None else 0
+            base = self.kvstore.files.getattr(self._ino(name))["size"] if append and ino is not None else 0
             half = len(data) // 2
-            await self.cache.write(fh, base, data[:half])
-            await self.cache.write(fh, base + half, data[half:])
-            await self.cache.flush(fh)
+            await self.kvstore.files.write(fh, base, data[:half])
+            await self.kvstore.files.write(fh, base + half, data[half:])
+            await self.kvstore.files.flush(fh)
         finally:
-            await self.cache.release(fh)
+            await self.kvstore.files.release(fh)
 
     async def _read(self, name: bytes) -> bytes:
         ino = self._ino(name)
         if ino is None:
             raise NamespaceError(errno.ENOENT)
-        fh = await self.cache.open(ino, os.O_RDONLY)
+        fh = await self.kvstore.files.open(ino, os.O_RDONLY)
         try:
             out, off = [], 0
-            size = self.cache.getattr(ino)["size"]
+            size = self.kvstore.files.getattr(ino)["size"]
             while off < size:
-                part = bytes(await self.cache.read(fh, off, 50_000))
+                part = bytes(await self.kvstore.files.read(fh, off, 50_000))
                 if not part:
                     break
                 out.append(part)
                 off += len(part)
             return b"".join(out)
         finally:
-            await self.cache.release(fh)
+            await self.kvstore.files.release(fh)
 
     def _forget_missing(self) -> None:
         """Names the store dropped (eviction): the model follows; pinned ones must stay."""
@@ -168,7 +168,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(src=NAMES, dst=NAMES)
     def rename(self, src, dst):
         try:
-            self.run(self.cache.rename, ROOT_INO, src, ROOT_INO, dst, 0)
+            self.run(self.kvstore.names.rename, ROOT_INO, src, ROOT_INO, dst, 0)
         except NamespaceError as e:
             assert e.errno == errno.ENOENT and src not in self.model
             return
@@ -182,7 +182,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(name=NAMES)
     def delete(self, name):
         try:
-            self.run(self.cache.unlink, ROOT_INO, name)
+            self.run(self.kvstore.names.unlink, ROOT_INO, name)
         except NamespaceError as e:
             assert e.errno == errno.ENOENT
         self.model.pop(name, None)
@@ -193,7 +193,7 @@ class StoreMachine(RuleBasedStateMachine):
         ino = self._ino(name)
         if ino is None:
             return
-        self.cache.set_xattr(ino, b"user.kvfs.pin", b"1" if on else b"0")
+        self.kvstore.xattrs.set(ino, b"user.kvfs.pin", b"1" if on else b"0")
         (self.pinned.add if on else self.pinned.discard)(name)
 
     @rule()
@@ -230,14 +230,14 @@ class StoreMachine(RuleBasedStateMachine):
     # ---- invariants -----------------------------------------------------------
     @invariant()
     def visible_files_match_the_model(self):
-        names = {n for _, n, _ in self.cache.index.readdir(ROOT_INO, 0)}
+        names = {n for _, n, _ in self.kvstore.index.readdir(ROOT_INO, 0)}
         assert names <= set(self.model) | set(), f"unexpected names {names - set(self.model)}"
 
     @invariant()
     def running_totals_match_the_records(self):
         # what a start after a crash takes instead of decoding every record (kvfs.store.tally)
         tally = self.store.tally
-        assert tally.current() == tally.recount(rec for _oid, rec in self.cache.index.iter_objects())
+        assert tally.current() == tally.recount(rec for _oid, rec in self.kvstore.index.iter_objects())
 
     @invariant()
     def durable_tier_within_capacity(self):

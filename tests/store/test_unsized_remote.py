@@ -12,7 +12,7 @@ from kvfs.errors import NamespaceError
 from kvfs.remote import make_volume
 from kvfs.remote.tier import RemoteTier
 from kvfs.store.index import ROOT_INO
-from storekit import file_remote_tier, open_cache
+from storekit import file_remote_tier, open_store
 
 MiB = 1 << 20
 
@@ -27,26 +27,26 @@ def down_remote_tier() -> RemoteTier:
         return RemoteTier(vol, instance_id=iid, size="256MiB", format=True, describe="down")
 
 
-async def truncate_to(cache, size: int) -> None:
-    fh, _, _ = await cache.create(ROOT_INO, b"big", 0o644, 0, 0)
+async def truncate_to(kvstore, size: int) -> None:
+    fh, _, _ = await kvstore.files.create(ROOT_INO, b"big", 0o644, 0, 0)
     try:
-        await cache.setattr(cache.index.lookup(ROOT_INO, b"big"), size=size)
+        await kvstore.files.setattr(kvstore.index.lookup(ROOT_INO, b"big"), size=size)
     finally:
-        await cache.release(fh)
+        await kvstore.files.release(fh)
 
 
 async def test_no_efbig_while_the_remote_tier_is_unsized(tmp_path):
     remote = down_remote_tier()
-    async with open_cache(tmp_path, ram=1 * MiB, nvme=2 * MiB, extra_tiers=[remote]) as cache:
+    async with open_store(tmp_path, ram=1 * MiB, nvme=2 * MiB, extra_tiers=[remote]) as kvstore:
         assert remote.state == "disconnected" and not remote.sized
-        assert cache.max_file_size() > 2 * MiB
-        await truncate_to(cache, 8 * MiB)           # fits the remote's 256 MiB: no EFBIG
+        assert kvstore.files.max_file_size() > 2 * MiB
+        await truncate_to(kvstore, 8 * MiB)           # fits the remote's 256 MiB: no EFBIG
 
 
 async def test_efbig_past_every_known_tier(tmp_path):
     remote = await file_remote_tier(tmp_path)       # 64 MiB, reached
-    async with open_cache(tmp_path, ram=1 * MiB, nvme=2 * MiB, extra_tiers=[remote]) as cache:
-        assert remote.sized and cache.max_file_size() == remote.capacity
+    async with open_store(tmp_path, ram=1 * MiB, nvme=2 * MiB, extra_tiers=[remote]) as kvstore:
+        assert remote.sized and kvstore.files.max_file_size() == remote.capacity
         with pytest.raises(NamespaceError) as e:
-            await truncate_to(cache, remote.capacity + 1)
+            await truncate_to(kvstore, remote.capacity + 1)
         assert e.value.errno == errno.EFBIG

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class SharedRemoteTier(H.HoldsRegions, RemoteTier):
-    sweep_by_location = True        # Cache.sweep_orphans: a stray record of a known object is freed
+    sweep_by_location = True        # Store.sweep_orphans: a stray record of a known object is freed
     def __init__(self, volume: Volume, *, instance_id: str, node_id: str = "", hostnqn: str = "",
                  format: bool = False, max_nodes: int = 8, poll: float = 0.5, lease: float = 10.0,
                  settle: float = 0.2, log_units: int = 256, describe: str = "", grace: float | None = None,

@@ -34,6 +34,7 @@ GET_FILE = "get"
 BACKING_XATTR = "user.kvfs.backing"
 UNMOUNT_REPORT = "unmount.json"         # in the state directory: what the last clean unmount kept
 UNMOUNT_REPORT_KEY = "unmount_report"   # in .kvfs/stats: this daemon writes UNMOUNT_REPORT
+ROOT_INO = 1                            # the mount root's inode (FUSE's root node id)
 
 # ---- alignment ---------------------------------------------------------------------------
 ALIGN = 4096        # O_DIRECT unit: block payload offsets, NVMe object placement, read buffers

@@ -45,7 +45,7 @@ class Moves:
                 await self.make_room(j, dst.footprint(obj.size), evict_ok=evict_ok)
                 if obj.dead:                   # dropped while room was made
                     return
-                self._rekey(obj)
+                self.rekey(obj)
                 data = await self.read_all(obj)
                 if obj.dead:
                     return
@@ -154,7 +154,7 @@ class Moves:
 
     async def _write_down(self, obj: Obj) -> None:
         """Put ``obj`` on the first durable tier that takes it (trying each in turn)."""
-        self._rekey(obj)
+        self.rekey(obj)
         data = await self.read_all(obj)
         errors = []
         for i in range(1, len(self.tiers)):

@@ -145,7 +145,7 @@ class ObjectStore(Policy, Moves):
             if obj.size and not obj.place:
                 lost.append(obj)
                 continue
-            self._adopt(obj)
+            self.adopt(obj)
         for t in self.tiers[1:]:
             t.used = sum(t.footprint(o.size) for o in self.objs.values() if t.name in o.place)
             t.objects = sum(1 for o in self.objs.values() if t.name in o.place)
@@ -201,7 +201,7 @@ class ObjectStore(Policy, Moves):
         self._loaded.set()
         self.kick()
 
-    def _adopt(self, obj: Obj) -> None:
+    def adopt(self, obj: Obj) -> None:
         dict.__setitem__(self.objs, obj.oid, obj)
         self.objs.count += 1
         self.telemetry.adopt(obj.size, obj.key)
@@ -227,7 +227,7 @@ class ObjectStore(Policy, Moves):
         if size and not staging.spilled:
             obj.place[self.ram.name] = self.ram.adopt(obj.info(), staging, mapping)
             self.counters[self.ram.name].bytes_written += size
-        self._adopt(obj)
+        self.adopt(obj)
         self.kick()
         return obj
 
@@ -321,7 +321,7 @@ class ObjectStore(Policy, Moves):
         for k in [k for k in self._chunks if k[0] == obj.oid]:
             del self._chunks[k]
 
-    def _rekey(self, obj: Obj) -> None:
+    def rekey(self, obj: Obj) -> None:
         """Refresh ``obj.key`` (its current path) before it is written to a tier."""
         key = self.key_of(obj)
         if key != obj.key:

@@ -13,9 +13,8 @@ import trio
 import xxhash
 
 from kvfs.blockformat import build_header
+from kvfs.build import build_cache  # noqa: E402
 from kvfs.config import Config  # noqa: E402
-from kvfs.build import build_store  # noqa: E402
-from kvfs.store.cache import Cache  # noqa: E402
 from kvfs.store.index import Index  # noqa: E402
 from kvfs.store.nvme import NvmeTier  # noqa: E402
 from kvfs.errors import NoSuchObject, TierFull
@@ -35,8 +34,8 @@ async def open_cache(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chu
     for t in tiers:
         await t.open()
     cfg = Config(chunk_size=chunk, high_watermark=high, low_watermark=low)
-    store = build_store(cfg, index, tiers)
-    cache = Cache(index, store, tiers[1].staging_dir)
+    cache = build_cache(cfg, index, tiers)
+    store = cache.store
     cache.recovered = await cache.start()
     try:
         yield cache

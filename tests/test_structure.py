@@ -226,3 +226,15 @@ def test_one_composition_root():
                     and n.func.id in ("Cache", "KvfsOperations", "SharedNames")):
                 made.setdefault(n.func.id, set()).add(p.relative_to(PKG.parent).as_posix())
     assert made == {k: {"kvfs/build.py"} for k in ("Cache", "KvfsOperations", "SharedNames")}, made
+
+
+def test_control_answers_are_encoded_in_protocol():
+    """The control files' requests are parsed and their answers encoded in kvfs/protocol.py: the
+    fs layer and the store's lease and get answers build no JSON or answer layout themselves."""
+    found = [f"kvfs/{rel(p)} imports {n}" for p in [*modules("fs"), PKG / "store" / "leases.py",
+                                                     PKG / "store" / "getbatch.py"]
+             for n in sorted(imported(p)) if n == "json" or n.startswith("json.")]
+    found += [f"kvfs/{rel(p)}:{n.lineno} .{n.attr}" for p in [*modules("fs"), PKG / "store" / "getbatch.py"]
+              for n in ast.walk(ast.parse(p.read_text()))
+              if isinstance(n, ast.Attribute) and n.attr in ("GET_HEAD", "GET_ENTRY", "GET_MAGIC")]
+    assert not found, "a control file's wire format outside kvfs/protocol.py:\n" + "\n".join(found)

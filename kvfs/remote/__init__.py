@@ -34,8 +34,8 @@ def make_remote_tier(target: str, instance_id: str, *, size: str | int = "100%",
     size), ``format`` formats the volume at open. ``shared``: the volume is shared by several
     nodes, with these SharedRemoteTier options (node_id, max_nodes, poll, lease, grace,
     takeover)."""
-    from kvfs.units import parse_size
     from kvfs.remote.tier import RemoteTier
+    from kvfs.units import parse_size
     target = target.strip()
     if not target:
         raise ConfigError("no --remote given")

@@ -29,9 +29,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from kvfs.bench import BenchMount, wait_for  # noqa: E402
-from kvfs.config import parse_size  # noqa: E402
 from kvfs.integrations.pages import PageStore  # noqa: E402
 from kvfs.kv.blockio import AlignedBuffer, LeaseClient, open_for_read, preadv_full  # noqa: E402
+from kvfs.units import parse_size  # noqa: E402
 
 BATCH = 128
 

@@ -31,10 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kvfs.build import build_store  # noqa: E402
+from kvfs.build import build_kvstore, build_ops  # noqa: E402
 from kvfs.config import Config  # noqa: E402
-from kvfs.fs.ops import KvfsOperations  # noqa: E402
-from kvfs.store.store import Store  # noqa: E402
 from kvfs.store.index import ROOT_INO, Index  # noqa: E402
 from kvfs.store.names import NameTable  # noqa: E402
 from kvfs.store.nvme import NvmeTier  # noqa: E402
@@ -81,8 +79,8 @@ async def measure(files: int, rounds: int, size: int, names: bool = True) -> dic
         tiers = [RamTier(2 << 30, "/dev/shm", index.instance_id), NvmeTier(4 << 30, Path(td) / "nvme")]
         for t in tiers:
             await t.open()
-        store = build_store(Config(), index, tiers)
-        kvstore = Store(index, store, tiers[1].staging_dir)
+        kvstore = build_kvstore(Config(), index, tiers)
+        store = kvstore.store
         await kvstore.start()
         commit_s = [0.0]
         commit = index.commit
@@ -93,7 +91,7 @@ async def measure(files: int, rounds: int, size: int, names: bool = True) -> dic
             commit_s[0] += time.perf_counter() - t0
         index.commit = timed_commit
         try:
-            ops = KvfsOperations(kvstore, lambda: {})
+            ops = build_ops(kvstore, lambda: {})
             out = {k: [] for k in STEPS}
             payload = os.urandom(size)
             cpu0 = time.process_time()

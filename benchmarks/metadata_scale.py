@@ -50,10 +50,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from kvfs.bench import BenchMount, wait_for  # noqa: E402
+from kvfs.build import build_kvstore  # noqa: E402
 from kvfs.config import Config  # noqa: E402
 from kvfs.proc import pid_alive  # noqa: E402
-from kvfs.build import build_store  # noqa: E402
-from kvfs.store.store import Store  # noqa: E402
 from kvfs.store.index import ROOT_INO, Index  # noqa: E402
 from kvfs.store.nvme import NvmeTier  # noqa: E402
 from kvfs.store.ram import RamTier  # noqa: E402
@@ -73,7 +72,7 @@ async def populate(root: Path, count: int, dirs: int, progress) -> float:
     tiers = [RamTier(64 << 20, "/dev/shm", index.instance_id), NvmeTier(1 << 30, root / "nvme")]
     for t in tiers:
         await t.open()
-    kvstore = Store(index, build_store(Config(), index, tiers), tiers[1].staging_dir)
+    kvstore = build_kvstore(Config(), index, tiers)
     await kvstore.start()
     t0 = time.perf_counter()
     try:

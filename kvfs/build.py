@@ -1,36 +1,104 @@
-"""Config -> tiers and store: the wiring the daemon, fsck and tests share.
+"""Config -> tiers, store and the hooks between packages: the one composition root the daemon,
+fsck and tests share.
 
-Nothing process-related lives here (no FUSE session, signals or mount handling: that is
-kvfs.daemon), so offline tools build exactly the tiers and store a mount would.
+Here ``Config`` becomes plain arguments for every tier (the tiers never read it), the store's
+facade is assembled, fsck is handed what it checks, and a shared volume's names are hooked
+into the tier, the store and the fs layer (no other module sets a hook on another package's
+object). Nothing process-related lives here (no FUSE session, signals or mount handling: that
+is kvfs.daemon), so offline tools build exactly the tiers and store a mount would.
 """
 from __future__ import annotations
 
 import logging
 
 from kvfs.config import Config
+from kvfs.store.fsck import Layout
 from kvfs.store.index import Index
 from kvfs.store.nvme import NvmeTier
 from kvfs.store.objects import ObjectStore
 from kvfs.store.prefix import PrefixRule
 from kvfs.store.ram import RamTier
+from kvfs.store.store import Store
 
 log = logging.getLogger(__name__)
 
 
 def build_tiers(cfg: Config, index: Index, holder: str | None = None) -> list:
     """RAM, local NVMe and (when configured) the remote tier, top to bottom."""
-    tiers = [RamTier(cfg.ram_bytes(), cfg.shm_dir, index.instance_id, mapped_min=cfg.ram_mapped_min,
-                     own_fs=cfg.ram_hugefs),
-             NvmeTier(cfg.nvme_bytes(), cfg.nvme_dir, holder=holder)]
+    ram = RamTier(cfg.ram_bytes(), cfg.shm_dir, index.instance_id, mapped_min=cfg.ram_mapped_min,
+                  own_fs=cfg.ram_hugefs)
+    return [ram, *durable_tiers(cfg, index, holder)]
+
+
+def durable_tiers(cfg: Config, index: Index, holder: str | None = None) -> list:
+    """Local NVMe and (when configured) the remote tier: the tiers that outlive the daemon."""
+    tiers = [NvmeTier(cfg.nvme_bytes(), cfg.nvme_dir, holder=holder)]
     if cfg.remote:
-        from kvfs.remote import make_remote_tier
-        tiers.append(make_remote_tier(cfg, index.instance_id))
+        tiers.append(build_remote_tier(cfg, index.instance_id))
     return tiers
+
+
+def build_remote_tier(cfg: Config, instance_id: str):
+    """The remote tier of ``cfg.remote`` (built, not opened), shared when ``cfg.share``."""
+    from kvfs.remote import make_remote_tier
+    shared = None
+    if cfg.share:
+        shared = dict(node_id=cfg.node_id, max_nodes=cfg.share_max_nodes, poll=float(cfg.share_poll),
+                      lease=float(cfg.share_lease), grace=None if cfg.share_grace < 0 else float(cfg.share_grace),
+                      takeover=bool(cfg.share_takeover))
+    return make_remote_tier(str(cfg.remote), instance_id, size=cfg.remote_size, format=bool(cfg.remote_format),
+                            shared=shared)
 
 
 def build_store(cfg: Config, index: Index, tiers: list) -> ObjectStore:
     ram = next(t for t in tiers if isinstance(t, RamTier))
-    return ObjectStore(index, tiers, ram=ram, prefix=PrefixRule(index), chunk_size=cfg.chunk_size,
-                       high=cfg.high_watermark, low=cfg.low_watermark, promote_hits=cfg.promote_hits,
-                       promote_window=cfg.promote_window, admit_after=cfg.admission(),
-                       read_deadline=float(cfg.read_deadline))
+    store = ObjectStore(index, tiers, ram=ram, prefix=PrefixRule(index), chunk_size=cfg.chunk_size,
+                        high=cfg.high_watermark, low=cfg.low_watermark, promote_hits=cfg.promote_hits,
+                        promote_window=cfg.promote_window, admit_after=cfg.admission(),
+                        read_deadline=float(cfg.read_deadline))
+    store.events.queue_limit = cfg.events_queue
+    return store
+
+
+def build_kvstore(cfg: Config, index: Index, tiers: list) -> Store:
+    """The store the fs layer calls (``Store``: its members over the object store of
+    ``tiers``, opened, and ``index``); not started (``Store.start``)."""
+    spill = next(t for t in tiers if isinstance(t, NvmeTier)).staging_dir
+    return Store(index, build_store(cfg, index, tiers), spill)
+
+
+def build_ops(kvstore: Store, describe):
+    """The fs layer over ``kvstore``, hooked into it: the quotas, and the kernel told when a
+    file's content changes or a write is sealed. ``describe``: the daemon's part of
+    ``.kvfs/stats``."""
+    from kvfs.fs.ops import KvfsOperations
+    ops = KvfsOperations(kvstore, describe)
+    kvstore.quotas = ops.quotas
+    kvstore.files.on_content_changed = ops.content_changed
+    kvstore.files.on_sealed = ops.sealed
+    return ops
+
+
+def fsck_layout(cfg: Config) -> Layout:
+    """What ``kvfs fsck`` checks for ``cfg``: its state directory and the durable tiers a mount
+    of it would build."""
+    return Layout(cfg.state_dir, cfg.nvme_dir, lambda index: durable_tiers(cfg, index))
+
+
+async def attach_shared(kvstore: Store, tiers: list, ops) -> None:
+    """When the remote tier is a shared volume (after the store has loaded): its names, hooked
+    into the tier (blocks their owners dropped), the store (renames to publish) and the fs
+    layer ``ops`` (lookups, readdirs and control files that miss locally ask it); first they
+    reconcile the names adopted before a restart with the view."""
+    from kvfs.remote.share.adopt import SharedNames
+    from kvfs.remote.share.tier import SharedRemoteTier
+    tier = next((t for t in tiers if isinstance(t, SharedRemoteTier) and t.sb2 is not None), None)
+    if tier is None:
+        return
+    names = SharedNames(kvstore.ns, kvstore.index, kvstore.store, tier, kernel_synced=ops.kernel_synced)
+    tier.on_dropped = names.dropped_by_owner
+    tier.names = names
+    kvstore.on_renamed = names.renamed
+    await names.reconcile()
+    await names.republish_renamed()
+    ops.shared = ops.control.shared = names

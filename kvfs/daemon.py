@@ -18,16 +18,14 @@ import time
 import pyfuse3
 import trio
 
-from kvfs.build import build_store, build_tiers
+from kvfs.build import attach_shared, build_kvstore, build_ops, build_tiers
 from kvfs.config import Config
 from kvfs.errors import ConfigError
 from kvfs.fs import loop, transport as transports
-from kvfs.fs.ops import KvfsOperations
+from kvfs.proc import filesystem_of
 from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY, UNMOUNT_REPORT, UNMOUNT_REPORT_KEY
-from kvfs.store.store import Store
 from kvfs.store.index import Index
 from kvfs.store.names import NameTable, build_in_background, dirent_count
-from kvfs.store.ram import filesystem_of
 from kvfs.store import safedir
 
 log = logging.getLogger(__name__)
@@ -144,19 +142,17 @@ async def serve(cfg: Config, ready: _Ready) -> None:
             opened.append(t)
         tiers[1].bind(index.instance_id, cfg.state_dir, bound=index.get_meta(b"nvme_bound") is not None)
         index.put_meta(b"nvme_bound", b"1")
-        store = build_store(cfg, index, tiers)
-        store.events.queue_limit = cfg.events_queue
-        kvstore = Store(index, store, tiers[1].staging_dir)
+        kvstore = build_kvstore(cfg, index, tiers)
+        store = kvstore.store
         recovered = await kvstore.start()
         index.names = names = _begin_names(cfg, index, tiers[0].dir)
         served, reader, session = {"metrics": None}, loop.Reader(), []
         describe = lambda: dict(_describe(cfg, mountpoint, tiers, index, names), recovered=recovered,
                                 started=started, request_loop=reader.statistics(), **served,
                                 transport=session[0].statistics() if session else None)
-        ops = KvfsOperations(kvstore, describe)
+        ops = build_ops(kvstore, describe)
         if cfg.share:
-            from kvfs.remote.share import attach
-            ops.shared = ops.control.shared = await attach(kvstore, tiers, ops.kernel_synced)
+            await attach_shared(kvstore, tiers, ops)
         if cfg.metrics:
             from kvfs.metrics import MetricsServer
             metrics = MetricsServer(cfg.metrics, kvstore, trio.lowlevel.current_trio_token())

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from kvfs.config import parse_size
+from kvfs.units import parse_size
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+from pathlib import Path
 from typing import Iterator, NamedTuple
 
 log = logging.getLogger(__name__)
@@ -43,3 +45,22 @@ def mounts(mountinfo: str = MOUNTINFO) -> Iterator[Mount]:
                 continue
             opts = dict(o.partition("=")[::2] for o in tail[2].split(",")) if len(tail) > 2 else {}
             yield Mount(fields[2], unescape_mountinfo(fields[4]), tail[0] if tail else "", opts)
+
+
+def filesystem_of(path: str | Path) -> tuple[str, str, dict[str, str]]:
+    """``(mount point, filesystem type, super options)`` of the mount holding ``path`` (an
+    existing path), from /proc/self/mountinfo: the longest mount point above it."""
+    real = os.path.realpath(path)
+    best = ("", "", {})
+    with open(MOUNTINFO) as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, tail = left.split(), right.split()
+            if len(fields) < 5 or len(tail) < 3:
+                continue
+            mnt = fields[4].replace("\\040", " ").replace("\\011", "\t").replace("\\134", "\\")
+            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) >= len(best[0]):
+                opts = dict(o.partition("=")[::2] for o in tail[2].split(","))
+                best = (mnt, tail[0], opts)
+    return best

@@ -1,8 +1,9 @@
-"""What the daemon and its clients agree on: the ``.kvfs`` control names, the lookup/lease
-request grammar, the lease-entry codec and the alignment of block payloads.
+"""What the daemon and its clients agree on: the ``.kvfs`` control names, the control files'
+request grammar (built for clients, parsed for the daemon) and answers (encoded for the
+daemon), the lease-entry codec and the alignment of block payloads.
 
-The fs layer (kvfs/fs/control.py, which documents the grammar) serves these; the kv layer,
-the integrations and the CLI speak them. Neither side spells them itself.
+The fs layer (kvfs/fs/control.py and commitctl.py, which document the grammar) serves these;
+the kv layer, the integrations and the CLI speak them. Neither side spells them itself.
 
 A request is UTF-8 lines; a line starting with NUL (never in a path) is a directive:
 ``\\0base DIR``, ``\\0ttl SECONDS`` (lease only) or ``\\0release`` (lease only).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import struct
 
 import xxhash
@@ -34,6 +36,7 @@ GET_FILE = "get"
 BACKING_XATTR = "user.kvfs.backing"
 UNMOUNT_REPORT = "unmount.json"         # in the state directory: what the last clean unmount kept
 UNMOUNT_REPORT_KEY = "unmount_report"   # in .kvfs/stats: this daemon writes UNMOUNT_REPORT
+ROOT_INO = 1                            # the mount root's inode (FUSE's root node id)
 
 # ---- alignment ---------------------------------------------------------------------------
 ALIGN = 4096        # O_DIRECT unit: block payload offsets, NVMe object placement, read buffers
@@ -87,6 +90,141 @@ def commit_request(base: str, fd: int | None, entries: list[tuple[int, int, str]
     return "".join(lines).encode("utf-8", "surrogateescape")
 
 
+# ---- requests as the daemon reads them (a ValueError: the request fails with EINVAL) --------
+COMMIT_MEMORY = "mem"       # a commit entry's source: the caller's memory (``\0mem``), not a descriptor
+COMMIT_MAX_RANGES = 4096    # address ranges of one memory entry of a commit
+
+
+def parse_request(raw: bytes) -> tuple[list[tuple[bytes, list[bytes]]], dict[bytes, bytes]]:
+    """``([(base, paths), ...], options)`` of a ``lookup``, ``lease`` or ``get`` request
+    (grammar: kvfs/fs/control.py); ValueError for an unknown directive."""
+    groups: list[tuple[bytes, list[bytes]]] = []
+    opts: dict[bytes, bytes] = {}
+    base, paths = b"", []
+    for line in raw.split(b"\n"):
+        if not line:
+            continue
+        if line[:1] == DIRECTIVE:
+            word, _, arg = line[1:].partition(b" ")
+            if word == BASE:
+                if paths:
+                    groups.append((base, paths))
+                    paths = []
+                base = arg.strip(b"/")
+            elif word in LEASE_OPTIONS:
+                opts[word] = arg
+            else:
+                raise ValueError(f"unknown directive {word!r}")
+            continue
+        paths.append(line)
+    if paths:
+        groups.append((base, paths))
+    return groups, opts
+
+
+def parse_ttl(arg: bytes | None) -> float:
+    """A lease ttl: a finite number of seconds in (0, LEASE_TTL_MAX] (LEASE_TTL when not
+    given); ValueError otherwise."""
+    if not arg:
+        return LEASE_TTL
+    ttl = float(arg)
+    if not math.isfinite(ttl) or not 0 < ttl <= LEASE_TTL_MAX:
+        raise ValueError(f"lease ttl out of range: {arg!r}")
+    return ttl
+
+
+def parse_commit_request(raw: bytes) -> tuple[list[tuple], bool, int | None]:
+    """``([(fd, offset, length, path from the root, mode), ...], noreplace, dirmode)`` of a
+    ``commit`` request (grammar: kvfs/fs/commitctl.py); ``fd`` is COMMIT_MEMORY for an entry
+    in the caller's memory, whose offset is then ``((address, length), ...)``. ValueError if
+    it does not parse."""
+    out = []
+    fd, base, mode, noreplace, dirmode = None, b"", 0o644, False, None
+    for line in raw.split(b"\n"):
+        if not line:
+            continue
+        if line[:1] == DIRECTIVE:
+            word, _, arg = line[1:].partition(b" ")
+            if word == FD:
+                fd = int(arg)
+            elif word == MEM:
+                fd = COMMIT_MEMORY
+            elif word == BASE:
+                base = arg.strip(b"/")
+            elif word == NOREPLACE:
+                noreplace = True
+            elif word == MODE:
+                mode = _permission_bits(arg)
+            elif word == MKDIR:
+                dirmode = _permission_bits(arg)
+            else:
+                raise ValueError(word)
+            continue
+        off, n, path = line.split(b" ", 2)
+        if fd is None or int(n) < 0 or not path:
+            raise ValueError(line)
+        full = base + b"/" + path if base and base != b"." else path
+        out.append((fd, _ranges(off, int(n)) if fd == COMMIT_MEMORY else _offset(off), int(n), full, mode))
+    return out, noreplace, dirmode
+
+
+def _permission_bits(arg: bytes) -> int:
+    bits = int(arg, 8)
+    if not 0 <= bits <= 0o777:
+        raise ValueError(bits)
+    return bits
+
+
+def _offset(tok: bytes) -> int:
+    off = int(tok)
+    if off < 0:
+        raise ValueError(tok)
+    return off
+
+
+def _ranges(tok: bytes, length: int) -> tuple:
+    """A memory entry's OFFSET: ``ADDR`` (``length`` bytes there) or ``ADDR+LEN,ADDR+LEN...``
+    (read in order as one file; the lengths add up to ``length``)."""
+    if b"+" not in tok:
+        return ((_offset(tok), length),)
+    out = []
+    for part in tok.split(b","):
+        a, _, k = part.partition(b"+")
+        out.append((_offset(a), _offset(k)))
+    if len(out) > COMMIT_MAX_RANGES or sum(k for _, k in out) != length:
+        raise ValueError(tok)
+    return tuple(out)
+
+
+# ---- answers as the daemon writes them --------------------------------------------------
+def encode_answer(doc) -> bytes:
+    """A ``lookup``, ``lease`` release, ``commit`` or ``events`` answer: one compact JSON line."""
+    return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+
+
+def encode_stats(doc: dict) -> bytes:
+    """The ``stats`` file: indented JSON with sorted keys."""
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def lookup_answer(prefix: int, tiers: list[str]) -> dict:
+    """``lookup``: the first ``prefix`` paths are sealed files, ``tiers`` the top tier of each."""
+    return {"prefix": prefix, "tiers": tiers}
+
+
+def commit_answer(results: list[int]) -> dict:
+    """``commit``: an errno per entry, in request order (0: published)."""
+    return {"results": results}
+
+
+def idle_event(now: float) -> dict:
+    """What a read of ``events`` gets when nothing happened for a while."""
+    return {"event": "idle", "time": now}
+
+
+RELEASED_ANSWER = encode_answer({"released": True})     # a lease request of ``\0release``
+
+
 # ---- batched get (.kvfs/get; grammar in kvfs/store/getbatch.py) ---------------------------
 GET_MAX = 64 << 20                   # bytes of page data one get answer carries at most
 GET_MAGIC = b"KVG1"
@@ -98,6 +236,19 @@ def get_data_offset(n: int) -> int:
     """Where the pages' bytes start in a get answer of ``n`` entries (after its index)."""
     size = GET_HEAD.size + GET_ENTRY.size * n
     return (size + ALIGN - 1) // ALIGN * ALIGN
+
+
+def get_answer_head(n: int) -> bytearray:
+    """A get answer's head and index for ``n`` entries, padded to its data (entries zero
+    until ``put_get_entry``)."""
+    head = bytearray(get_data_offset(n))
+    GET_HEAD.pack_into(head, 0, GET_MAGIC, n)
+    return head
+
+
+def put_get_entry(head: bytearray, k: int, err: int, size: int, digest: int) -> None:
+    """Entry ``k`` of a get answer's index: its errno, size and xxh3_64."""
+    GET_ENTRY.pack_into(head, GET_HEAD.size + GET_ENTRY.size * k, err, 0, size, digest)
 
 
 def decode_get_index(raw: bytes, n: int) -> list[tuple[int, int, int]]:
@@ -133,6 +284,19 @@ def encode_lease_entry(b: dict | None) -> str:
         return "null"
     return json.dumps([b["tier"], b["path"], b["offset"], b["size"], b["checksum"], bool(b.get("direct"))],
                       separators=(",", ":"))
+
+
+def encode_lease_answer(answer: dict, entries: list[str]) -> bytes:
+    """A lease answer: ``answer`` (``lookup_answer``'s fields, then ``lease`` and ``ttl``) with
+    ``blocks``, the lease entries already encoded (``encode_lease_entry``). ``prefix`` comes
+    first: ``lease_answer_prefix`` reads it back without parsing the blocks."""
+    head = json.dumps({"prefix": answer["prefix"], **answer}, separators=(",", ":"))
+    return (head[:-1] + ',"blocks":[' + ",".join(entries) + "]}\n").encode()
+
+
+def lease_answer_prefix(answer: bytes) -> int:
+    """The ``prefix`` of an answer ``encode_lease_answer`` wrote (its first field)."""
+    return int(answer.split(b",", 1)[0][len(b'{"prefix":'):])
 
 
 def decode_lease_entry(entry) -> Backing | None:

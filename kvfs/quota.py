@@ -17,10 +17,10 @@ import errno
 import json
 import logging
 
-from kvfs.config import format_size, parse_size
 from kvfs.errors import ConfigError, NamespaceError
-from kvfs.store.index import ROOT_INO
+from kvfs.protocol import ROOT_INO
 from kvfs.telemetry import namespace_of
+from kvfs.units import format_size, parse_size
 
 log = logging.getLogger(__name__)
 

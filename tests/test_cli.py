@@ -207,7 +207,7 @@ def test_help_lists_every_command():
 
 
 def test_config_shm_dir_must_be_tmpfs(tmp_path, mp):
-    from kvfs.store.ram import filesystem_of
+    from kvfs.proc import filesystem_of
     disk = tmp_path if filesystem_of(tmp_path)[1] != "tmpfs" else REPO     # a directory not in memory
     cfg = tmp_path / "disk.toml"
     cfg.write_text(f'[kvfs]\nshm_dir = "{disk}"\n')

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 def bench_cmd(base, tmpfs, size, block, runs, lookup_files, small, full, only, quick, rounds, as_json,
               write_docs):
     """Measure kvfs against tmpfs and O_DIRECT on the same machine, in one run; report ratios."""
-    from kvfs.config import parse_size
+    from kvfs.units import parse_size
     from kvfs.errors import ConfigError
     try:
         size_b, block_b = parse_size(size), parse_size(block)

@@ -27,6 +27,7 @@ def fsck_cmd(config_file, nvme, state, remote, repair, rebuild_remote):
     if not cfg.state_dir.is_dir():
         raise fail(f"no kvfs state directory at {cfg.state_dir}")
     try:
+        from kvfs.build import fsck_layout
         from kvfs.store.fsck import run_fsck
     except Exception as e:  # noqa: BLE001 - an unusable fsck module is reported, not raised
         raise fail(f"fsck is unavailable: {e}") from None
@@ -42,7 +43,7 @@ def fsck_cmd(config_file, nvme, state, remote, repair, rebuild_remote):
             progress.update(task, completed=done, total=total or None, description=str(what)[:40])
 
         try:
-            result = run_fsck(cfg, repair=repair, rebuild_remote=rebuild_remote, progress=report)
+            result = run_fsck(fsck_layout(cfg), repair=repair, rebuild_remote=rebuild_remote, progress=report)
         except (ConfigError, StoreError, OSError) as e:
             raise fail(f"fsck failed: {e}") from None
     problems = list(getattr(result, "problems", []))

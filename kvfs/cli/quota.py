@@ -10,8 +10,8 @@ import click
 from rich.table import Table
 
 from kvfs.cli.common import fail, human, read_stats, stdout
-from kvfs.config import parse_size
 from kvfs.errors import ConfigError
+from kvfs.units import parse_size
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ missing directories on an entry's path (as ``mkdir`` with those permission bits 
 the caller: write and search on their parent; default: a missing directory is ENOENT). The answer is ``{"results": [errno, ...]}``, one per entry in order: 0 = the file was
 published as if the caller had written a temp file beside it, closed it and renamed it over
 PATH; otherwise the errno that failed it (nothing was published for it). A request that
-does not parse fails as a whole with EINVAL.
+does not parse fails as a whole with EINVAL (kvfs.protocol.parse_commit_request reads it).
 
 Who asks: the uid, gid and groups, and the descriptor table or memory, of the process that
 opened the control file (kvfs.store.caller documents the checks). Requires the daemon to run
@@ -47,8 +47,6 @@ from kvfs.store.commit import CallerFile, CallerProcess, CommitEntry
 log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 65536
-MAX_RANGES = 4096            # address ranges of one memory entry
-MEM = "mem"                 # an entry's source: the caller's memory (``\\0mem``), not a descriptor
 
 
 def _mount_dev(mountpoint: str) -> int:
@@ -69,65 +67,15 @@ def _mount_dev(mountpoint: str) -> int:
 
 def parse(raw: bytes) -> tuple[list[tuple[int, int, int, bytes, int]], bool, int | None]:
     """``([(fd, offset, length, path from the root, mode), ...], noreplace, dirmode)`` of a
-    request; EINVAL if it does not parse."""
-    out = []
-    fd, base, mode, noreplace, dirmode = None, b"", 0o644, False, None
+    request (kvfs.protocol.parse_commit_request); EINVAL if it does not parse, E2BIG past
+    MAX_ENTRIES entries."""
     try:
-        for line in raw.split(b"\n"):
-            if not line:
-                continue
-            if line[:1] == protocol.DIRECTIVE:
-                word, _, arg = line[1:].partition(b" ")
-                if word == protocol.FD:
-                    fd = int(arg)
-                elif word == protocol.MEM:
-                    fd = MEM
-                elif word == protocol.BASE:
-                    base = arg.strip(b"/")
-                elif word == protocol.NOREPLACE:
-                    noreplace = True
-                elif word == protocol.MODE:
-                    mode = int(arg, 8)
-                    if not 0 <= mode <= 0o777:
-                        raise ValueError(mode)
-                elif word == protocol.MKDIR:
-                    dirmode = int(arg, 8)
-                    if not 0 <= dirmode <= 0o777:
-                        raise ValueError(dirmode)
-                else:
-                    raise ValueError(word)
-                continue
-            off, n, path = line.split(b" ", 2)
-            if fd is None or int(n) < 0 or not path:
-                raise ValueError(line)
-            full = base + b"/" + path if base and base != b"." else path
-            out.append((fd, _ranges(off, int(n)) if fd == MEM else _offset(off), int(n), full, mode))
+        out, noreplace, dirmode = protocol.parse_commit_request(raw)
     except ValueError:
         raise pyfuse3.FUSEError(errno.EINVAL) from None
     if len(out) > MAX_ENTRIES:
         raise pyfuse3.FUSEError(errno.E2BIG)
     return out, noreplace, dirmode
-
-
-def _offset(tok: bytes) -> int:
-    off = int(tok)
-    if off < 0:
-        raise ValueError(tok)
-    return off
-
-
-def _ranges(tok: bytes, length: int) -> tuple:
-    """A memory entry's OFFSET: ``ADDR`` (``length`` bytes there) or ``ADDR+LEN,ADDR+LEN...``
-    (read in order as one file; the lengths add up to ``length``)."""
-    if b"+" not in tok:
-        return ((_offset(tok), length),)
-    out = []
-    for part in tok.split(b","):
-        a, _, k = part.partition(b"+")
-        out.append((_offset(a), _offset(k)))
-    if len(out) > MAX_RANGES or sum(k for _, k in out) != length:
-        raise ValueError(tok)
-    return tuple(out)
 
 
 class CommitControl:
@@ -158,7 +106,7 @@ class CommitControl:
             for i, (n, off, length, path, mode) in enumerate(reqs):
                 if n not in fds:
                     try:
-                        if n == MEM:
+                        if n == protocol.COMMIT_MEMORY:
                             fds[n] = h.process.memory(h.cred.uid)
                         else:   # in a thread: a descriptor of this very mount makes fstat ask us
                             fds[n] = CallerFile(await trio.to_thread.run_sync(h.process.open_fd, n, self.mount_dev()))
@@ -168,7 +116,7 @@ class CommitControl:
                 if isinstance(src, Exception):
                     results[i] = to_errno(src)
                     continue
-                if n == MEM:
+                if n == protocol.COMMIT_MEMORY:
                     if spans is None:
                         spans = await trio.to_thread.run_sync(mount_spans, h.process.tgid, self.mount_dev())
                     if overlaps(spans, off):
@@ -194,4 +142,4 @@ class CommitControl:
         failed = sum(1 for r in results if r)
         if failed:
             log.debug("commit: %d of %d entries failed", failed, len(results))
-        return {"results": results}
+        return protocol.commit_answer(results)

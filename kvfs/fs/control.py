@@ -13,7 +13,8 @@ several writes at increasing offsets) and answer it on the next read:
 Directives: ``\\0base DIR`` (later paths are relative to DIR, itself relative to the mount
 root; default the root), ``\\0ttl SECONDS`` (lease only, default 30, at most 600) and
 ``\\0release`` (lease only: release this descriptor's lease, grant nothing). A ttl that is
-not a finite number in (0, 600] is refused with EINVAL.
+not a finite number in (0, 600] is refused with EINVAL. kvfs.protocol parses requests and
+encodes answers (for every control file); this module serves them.
 
 Both answer as the caller: the uid, gid and groups of the process that opened the control
 file. A path the caller could not open for reading through the mount (search permission
@@ -35,9 +36,7 @@ the FUSE session's worker tasks): EBUSY past that.
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import math
 import os
 import stat
 import time
@@ -46,7 +45,6 @@ import pyfuse3
 import trio
 
 from kvfs import protocol
-from kvfs.protocol import LEASE_TTL, LEASE_TTL_MAX
 from kvfs.fs import dirreply
 from kvfs.fs.commitctl import CommitControl
 from kvfs.store.store import ROOT, Cred
@@ -70,7 +68,7 @@ EVENT_WAIT = 1.0        # seconds a read of .kvfs/events waits before it answers
 
 def idle_line(size: int) -> bytes:
     """What a read of ``.kvfs/events`` gets when nothing happened for EVENT_WAIT seconds."""
-    return _json({"event": "idle", "time": time.time()})[:size]
+    return protocol.encode_answer(protocol.idle_event(time.time()))[:size]
 _MAX_REQUEST = 16 << 20
 
 
@@ -96,10 +94,6 @@ def attrs(ino: int) -> pyfuse3.EntryAttributes:
     a.st_size = 0
     a.st_blksize = protocol.ALIGN
     return a
-
-
-def _json(doc) -> bytes:
-    return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
 
 
 class ControlHandle:
@@ -133,43 +127,21 @@ def caller(ctx) -> Cred:
     return Cred(ctx.uid, ctx.gid, groups)
 
 
-def parse_ttl(arg: bytes | None) -> float:
-    """A lease ttl: a finite number of seconds in (0, LEASE_TTL_MAX]; EINVAL otherwise."""
-    if not arg:
-        return LEASE_TTL
+def parse_request(raw: bytes) -> tuple[list[tuple[bytes, list[bytes]]], dict[bytes, bytes]]:
+    """``([(base, paths), ...], options)`` of a request (kvfs.protocol.parse_request); EINVAL
+    if it does not parse."""
     try:
-        ttl = float(arg)
+        return protocol.parse_request(raw)
     except ValueError:
         raise pyfuse3.FUSEError(errno.EINVAL) from None
-    if not math.isfinite(ttl) or not 0 < ttl <= LEASE_TTL_MAX:
-        raise pyfuse3.FUSEError(errno.EINVAL)
-    return ttl
 
 
-def parse_request(raw: bytes) -> tuple[list[tuple[bytes, list[bytes]]], dict[bytes, bytes]]:
-    """``([(base, paths), ...], options)`` of a request (see the module docstring)."""
-    groups: list[tuple[bytes, list[bytes]]] = []
-    opts: dict[bytes, bytes] = {}
-    base, paths = b"", []
-    for line in raw.split(b"\n"):
-        if not line:
-            continue
-        if line[:1] == protocol.DIRECTIVE:
-            word, _, arg = line[1:].partition(b" ")
-            if word == protocol.BASE:
-                if paths:
-                    groups.append((base, paths))
-                    paths = []
-                base = arg.strip(b"/")
-            elif word in protocol.LEASE_OPTIONS:
-                opts[word] = arg
-            else:
-                raise pyfuse3.FUSEError(errno.EINVAL)
-            continue
-        paths.append(line)
-    if paths:
-        groups.append((base, paths))
-    return groups, opts
+def parse_ttl(arg: bytes | None) -> float:
+    """A lease ttl (kvfs.protocol.parse_ttl); EINVAL if it is not one."""
+    try:
+        return protocol.parse_ttl(arg)
+    except ValueError:
+        raise pyfuse3.FUSEError(errno.EINVAL) from None
 
 
 class Control:
@@ -196,7 +168,7 @@ class Control:
         quotas = getattr(self.store, "quotas", None)
         if quotas is not None:
             doc["quotas"] = quotas.statistics()
-        return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+        return protocol.encode_stats(doc)
 
     def open(self, ino: int, flags: int, cred: Cred = ROOT, pid: int = 0) -> ControlHandle:
         if ino == CTRL_DIR:
@@ -247,7 +219,7 @@ class Control:
             return h.events.take(size)
         if h.answer is None and h.ino == COMMIT:
             raw, h.request = bytes(h.request), bytearray()
-            h.answer = _json(await self.commits.serve(h, raw))
+            h.answer = protocol.encode_answer(await self.commits.serve(h, raw))
         if h.answer is None and h.ino == GET:
             raw, h.request = bytes(h.request), bytearray()
             groups, opts = parse_request(raw)
@@ -262,11 +234,11 @@ class Control:
             if h.ino == LOOKUP:
                 if self.shared is not None:       # names other nodes published, not yet local
                     await self.shared.adopt_paths(groups)
-                h.answer = _json(self._lookup_answer(groups, h.cred))
+                h.answer = protocol.encode_answer(self._lookup_answer(groups, h.cred))
             else:
                 await self.release(h)
                 if protocol.RELEASE in opts:
-                    h.answer = _json({"released": True})
+                    h.answer = protocol.RELEASED_ANSWER
                 else:
                     ttl = parse_ttl(opts.get(protocol.TTL))
                     if len(groups) > 1:
@@ -275,7 +247,7 @@ class Control:
                     t0 = time.perf_counter()
                     h.lease, h.answer = self.store.leases.grant(paths, base, ttl, h.cred)
                     self.telemetry.latency["lease"].observe(time.perf_counter() - t0)
-                    prefix = int(h.answer.split(b",", 1)[0][len(b'{"prefix":'):])
+                    prefix = protocol.lease_answer_prefix(h.answer)
                     self._misses(base, paths[prefix:])
         return (h.answer or b"")[off:off + size]
 

@@ -15,10 +15,9 @@ from kvfs.fs import control, dirreply, notifyproc
 from kvfs.fs.notifier import Notifier
 from kvfs.fs.opens import Held, Opens
 from kvfs.fs.errmap import translate
-from kvfs.protocol import ALIGN, CONTROL_NAME_B
+from kvfs.protocol import ALIGN, CONTROL_NAME_B, ROOT_INO
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
 from kvfs.store.store import Cred, Store
-from kvfs.store.index import ROOT_INO
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ class KvfsOperations(pyfuse3.Operations):
         self.store = store
         self.control = control.Control(store, describe)
         self._latency = store.telemetry.latency     # kvfs.telemetry histograms
-        self.quotas = store.quotas = Quotas(store)          # kvfs.quota
+        self.quotas = Quotas(store)          # kvfs.quota (kvfs.build.build_ops hands it to the store)
         self._ctl: dict[int, control.ControlHandle] = {}
         self._next_ctl = 1 << 62
         self.notifier = Notifier()
@@ -85,8 +84,6 @@ class KvfsOperations(pyfuse3.Operations):
         self.opens = Opens(store)           # how each open is answered (kvfs/fs/opens.py)
         self.data_reads = 0                 # READs of files (not control files) that reached us
         store.names.on_names_removed(self._name_removed)
-        store.files.on_content_changed = self._content_changed
-        store.files.on_sealed = self._sealed
         self.control.commits.invalidate = self._invalidate_names
 
     async def _invalidate_names(self, names: list[tuple[int, bytes]]) -> None:
@@ -132,20 +129,22 @@ class KvfsOperations(pyfuse3.Operations):
         if self._mounted:
             self.notifier.send(pyfuse3.invalidate_entry, parent, name, ino)
 
-    def _content_changed(self, ino: int) -> None:
+    def content_changed(self, ino: int) -> None:
+        """The cache's ``on_content_changed`` (wired by kvfs.build.build_ops)."""
         self.opens.page_key.pop(ino, None)
         if self._mounted:
             self.notifier.send(pyfuse3.invalidate_inode, ino, False)
 
-    def _sealed(self, ino: int, serial: int, oid: int) -> None:
-        """A write state became object ``oid``. Its writes all went through the kernel's page
-        cache (no O_DIRECT, no direct_io handle, no O_APPEND) when the pages still carry its key:
-        then they hold exactly the sealed bytes, and the size and mtime the kernel knows are the
-        sealed ones (see WriteState.mtime), so pages and attributes stay; else both go."""
+    def sealed(self, ino: int, serial: int, oid: int) -> None:
+        """The cache's ``on_sealed`` (wired by kvfs.build.build_ops): a write state became
+        object ``oid``. Its writes all went through the kernel's page cache (no O_DIRECT, no
+        direct_io handle, no O_APPEND) when the pages still carry its key: then they hold
+        exactly the sealed bytes, and the size and mtime the kernel knows are the sealed ones
+        (see WriteState.mtime), so pages and attributes stay; else both go."""
         if self.opens.page_key.get(ino) == ("ws", serial):
             self.opens.page_key[ino] = ("obj", oid)
             return
-        self._content_changed(ino)
+        self.content_changed(ino)
 
     # ---- names and attributes ----------------------------------------------
     @translate

@@ -48,8 +48,8 @@ class AlignedBuffer:
         if size <= 0:
             raise ValueError(f"buffer size must be positive, got {size}")
         self.size = align_up(size)
-        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.mv = memoryview(self._map)
+        self.mapping = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.mv = memoryview(self.mapping)
         # touch every page now: first writes to fresh memory are slow on this kind of VM
         zero = bytes(PAGE)
         for off in range(0, self.size, PAGE):
@@ -58,7 +58,7 @@ class AlignedBuffer:
     def close(self) -> None:
         self.mv.release()
         try:
-            self._map.close()
+            self.mapping.close()
         except BufferError:   # a torch.frombuffer view still exports it; freed with the view
             log.debug("aligned buffer still exported; left to the garbage collector")
 

@@ -35,7 +35,6 @@ BATCH_BYTES = 256 << 20      # a larger batch goes as several requests
 PIPELINE_BYTES = 32 << 20    # parts of a batch over twice this: copied while the last is served
 _ANSWER_CHUNK = 1 << 20
 _IOV = 1024                  # buffers per pwritev (IOV_MAX)
-_MAX_RANGES = 4096           # address ranges of one item named by address (the daemon's limit)
 
 
 # an entry named by address that failed for a reason of the memory read itself: sent again by memfd
@@ -281,7 +280,7 @@ class CommitClient:
                 spans[-1][1] += len(v)
             else:
                 spans.append([at, len(v)])
-        if not spans or len(spans) > _MAX_RANGES:
+        if not spans or len(spans) > protocol.COMMIT_MAX_RANGES:
             return None
         return spans[0][0] if len(spans) == 1 else ",".join(f"{a}+{k}" for a, k in spans)
 

@@ -87,8 +87,8 @@ class LoadStats:
 class _HostBuffer:
     def __init__(self, size: int, pin: bool):
         self.buf = AlignedBuffer(size)
-        self.tensor = torch.frombuffer(self.buf._map, dtype=torch.uint8)
-        self.reg = gpu.PinnedRegistration(self.buf._map, self.buf.size) if pin else None
+        self.tensor = torch.frombuffer(self.buf.mapping, dtype=torch.uint8)
+        self.reg = gpu.PinnedRegistration(self.buf.mapping, self.buf.size) if pin else None
 
     @property
     def pinned(self) -> bool:

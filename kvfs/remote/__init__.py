@@ -27,29 +27,29 @@ def make_volume(target: str, *, instance_id: str = "", create_size: int = 0, rea
     return FileVolume(target, create_size=create_size, read_only=read_only)
 
 
-def make_remote_tier(cfg, instance_id: str):
-    """Build (not open) the RemoteTier for ``cfg.remote`` / ``cfg.remote_size`` / ``cfg.remote_format``."""
-    from kvfs.config import parse_size
+def make_remote_tier(target: str, instance_id: str, *, size: str | int = "100%", format: bool = False,
+                     shared: dict | None = None):
+    """Build (not open) the RemoteTier on ``target`` (a URL or a device/file path): ``size``
+    is its budget (bytes, or ``%`` of the volume; a byte size creates a missing file of that
+    size), ``format`` formats the volume at open. ``shared``: the volume is shared by several
+    nodes, with these SharedRemoteTier options (node_id, max_nodes, poll, lease, grace,
+    takeover)."""
     from kvfs.remote.tier import RemoteTier
-    target = str(cfg.remote).strip()
+    from kvfs.units import parse_size
+    target = target.strip()
     if not target:
         raise ConfigError("no --remote given")
-    size = cfg.remote_size
     create = 0
     if not str(size).strip().endswith("%"):
         create = parse_size(size)
     vol = make_volume(target, instance_id=instance_id, create_size=create)
-    if getattr(cfg, "share", False):
+    describe = target.split("?", 1)[0]
+    if shared is not None:
         from kvfs.remote.share.tier import SharedRemoteTier
         url = getattr(vol, "url", None)
-        return SharedRemoteTier(vol, instance_id=instance_id, node_id=cfg.node_id,
-                                hostnqn=url.hostnqn if url is not None else "",
-                                format=bool(cfg.remote_format), max_nodes=cfg.share_max_nodes,
-                                poll=float(cfg.share_poll), lease=float(cfg.share_lease),
-                                grace=None if cfg.share_grace < 0 else float(cfg.share_grace),
-                                takeover=bool(cfg.share_takeover), describe=target.split("?", 1)[0])
-    return RemoteTier(vol, instance_id=instance_id, size=size, format=bool(cfg.remote_format),
-                      describe=target.split("?", 1)[0])
+        return SharedRemoteTier(vol, instance_id=instance_id, hostnqn=url.hostnqn if url is not None else "",
+                                format=format, describe=describe, **shared)
+    return RemoteTier(vol, instance_id=instance_id, size=size, format=format, describe=describe)
 
 
 __all__ = ["make_remote_tier", "make_volume"]

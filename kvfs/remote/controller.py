@@ -175,7 +175,7 @@ class Controller:
         n = len(self.io)
         for i in range(n):
             q = self.io[(self._rr + i) % n]
-            if best is None or len(q._inflight) < len(best._inflight):
+            if best is None or q.inflight < best.inflight:
                 best = q
         self._rr = (self._rr + 1) % n
         return best

@@ -87,6 +87,11 @@ class Queue:
         self.recvs = 0
         self._lowat = 1
 
+    @property
+    def inflight(self) -> int:
+        """Commands sent and not answered yet."""
+        return len(self._inflight)
+
     # connection ----------------------------------------------------------
     @classmethod
     async def open(cls, host: str, port: int, qid: int, depth: int, *, timeout: float,

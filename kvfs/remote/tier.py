@@ -88,7 +88,7 @@ class RemoteTier(Tier):
             raise
 
     def _region(self) -> int:
-        from kvfs.config import parse_size
+        from kvfs.units import parse_size
         region = parse_size(self.size_spec, whole=self.vol.size)
         if region > self.vol.size:
             raise ConfigError(f"--remote-size {self.size_spec} exceeds the remote volume ({self.vol.size} bytes)")
@@ -96,7 +96,7 @@ class RemoteTier(Tier):
 
     async def _load(self, *, first: bool) -> None:
         if self.sb is not None:
-            await self._reload()
+            await self.reload()
             return
         try:
             sb = await self._read_superblock()
@@ -121,7 +121,7 @@ class RemoteTier(Tier):
         """The volume's superblock; None when blank, ValueError when not ours or damaged."""
         return L.Superblock.unpack(await self.vol.read(0, max(4096, self.vol.block_size)))
 
-    async def _reload(self) -> None:
+    async def reload(self) -> None:
         """After a reconnect: use the volume again only if it is the one we formatted.
 
         Runs before anything else can see the volume connected (no checkpoint between the
@@ -306,7 +306,7 @@ class RemoteTier(Tier):
             raise
         return _LOC.pack(1, slot, start, units, hu)
 
-    def _entry(self, oid: int, loc: bytes) -> tuple[int, tuple[int, int, int, int, int]]:
+    def entry(self, oid: int, loc: bytes) -> tuple[int, tuple[int, int, int, int, int]]:
         try:
             ver, slot, start, units, hu = _LOC.unpack(bytes(loc))
         except struct.error:
@@ -318,7 +318,7 @@ class RemoteTier(Tier):
 
     async def read(self, oid: int, loc: bytes, offset: int, length: int) -> memoryview:
         self._need()
-        _slot, (_oid, start, size, _units, hu) = self._entry(oid, loc)
+        _slot, (_oid, start, size, _units, hu) = self.entry(oid, loc)
         if offset < 0 or length < 0:
             raise ValueError("negative offset or length")
         length = max(0, min(length, size - offset))
@@ -333,7 +333,7 @@ class RemoteTier(Tier):
 
     async def delete(self, oid: int, loc: bytes) -> None:
         try:
-            slot, (_oid, start, _size, units, _hu) = self._entry(oid, loc)
+            slot, (_oid, start, _size, units, _hu) = self.entry(oid, loc)
         except NoSuchObject:
             return
         if self.sb is None:

@@ -20,11 +20,11 @@ import logging
 import os
 import stat
 import time
+from pathlib import Path
 from typing import Callable
 
 import trio
 
-from kvfs.config import Config
 from kvfs.errors import IndexDamaged, NamespaceError, StoreError
 from kvfs.store import checksum, nvmerecord, records, tally
 from kvfs.store.index import ENV_NAME, HEADER_NAME, ROOT_INO, Index
@@ -35,6 +35,16 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int, int, str], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What fsck checks, built by its caller (kvfs.build.fsck_layout): the state directory,
+    the NVMe tier's directory, and the durable tiers over an index (built, not opened; RAM is
+    volatile: nothing to check offline)."""
+    state_dir: Path
+    nvme_dir: Path
+    tiers: Callable[[Index], list]
+
+
 @dataclasses.dataclass
 class FsckReport:
     problems: list[str] = dataclasses.field(default_factory=list)
@@ -43,17 +53,16 @@ class FsckReport:
     rebuilt: int = 0
 
 
-def run_fsck(cfg: Config, *, repair: bool = False, rebuild_remote: bool = False,
+def run_fsck(layout: Layout, *, repair: bool = False, rebuild_remote: bool = False,
              progress: Progress | None = None) -> FsckReport:
-    return trio.run(_fsck, cfg, repair, rebuild_remote, progress or (lambda d, t, w: None))
+    return trio.run(_fsck, layout, repair, rebuild_remote, progress or (lambda d, t, w: None))
 
 
-async def _fsck(cfg: Config, repair: bool, rebuild_remote: bool, progress: Progress) -> FsckReport:
-    from kvfs.build import build_tiers
+async def _fsck(layout: Layout, repair: bool, rebuild_remote: bool, progress: Progress) -> FsckReport:
     report = FsckReport()
     index = None
     try:
-        index = Index(cfg.state_dir)
+        index = Index(layout.state_dir)
         index.verify_records()
     except IndexDamaged as e:
         if index is not None:
@@ -61,14 +70,14 @@ async def _fsck(cfg: Config, repair: bool, rebuild_remote: bool, progress: Progr
         _problem(report, f"index damaged: {e}")
         if not repair:
             return report
-        index = await _rebuild_index(cfg, report, progress)
-    tiers = build_tiers(cfg, index)[1:]            # RAM is volatile: nothing to check offline
+        index = await _rebuild_index(layout, report, progress)
+    tiers = layout.tiers(index)
     opened = []
     try:
         for t in tiers:
             await t.open()
             opened.append(t)
-        tiers[0].bind(index.instance_id, cfg.state_dir)
+        tiers[0].bind(index.instance_id, layout.state_dir)
         by_name = {t.name: t for t in tiers}
         if rebuild_remote:
             if "remote" not in by_name:
@@ -225,11 +234,10 @@ async def _check_leftovers(tiers: list, report: FsckReport, repair: bool) -> Non
                 report.repaired += 1
 
 
-async def _rebuild_index(cfg: Config, report: FsckReport, progress: Progress) -> Index:
+async def _rebuild_index(layout: Layout, report: FsckReport, progress: Progress) -> Index:
     """Move the damaged index aside and rebuild it from the tiers' own object records."""
-    from kvfs.build import build_tiers
     from kvfs.store.nvme import NvmeTier
-    nvme = NvmeTier(0, cfg.nvme_dir)
+    nvme = NvmeTier(0, layout.nvme_dir)
     await nvme.open()
     try:
         instance = nvme.recorded_instance()
@@ -237,19 +245,19 @@ async def _rebuild_index(cfg: Config, report: FsckReport, progress: Progress) ->
         await nvme.close()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for name in (ENV_NAME, HEADER_NAME):
-        src = cfg.state_dir / name
+        src = layout.state_dir / name
         if src.exists() or src.is_symlink():
-            os.rename(src, cfg.state_dir / f"{name}.damaged-{stamp}")
+            os.rename(src, layout.state_dir / f"{name}.damaged-{stamp}")
     if instance is None:
-        header = cfg.state_dir / f"{HEADER_NAME}.damaged-{stamp}"
+        header = layout.state_dir / f"{HEADER_NAME}.damaged-{stamp}"
         try:
             instance = records.decode_meta(header.read_bytes()).get("instance")
         except (OSError, IndexDamaged):
             instance = None
-    index = Index(cfg.state_dir, instance=instance if isinstance(instance, str) else None)
+    index = Index(layout.state_dir, instance=instance if isinstance(instance, str) else None)
     log.warning("fsck: damaged index moved aside (*.damaged-%s); rebuilding instance %s",
                 stamp, index.instance_id)
-    tiers = build_tiers(cfg, index)[1:]
+    tiers = layout.tiers(index)
     opened = []
     try:
         for t in tiers:

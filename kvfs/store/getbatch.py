@@ -82,8 +82,7 @@ class BatchGets:
         once the object is replaced or freed: nothing is copied here)."""
         plan = self._plan(groups, cred, cap)
         n = len(plan)
-        head = bytearray(protocol.get_data_offset(n))
-        protocol.GET_HEAD.pack_into(head, 0, protocol.GET_MAGIC, n)
+        head = protocol.get_answer_head(n)
         pieces: list = [memoryview(head)]
         try:
             for k, (err, obj) in enumerate(plan):
@@ -99,8 +98,7 @@ class BatchGets:
                     except (StoreError, OSError) as e:
                         log.warning("get: object %x unreadable (%s): EIO for its entry", obj.oid, e)
                         err = errno.EIO
-                protocol.GET_ENTRY.pack_into(head, protocol.GET_HEAD.size + protocol.GET_ENTRY.size * k,
-                                             err, 0, size, digest)
+                protocol.put_get_entry(head, k, err, size, digest)
         finally:
             for _, obj in plan:
                 if obj is not None:

@@ -43,6 +43,7 @@ from typing import Iterator
 import lmdb
 
 from kvfs.errors import IndexDamaged
+from kvfs.protocol import ROOT_INO
 from kvfs.store import marker, records
 from kvfs.store.lmdbfile import HEADER_NAME, check_header, check_lmdb_file, make_header, read_header  # noqa: F401
 from kvfs.store.records import FORMAT_VERSION, FSCK_HINT
@@ -50,7 +51,6 @@ from kvfs.store.safedir import DirLock, holder_text, open_private_dir, write_fil
 
 log = logging.getLogger(__name__)
 
-ROOT_INO = 1
 META, INODES, DIRENTS, DIRORDER, OBJECTS, RECOVER = range(6)    # database numbers in pending keys
 VALID = marker.VALID        # in ``recover``: its running totals are valid (kvfs.store.tally)
 GROUP_OPS = 1024            # operations pending before a commit runs inline

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import stat
 import time
@@ -13,7 +12,7 @@ import time
 import trio
 
 from kvfs.errors import NamespaceError
-from kvfs.protocol import LEASE_TTL, LEASE_TTL_MAX, encode_lease_entry
+from kvfs.protocol import LEASE_TTL, LEASE_TTL_MAX, encode_lease_answer, encode_lease_entry, lookup_answer
 from kvfs.store.cred import ROOT, Cred
 from kvfs.store.index import _U64, ROOT_INO, Index, _U64x2, k64
 from kvfs.store.namespace import Namespace
@@ -108,7 +107,7 @@ class Leases:
     def prefix_answer(self, objs: list[Obj]) -> dict:
         """The lookup answer for the leading sealed objects of a chain: count and top tiers."""
         top = self.store.top_tier
-        return {"prefix": len(objs), "tiers": [top(o) for o in objs]}
+        return lookup_answer(len(objs), [top(o) for o in objs])
 
     # ---- leases: the fast path's batched backing locations -------------------------
     def grant(self, paths: list[bytes], base: bytes = b"", ttl: float = LEASE_TTL,
@@ -138,7 +137,7 @@ class Leases:
         entries = []
         for obj in objs:
             if budget is not None and obj.size > budget - lease.pinned:
-                entries.append("null")           # over this user's share: read through the mount
+                entries.append(encode_lease_entry(None))     # over this user's share: read through the mount
                 continue
             obj.refs += 1
             lease.objs.append(obj)
@@ -148,8 +147,7 @@ class Leases:
         self.live[lease.id] = lease
         answer = self.prefix_answer(objs)
         answer.update(lease=lease.id, ttl=ttl)
-        head = json.dumps(answer, separators=(",", ":"))
-        return lease.id, (head[:-1] + ',"blocks":[' + ",".join(entries) + "]}\n").encode()
+        return lease.id, encode_lease_answer(answer, entries)
 
     def _drop(self, lease_id: int) -> None:
         """Release a lease from sync code: its objects are freed by the next release_space."""

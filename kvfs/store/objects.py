@@ -120,7 +120,7 @@ class ObjectStore:
                              admit_after=admit_after)
         self.mover = Mover(tiers, ram, index, self.objs, lru=self.lru, counters=self.counters,
                            events=self.events, policy=self.policy, read_all=self.read_all, lose=self.lose,
-                           rekey=self._rekey, wait_loaded=self.wait_loaded)
+                           rekey=self.rekey, wait_loaded=self.wait_loaded)
         # set by the namespace: drop the object's name and record in this txn
         self.on_lost: Callable[[Txn, Obj], None] = lambda txn, obj: None
         self.key_of: Callable[[Obj], str] = lambda obj: obj.key    # current path, for records
@@ -153,7 +153,7 @@ class ObjectStore:
             if obj.size and not obj.place:
                 lost.append(obj)
                 continue
-            self._adopt(obj)
+            self.adopt(obj)
         for t in self.durable():
             t.used = sum(t.footprint(o.size) for o in self.objs.values() if t.name in o.place)
             t.objects = sum(1 for o in self.objs.values() if t.name in o.place)
@@ -208,7 +208,7 @@ class ObjectStore:
         self._loaded.set()
         self.kick()
 
-    def _adopt(self, obj: Obj) -> None:
+    def adopt(self, obj: Obj) -> None:
         dict.__setitem__(self.objs, obj.oid, obj)
         self.objs.count += 1
         self.telemetry.adopt(obj.size, obj.key)
@@ -234,7 +234,7 @@ class ObjectStore:
         if size and not staging.spilled:
             obj.place[self.ram.name] = self.ram.adopt(obj.info(), staging, mapping)
             self.counters[self.ram.name].bytes_written += size
-        self._adopt(obj)
+        self.adopt(obj)
         self.kick()
         return obj
 
@@ -292,7 +292,7 @@ class ObjectStore:
         for k in [k for k in self._chunks if k[0] == obj.oid]:
             del self._chunks[k]
 
-    def _rekey(self, obj: Obj) -> None:
+    def rekey(self, obj: Obj) -> None:
         """Refresh ``obj.key`` (its current path) before it is written to a tier."""
         key = self.key_of(obj)
         if key != obj.key:

@@ -14,8 +14,8 @@ import trio
 import xxhash
 
 
+from kvfs.build import build_ops  # noqa: E402
 from kvfs.fs import control  # noqa: E402
-from kvfs.fs.ops import KvfsOperations  # noqa: E402
 from kvfs.store.index import ROOT_INO  # noqa: E402
 from storekit import open_store  # noqa: E402
 
@@ -44,7 +44,7 @@ async def open_ctl(ops, name: bytes) -> int:
 @pytest.fixture
 async def ops(tmp_path):
     async with open_store(tmp_path, ram=8 << 20, nvme=32 << 20) as kvstore:
-        yield KvfsOperations(kvstore, dict)
+        yield build_ops(kvstore, dict)
 
 
 async def make_chain(ops, n: int, size: int = 1000) -> tuple[list[bytes], dict]:
@@ -126,11 +126,11 @@ async def test_only_sealed_regular_files_count(ops):
 
 async def test_sealed_map_survives_restart(tmp_path):
     async with open_store(tmp_path) as kvstore:
-        ops = KvfsOperations(kvstore, dict)
+        ops = build_ops(kvstore, dict)
         rels, _ = await make_chain(ops, 5, size=200_000)
         await kvstore.store.mover.write_down_volatile()
     async with open_store(tmp_path) as kvstore:
-        ops = KvfsOperations(kvstore, dict)
+        ops = build_ops(kvstore, dict)
         fh = await open_ctl(ops, b"lookup")
         assert await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels)) == {"prefix": 5, "tiers": ["nvme"] * 5}
 

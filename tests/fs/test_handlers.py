@@ -11,8 +11,8 @@ import pytest
 import xxhash
 
 
+from kvfs.build import build_ops  # noqa: E402
 from kvfs.fs import control  # noqa: E402
-from kvfs.fs.ops import KvfsOperations  # noqa: E402
 from kvfs.store.index import ROOT_INO  # noqa: E402
 from storekit import open_store  # noqa: E402
 
@@ -50,7 +50,7 @@ async def get(ops, ino, size=1 << 30) -> bytes:
 @pytest.fixture
 async def ops(tmp_path):
     async with open_store(tmp_path) as kvstore:
-        yield KvfsOperations(kvstore, lambda: {"pid": os.getpid()})
+        yield build_ops(kvstore, lambda: {"pid": os.getpid()})
 
 
 async def test_write_read_and_attributes(ops):
@@ -153,7 +153,7 @@ async def test_corrupt_nvme_object_is_eio_and_dropped(ops):
 
 async def test_enospc_when_everything_is_pinned(tmp_path):
     async with open_store(tmp_path, ram=1 << 20, nvme=2 << 20) as kvstore:
-        ops = KvfsOperations(kvstore, dict)
+        ops = build_ops(kvstore, dict)
         for i in range(6):
             ino = await put(ops, ROOT_INO, b"p%d" % i, os.urandom(500_000))
             await ops.setxattr(ino, b"user.kvfs.pin", b"1", CTX)

@@ -11,7 +11,7 @@ import pyfuse3
 import pytest
 import trio
 
-from kvfs.fs.ops import KvfsOperations
+from kvfs.build import build_ops
 from kvfs.store.index import ROOT_INO
 from storekit import open_store
 
@@ -27,7 +27,7 @@ def content(seed: int, n: int = SIZE) -> bytes:
 @pytest.fixture
 async def ops(tmp_path):
     async with open_store(tmp_path) as kvstore:
-        yield KvfsOperations(kvstore, lambda: {"pid": os.getpid()})
+        yield build_ops(kvstore, lambda: {"pid": os.getpid()})
 
 
 async def read_all(ops, fh) -> bytes:

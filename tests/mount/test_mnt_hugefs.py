@@ -11,7 +11,7 @@ import pytest
 
 from conftest import run_kvfs
 from mounthelp import content, put, read
-from kvfs.store.ram import filesystem_of
+from kvfs.proc import filesystem_of
 
 pytestmark = pytest.mark.mount
 

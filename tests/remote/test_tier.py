@@ -9,9 +9,9 @@ import pytest
 import trio
 import xxhash
 
+from kvfs.build import build_remote_tier
 from kvfs.config import Config
 from kvfs.errors import ConfigError, NoSuchObject, TierFull, TierUnavailable
-from kvfs.remote import make_remote_tier
 from nvmet_fixtures import open_tier
 from storekit import make_info
 
@@ -81,7 +81,7 @@ async def test_tier_contract_on_target(remote_url):
 
 async def test_tier_contract_on_file(tmp_path):
     cfg = Config(remote=str(tmp_path / "volume.img"), remote_size="64MiB")
-    tier = make_remote_tier(cfg, "file-inst")
+    tier = build_remote_tier(cfg, "file-inst")
     await tier.open()
     try:
         await exercise(tier, lambda: _reopen(cfg, "file-inst"))
@@ -90,7 +90,7 @@ async def test_tier_contract_on_file(tmp_path):
 
 
 async def _reopen(cfg, iid):
-    t = make_remote_tier(cfg, iid)
+    t = build_remote_tier(cfg, iid)
     await t.open()
     return t
 
@@ -109,7 +109,7 @@ def loop_device(tmp_path):
 
 async def test_tier_on_loop_block_device(loop_device):
     cfg = Config(remote=loop_device, remote_size="50%")
-    tier = make_remote_tier(cfg, "loop-inst")
+    tier = build_remote_tier(cfg, "loop-inst")
     await tier.open()
     try:
         assert tier.vol.is_blockdev and tier.vol.direct
@@ -134,9 +134,9 @@ async def test_foreign_volume_is_refused_unless_formatted(remote_url):
         await t.close()
     cfg = Config(remote=remote_url + "?queues=0")
     with pytest.raises(ConfigError, match="queues"):
-        make_remote_tier(cfg, "x")
+        build_remote_tier(cfg, "x")
     with pytest.raises(ConfigError, match="nvme-tcp://"):
-        make_remote_tier(Config(remote="iscsi://host/x"), "x")
+        build_remote_tier(Config(remote="iscsi://host/x"), "x")
 
 
 async def test_not_a_kvfs_volume_and_full(tmp_path):

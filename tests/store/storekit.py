@@ -13,9 +13,8 @@ import trio
 import xxhash
 
 from kvfs.blockformat import build_header
+from kvfs.build import build_kvstore, build_store  # noqa: E402
 from kvfs.config import Config  # noqa: E402
-from kvfs.build import build_store  # noqa: E402
-from kvfs.store.store import Store  # noqa: E402
 from kvfs.store.index import Index  # noqa: E402
 from kvfs.store.namespace import Namespace
 from kvfs.store.nvme import NvmeTier  # noqa: E402
@@ -38,8 +37,8 @@ async def open_store(tmp: Path, *, ram: int = 4 << 20, nvme: int = 16 << 20, chu
     for t in tiers:
         await t.open()
     cfg = Config(chunk_size=chunk, high_watermark=high, low_watermark=low, admit_after=admit_after)
-    store = build_store(cfg, index, tiers)
-    kvstore = Store(index, store, tiers[1].staging_dir)
+    kvstore = build_kvstore(cfg, index, tiers)
+    store = kvstore.store
     kvstore.recovered = await kvstore.start()
     try:
         yield kvstore

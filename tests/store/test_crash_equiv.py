@@ -25,6 +25,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvfs.build import fsck_layout
 from kvfs.config import Config
 from kvfs.errors import NamespaceError, StoreError
 from kvfs.store import tally
@@ -280,14 +281,14 @@ def test_fsck_reports_a_kv_parent_the_index_says_none_has(tmp_path):
             await _apply(kvstore, dirs, ("kv", 0, 1, 0, True), 0)
     trio.run(build)
     cfg = Config(nvme=str(tmp_path / "nvme"), state=str(tmp_path / "state"), nvme_size="8MiB")
-    assert run_fsck(cfg).problems == []
+    assert run_fsck(fsck_layout(cfg)).problems == []
     ix = Index(tmp_path / "state")          # what a writer that skipped put_inode's hook leaves
     with ix.write() as txn:
         txn.w[(RECOVER, tally.NO_KV)] = b""
     ix.close()
-    report = run_fsck(cfg, repair=True)
+    report = run_fsck(fsck_layout(cfg), repair=True)
     assert len(report.problems) == 1 and "has a KV parent" in report.problems[0]
-    assert run_fsck(cfg).problems == []     # forgotten: the next start recovers in full
+    assert run_fsck(fsck_layout(cfg)).problems == []     # forgotten: the next start recovers in full
 
     async def start():
         async with open_store(tmp_path, ram=RAM, nvme=NVME) as kvstore:

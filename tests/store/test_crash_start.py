@@ -12,6 +12,7 @@ import struct
 
 import trio
 
+from kvfs.build import fsck_layout
 from kvfs.config import Config
 from kvfs.store import tally
 from kvfs.store.fsck import run_fsck
@@ -119,17 +120,17 @@ def test_fsck_checks_the_sets_and_totals_against_the_records(tmp_path):
             pass
     trio.run(build)
     cfg = Config(nvme=str(tmp_path / "nvme"), state=str(tmp_path / "state"), nvme_size="8MiB")
-    assert run_fsck(cfg).problems == []
+    assert run_fsck(fsck_layout(cfg)).problems == []
     ix = Index(tmp_path / "state")                   # a total that drifted from the records
     with ix.write() as txn:
         txn.w[(RECOVER, tally.NAMESPACE + b"a")] = struct.pack(">qq", 1, 1)
     ix.close()
-    report = run_fsck(cfg, repair=True)
+    report = run_fsck(fsck_layout(cfg), repair=True)
     assert len(report.problems) == 1 and "running total b'na'" in report.problems[0]
-    assert run_fsck(cfg).problems == []             # forgotten: the next start recounts
+    assert run_fsck(fsck_layout(cfg)).problems == []             # forgotten: the next start recounts
 
     async def start():
         async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
             assert kvstore.store.table_loaded         # a full recovery
     trio.run(start)
-    assert run_fsck(cfg).problems == []
+    assert run_fsck(fsck_layout(cfg)).problems == []

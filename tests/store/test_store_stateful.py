@@ -18,10 +18,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvfs.build import build_kvstore
 from kvfs.config import Config
-from kvfs.build import build_store
 from kvfs.errors import NamespaceError, StoreError, TierFull
-from kvfs.store.store import Store
 from kvfs.store.index import ROOT_INO, Index
 from kvfs.store.nvme import NvmeTier
 from kvfs.store.ram import RamTier
@@ -52,8 +51,7 @@ class StoreMachine(RuleBasedStateMachine):
             for t in tiers:
                 await t.open()
             cfg = Config(chunk_size=CHUNK, high_watermark=0.8, low_watermark=0.5, promote_hits=2)
-            store = build_store(cfg, index, tiers)
-            kvstore = Store(index, store, tiers[1].staging_dir)
+            kvstore = build_kvstore(cfg, index, tiers)
             await kvstore.start()
             return kvstore
         self.kvstore = trio.run(build)

@@ -28,18 +28,22 @@ log = logging.getLogger(__name__)
 
 
 class SharedNames:
-    def __init__(self, cache, tier):
-        self.cache = cache
+    """Made and hooked in by kvfs.build.attach_shared: ``tier.on_dropped`` is
+    ``dropped_by_owner``, the store's ``on_renamed`` is ``renamed``. ``ns``, ``index`` and
+    ``store``: the mount's namespace, index and object store; ``kernel_synced``: async (),
+    returns once the kernel's caches dropped what was removed."""
+
+    def __init__(self, ns, index, store, tier, kernel_synced=None):
+        self.ns = ns
+        self.index = index
+        self.store = store
         self.tier = tier
         self.adopted = 0
         self.dropped = 0
-        self.kernel_synced = None       # async (): the kernel's caches caught up (set by the daemon)
-        tier.on_dropped = self.dropped_by_owner
-        cache.on_renamed = self.renamed
-        tier.names = self
+        self.kernel_synced = kernel_synced
 
     def _path(self, parent: int, name: bytes) -> str:
-        return self.cache.ns.path_of(parent).rstrip("/") + "/" + name.decode("utf-8", "surrogateescape")
+        return self.ns.path_of(parent).rstrip("/") + "/" + name.decode("utf-8", "surrogateescape")
 
     async def lookup(self, parent: int, name: bytes) -> int | None:
         """The inode of ``name`` made from the shared view, or None when the view lacks it."""
@@ -59,15 +63,15 @@ class SharedNames:
             return None
         # the name may have appeared while the header was read (a local write, another lookup)
         ino = self._make(parent, name, stat.S_IFREG | 0o644, uid, gid)
-        rec = self.cache.index.get_inode(ino)
+        rec = self.index.get_inode(ino)
         if rec is None or rec.get("oid") is not None:
             return ino
-        store = self.cache.store
-        obj = Obj(self.cache.index.new_id(b"oid"), info.size, info.checksum, info.chunk_size, info.chunk_sums,
+        store = self.store
+        obj = Obj(self.index.new_id(b"oid"), info.size, info.checksum, info.chunk_size, info.chunk_sums,
                   {self.tier.name: F.pack_foreign_loc(p.slot, p.entry)}, ino, path, info.generation,
                   atime=time.time())
-        store._adopt(obj)
-        _old, installed = self.cache.ns.install(ino, obj, None, mtime=p.entry.mtime_ns)
+        store.adopt(obj)
+        _old, installed = self.ns.install(ino, obj, None, mtime=p.entry.mtime_ns)
         if not installed:
             await store.release_space(obj)
             return None
@@ -77,17 +81,17 @@ class SharedNames:
 
     def _make(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> int:
         try:
-            ino, _rec = self.cache.ns.make(parent, name, mode, uid, gid)
+            ino, _rec = self.ns.make(parent, name, mode, uid, gid)
             return ino
         except NamespaceError as e:
             if e.errno != errno.EEXIST:
                 raise
-            return self.cache.ns.lookup(parent, name)
+            return self.ns.lookup(parent, name)
 
     async def adopt_paths(self, groups) -> None:
         """For a ``.kvfs/lookup`` request: make the published paths of its prefix local, up
         to the first path that is neither local nor published (where the prefix ends)."""
-        index = self.cache.index
+        index = self.index
         for base, paths in groups:
             for p in paths:
                 ino = 1
@@ -101,8 +105,8 @@ class SharedNames:
 
     async def fill(self, dir_ino: int) -> None:
         """Make every name the view has directly in this directory (before a readdir)."""
-        names = self.tier.view.children(self.cache.ns.path_of(dir_ino))
-        index = self.cache.index
+        names = self.tier.view.children(self.ns.path_of(dir_ino))
+        index = self.index
         for name in sorted(names):
             b = name.encode("utf-8", "surrogateescape")
             if index.lookup(dir_ino, b) is None:
@@ -112,7 +116,7 @@ class SharedNames:
         """At mount: drop adopted names whose block the view no longer publishes (freed or
         replaced while this node was down), and count only this node's records as the remote
         tier's use (the store's load counts every object placed there)."""
-        tier, store = self.tier, self.cache.store
+        tier, store = self.tier, self.store
         tier.recount(bytes(o.place[tier.name]) for o in store.objs.values() if tier.name in o.place)
         stale = []
         for obj in list(store.objs.values()):
@@ -142,15 +146,15 @@ class SharedNames:
         me = slots[tier.slot]
         if me is None:
             return 0
-        await Tailer(tier.parent, tier.sb2, -1, own)._rescan(tier.slot, me)
+        await Tailer(tier.parent, tier.sb2, -1, own).rescan(tier.slot, me)
         published = {(e.region, e.oid): path for path, p in own.by_path.items() for e in (p.entry,)}
         n = 0
-        for obj in list(self.cache.store.objs.values()):
+        for obj in list(self.store.objs.values()):
             loc = obj.place.get(tier.name)
             if loc is None or F.unpack_foreign_loc(loc) is not None:
                 continue
             path = published.get((tier.region, obj.oid))
-            self.cache.store._rekey(obj)
+            self.store.rekey(obj)
             if path is not None and path != obj.key:
                 await tier.republish(obj.info(), loc)
                 n += 1
@@ -161,22 +165,22 @@ class SharedNames:
     async def renamed(self, parent: int, name: bytes) -> None:
         """A file of ours on the shared volume got a new name (a runtime's temp-then-rename
         after the block was already written down): publish it under the new name."""
-        ino = self.cache.index.lookup(parent, name)
-        obj = self.cache.ns.sealed.get(ino) if ino is not None else None
+        ino = self.index.lookup(parent, name)
+        obj = self.ns.sealed.get(ino) if ino is not None else None
         loc = obj.place.get(self.tier.name) if obj is not None else None
         if loc is None or F.unpack_foreign_loc(loc) is not None:
             return
-        self.cache.store._rekey(obj)
+        self.store.rekey(obj)
         await self.tier.republish(obj.info(), loc)
 
     def _local(self, path: str) -> Obj | None:
         ino = 1
-        index = self.cache.index
+        index = self.index
         for part in path.strip("/").split("/"):
             ino = index.lookup(ino, part.encode("utf-8", "surrogateescape"))
             if ino is None:
                 return None
-        return self.cache.ns.sealed.get(ino)
+        return self.ns.sealed.get(ino)
 
     async def dropped_by_owner(self, gone: list) -> None:
         """The owners freed or replaced these published blocks: drop the names made of them."""
@@ -188,7 +192,7 @@ class SharedNames:
             if f is None or not _same_record(f, p.entry):
                 continue                    # a local file of that name, or another version
             self.dropped += 1
-            await self.cache.store.lose(obj)
+            await self.store.lose(obj)
             await trio.lowlevel.checkpoint()
         if self.kernel_synced is not None:  # no process here opens a dropped name from then on
             await self.kernel_synced()

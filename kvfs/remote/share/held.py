@@ -91,7 +91,7 @@ class HeldRegion(RemoteTier):
 
     async def delete(self, oid: int, loc: bytes) -> None:
         try:
-            slot, _e = self._entry(oid, loc)
+            slot, _e = self.entry(oid, loc)
         except NoSuchObject:
             return
         if slot in self.own:
@@ -201,7 +201,7 @@ class HoldsRegions:
         if h is None or self.fenced:
             return
         try:
-            _slot, (_oid, start, _size, units, _hu) = h._entry(oid, rloc)
+            _slot, (_oid, start, _size, units, _hu) = h.entry(oid, rloc)
         except NoSuchObject:
             return
         if self.available:

@@ -136,7 +136,7 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
             return                          # read-only: no region of ours to load (also after a reconnect)
         await super()._load(first=first)
         for h in self.held_tiers.values():  # after a reconnect: same region volume, deletes applied
-            await h._reload()
+            await h.reload()
 
     async def _format_shared(self) -> F.Superblock2:
         try:
@@ -267,13 +267,13 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
             try:
                 if h is None:
                     return
-                h._entry(info.oid, rloc)
+                h.entry(info.oid, rloc)
             except NoSuchObject:
                 return
             await self._publish(F.OP_PUT, info.oid, rloc, info, region, h.sb.volume_uuid)
             return
         try:
-            self._entry(info.oid, loc)
+            self.entry(info.oid, loc)
         except NoSuchObject:
             return
         await self._publish(F.OP_PUT, info.oid, bytes(loc), info)
@@ -285,7 +285,7 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
             await self._delete_held(oid, loc)
             return
         try:
-            self._entry(oid, loc)
+            self.entry(oid, loc)
         except NoSuchObject:
             return
         if self.fenced:

@@ -131,14 +131,14 @@ class Tailer:
                 continue
             self.nodes[i] = s
             if i not in self.next_seq:
-                n += await self._rescan(i, s)
+                n += await self.rescan(i, s)
             else:
                 n += await self._tail(i, s)
         self.polls += 1
         self.entries += n
         return n
 
-    async def _rescan(self, slot: int, s: F.NodeSlot) -> int:
+    async def rescan(self, slot: int, s: F.NodeSlot) -> int:
         """Read the whole ring and apply the run of consecutive entries that ends at the
         newest. When that run does not start at the node's first entry (the ring wrapped:
         older entries were overwritten), first take the records of every region the node
@@ -228,7 +228,7 @@ class Tailer:
                 break
             if e.seq > seq:                 # lapped: we missed a ring's worth
                 log.warning("log of node %r is more than a ring ahead; re-reading it", s.node_id)
-                return await self._rescan(slot, s)
+                return await self.rescan(slot, s)
             self.view.apply(slot, s.node_id, e)
             seq += 1
             n += 1

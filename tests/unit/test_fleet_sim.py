@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "benchmarks" / "fleet_sim.py"
+SRC = Path(__file__).resolve().parents[2] / "benchmarks" / "fleet_sim.py"
 
 
 @pytest.fixture(scope="module")

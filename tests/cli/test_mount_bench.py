@@ -12,7 +12,7 @@ from conftest import _env, run_kvfs
 from kvfs.cli import bench_report
 
 pytestmark = pytest.mark.mount
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_runs_everything_and_writes_docs(tmp_path):
@@ -53,7 +53,7 @@ def _runtime_patterns_module():
     import importlib.util
     import sys
     from pathlib import Path
-    src = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime_patterns.py"
+    src = Path(__file__).resolve().parents[2] / "benchmarks" / "runtime_patterns.py"
     spec = importlib.util.spec_from_file_location("rp_for_test", src)
     rp = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = rp

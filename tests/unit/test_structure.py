@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "kvfs"
+PKG = Path(__file__).resolve().parents[2] / "kvfs"
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 

@@ -14,6 +14,7 @@ import logging
 from kvfs.config import Config
 from kvfs.store.fsck import Layout
 from kvfs.store.index import Index
+from kvfs.store.names import NameTable, dirent_count
 from kvfs.store.nvme import NvmeTier
 from kvfs.store.objects import ObjectStore
 from kvfs.store.prefix import PrefixRule
@@ -74,9 +75,33 @@ def build_ops(kvstore: Store, describe):
     from kvfs.fs.ops import KvfsOperations
     ops = KvfsOperations(kvstore, describe)
     kvstore.quotas = ops.quotas
-    kvstore.files.on_content_changed = ops.content_changed
-    kvstore.files.on_sealed = ops.sealed
+    kvstore.files.on_content_changed = ops.kernel.content_changed
+    kvstore.files.on_sealed = ops.kernel.sealed
     return ops
+
+
+def build_names(cfg: Config, index: Index, where) -> NameTable:
+    """The name table in ``where``, handed to ``index`` (which enters every change of names in
+    it from now on), started empty and unadvertised: kvfs.store.names.build_in_background fills
+    it from the index after the mount is ready. Never started on a shared volume (a local miss
+    may be another node's name)."""
+    names = NameTable(str(where))
+    try:
+        if not cfg.share:
+            index.commit()          # the build reads LMDB: nothing may stay in the pending table
+            names.begin(dirent_count(index))
+    except OSError as e:
+        log.warning("no name table (%s): clients use lookups", e)
+    index.names = names
+    return names
+
+
+def detach_names(index: Index) -> None:
+    """The index's name table, if any, taken from it and closed (unmounted: readers stop
+    answering from it)."""
+    names, index.names = index.names, None
+    if names is not None:
+        names.close()
 
 
 def fsck_layout(cfg: Config) -> Layout:
@@ -95,7 +120,7 @@ async def attach_shared(kvstore: Store, tiers: list, ops) -> None:
     tier = next((t for t in tiers if isinstance(t, SharedRemoteTier) and t.sb2 is not None), None)
     if tier is None:
         return
-    names = SharedNames(kvstore.ns, kvstore.index, kvstore.store, tier, kernel_synced=ops.kernel_synced)
+    names = SharedNames(kvstore.ns, kvstore.index, kvstore.store, tier, kernel_synced=ops.kernel.synced)
     tier.on_dropped = names.dropped_by_owner
     tier.names = names
     kvstore.on_renamed = names.renamed

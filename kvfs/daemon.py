@@ -18,14 +18,14 @@ import time
 import pyfuse3
 import trio
 
-from kvfs.build import attach_shared, build_kvstore, build_ops, build_tiers
+from kvfs.build import attach_shared, build_kvstore, build_names, build_ops, build_tiers, detach_names
 from kvfs.config import Config
 from kvfs.errors import ConfigError
 from kvfs.fs import loop, transport as transports
 from kvfs.proc import filesystem_of
 from kvfs.protocol import NAMES_BUILDING_KEY, NAMES_STATS_KEY, UNMOUNT_REPORT, UNMOUNT_REPORT_KEY
 from kvfs.store.index import Index
-from kvfs.store.names import NameTable, build_in_background, dirent_count
+from kvfs.store.names import NameTable, build_in_background
 from kvfs.store import safedir
 
 log = logging.getLogger(__name__)
@@ -113,20 +113,6 @@ def mount_options(allow_other: bool) -> set[str]:
     return options
 
 
-def _begin_names(cfg: Config, index: Index, where) -> NameTable:
-    """The name table, started empty and unadvertised: build_in_background fills it from the
-    index after the mount is ready; from now on every change goes in as it comes. Never started
-    on a shared volume (a local miss may be another node's name)."""
-    names = NameTable(str(where))
-    try:
-        if not cfg.share:
-            index.commit()          # the build reads LMDB: nothing may stay in the pending table
-            names.begin(dirent_count(index))
-    except OSError as e:
-        log.warning("no name table (%s): clients use lookups", e)
-    return names
-
-
 async def serve(cfg: Config, ready: _Ready) -> None:
     started = time.monotonic()
     mountpoint = os.path.abspath(cfg.mountpoint)
@@ -145,7 +131,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         kvstore = build_kvstore(cfg, index, tiers)
         store = kvstore.store
         recovered = await kvstore.start()
-        index.names = names = _begin_names(cfg, index, tiers[0].dir)
+        names = build_names(cfg, index, tiers[0].dir)
         served, reader, session = {"metrics": None}, loop.Reader(), []
         describe = lambda: dict(_describe(cfg, mountpoint, tiers, index, names), recovered=recovered,
                                 started=started, request_loop=reader.statistics(), **served,
@@ -160,8 +146,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         fuse = transports.choose(cfg, ops, mountpoint, mount_options(cfg.allow_other))
         fuse.mount()
         session.append(fuse)
-        ops.notifier.direct = fuse.notify_direct()
-        ops.mounted = True
+        ops.kernel.start(fuse.notify_direct())
         unmounted = False
         try:
             async with trio.open_nursery() as nursery:
@@ -185,19 +170,15 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 unmounted = True
                 nursery.cancel_scope.cancel()
         finally:
-            ops.mounted = False
+            ops.kernel.stop()
             fuse.close(unmount=not unmounted)
-            if index.names is not None:     # unmounted: readers stop answering from it now
-                index.names, names = None, index.names
-                names.close()
+            detach_names(index)             # unmounted: readers stop answering from it now
         log.info("unmounted; writing down")
         report = await _write_down(cfg, store)
         kvstore.mark_clean()
         _report_unmount(cfg, report)
     finally:
-        if index.names is not None:
-            index.names, names = None, index.names
-            names.close()
+        detach_names(index)
         if metrics is not None:
             metrics.close()
         for t in reversed(opened):

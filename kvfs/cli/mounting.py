@@ -36,10 +36,8 @@ def build_config(config_file: str | None, mountpoint: str | None = None, **flags
     except TypeError as e:           # a TOML value of the wrong shape
         raise fail(f"bad configuration: {e}") from None
     if mountpoint is not None:
-        cfg.mountpoint = os.path.abspath(mountpoint)
-    cfg.nvme = str(cfg.nvme_dir)
-    cfg.state = str(cfg.state_dir)
-    return cfg
+        cfg = dataclasses.replace(cfg, mountpoint=os.path.abspath(mountpoint))
+    return dataclasses.replace(cfg, nvme=str(cfg.nvme_dir), state=str(cfg.state_dir))
 
 
 def _probe_writable(d: Path, what: str) -> None:
@@ -200,8 +198,7 @@ def size_option(name: str, help: str):
               help="Seconds to wait for the daemon to become ready.")
 def mount_cmd(mountpoint, config_file, foreground, timeout, **flags):
     """Mount kvfs at MOUNTPOINT; returns once the mount is ready."""
-    cfg = build_config(config_file, mountpoint, **flags)
-    cfg.foreground = bool(foreground)
+    cfg = dataclasses.replace(build_config(config_file, mountpoint, **flags), foreground=bool(foreground))
     precheck(cfg)
     if foreground:
         _run_foreground(cfg)

@@ -1,10 +1,10 @@
 """One directory entry into a READDIR answer, whichever transport asked (a pyfuse3 token, or
-the kernel transport's :class:`kvfs.fs.handlers.DirToken`)."""
+the kernel transport's :class:`kvfs.fs.decoders.DirToken`)."""
 from __future__ import annotations
 
 import pyfuse3
 
-from kvfs.fs.handlers import DirToken
+from kvfs.fs.decoders import DirToken
 
 
 def reply(token, name: bytes, attr: pyfuse3.EntryAttributes, next_id: int) -> bool:

@@ -32,9 +32,10 @@ class Notifier:
         self.channel: notifyproc.Channel | None = None      # the helper process (kvfs.fs.notifyproc)
         self.direct = None          # writes a message on the session's device (kernel transport)
 
-    def start(self, channel: "notifyproc.Channel | None" = None) -> None:
+    def start(self, channel: "notifyproc.Channel | None" = None, direct=None) -> None:
         if self._thread is None:
             self.channel = channel
+            self.direct = direct
             self._thread = threading.Thread(target=self._run, name="kvfs-notify", daemon=True)
             self._thread.start()
 

@@ -8,11 +8,10 @@ import stat
 import time
 
 import pyfuse3
-import trio
 
 from kvfs.errors import NamespaceError
-from kvfs.fs import control, dirreply, notifyproc
-from kvfs.fs.notifier import Notifier
+from kvfs.fs import control, dirreply
+from kvfs.fs.coherence import KernelCaches
 from kvfs.fs.opens import Held, Opens
 from kvfs.fs.errmap import translate
 from kvfs.protocol import ALIGN, CONTROL_NAME_B, ROOT_INO
@@ -30,7 +29,6 @@ ATTR_TIMEOUT = 3600
 # name appears through the kernel (create, mkdir, symlink, rename replace the negative dentry);
 # the daemon never adds a name on its own while mounted (fsck and rebuild run offline).
 NEGATIVE_TIMEOUT = 60
-INVALIDATE_WAIT = 10.0     # seconds a commit waits for its names' kernel invalidations
 
 
 def _negative() -> pyfuse3.EntryAttributes:
@@ -67,6 +65,24 @@ def _entry(ino: int, rec: dict) -> pyfuse3.EntryAttributes:
     return a
 
 
+def _parent_ok(parent_inode: int) -> None:
+    if control.is_control(parent_inode):
+        raise pyfuse3.FUSEError(errno.EPERM)
+
+
+def _stale(store: Store, inode: int, e: NamespaceError) -> Exception:
+    """What to answer a request by a name for an inode that is not there. The daemon drops
+    inodes by itself (eviction), and the kernel holds their names until its notification
+    lands: ESTALE then, so that the kernel looks the name up again (ENOENT, and the name
+    goes; open(O_CREAT) creates the file) instead of answering ENOENT and keeping the
+    name, whose cached attributes a later stat(2) would still show. An evicted inode kept
+    for a reader of an older version is answered so too (``ns.evicted``): a write open
+    would have started an empty buffer on an unlinked inode."""
+    if e.errno == errno.ENOENT and store.names.dropped(inode):
+        return pyfuse3.FUSEError(errno.ESTALE)
+    return e
+
+
 class KvfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
     shared = None          # kvfs.remote.share.adopt.SharedNames on a shared remote volume
@@ -79,72 +95,11 @@ class KvfsOperations(pyfuse3.Operations):
         self.quotas = Quotas(store)          # kvfs.quota (kvfs.build.build_ops hands it to the store)
         self._ctl: dict[int, control.ControlHandle] = {}
         self._next_ctl = 1 << 62
-        self.notifier = Notifier()
-        self._mounted = False         # kernel notifications only while a session exists
         self.opens = Opens(store)           # how each open is answered (kvfs/fs/opens.py)
+        self.kernel = KernelCaches(self.opens)     # the kernel's caches kept true (kvfs/fs/coherence.py)
         self.data_reads = 0                 # READs of files (not control files) that reached us
-        store.names.on_names_removed(self._name_removed)
-        self.control.commits.invalidate = self._invalidate_names
-
-    async def _invalidate_names(self, names: list[tuple[int, bytes]]) -> None:
-        """Names the daemon added itself (``.kvfs/commit``): the kernel may hold a negative or
-        an old entry for them. Sent from a worker thread and waited for (the commit's answer
-        must not race them), while this loop keeps serving requests that hold the locks."""
-        if not self._mounted or not names:
-            return
-
-        def send() -> None:
-            for parent, name in names:
-                try:
-                    self.notifier.deliver(pyfuse3.invalidate_entry, parent, name)
-                except OSError:             # ENOENT: the kernel has no entry for it
-                    pass
-        with trio.move_on_after(INVALIDATE_WAIT):
-            await trio.to_thread.run_sync(send, abandon_on_cancel=True)
-
-    async def kernel_synced(self) -> None:
-        """Names the store removed on its own so far are out of the kernel's caches (the
-        invalidations queued for them delivered; bounded by INVALIDATE_WAIT)."""
-        if self._mounted:
-            await self.notifier.drained(INVALIDATE_WAIT)
-
-    @property
-    def mounted(self) -> bool:
-        return self._mounted
-
-    @mounted.setter
-    def mounted(self, value: bool) -> None:
-        """Set after ``pyfuse3.init`` (starts the notifier), cleared before ``pyfuse3.close``
-        (stops it: no notification may reach a destroyed session)."""
-        self._mounted = value
-        if value:
-            self.notifier.start(notifyproc.open_channel())
-        else:
-            self.notifier.stop()
-
-    # kernel cache coherence: names the store removed on its own (eviction, corruption).
-    # Names the kernel removed (unlink, rename over a name) are never notified: the kernel
-    # already knows, and a notification would wait on the directory lock that request holds.
-    def _name_removed(self, parent: int, name: bytes, ino: int) -> None:
-        if self._mounted:
-            self.notifier.send(pyfuse3.invalidate_entry, parent, name, ino)
-
-    def content_changed(self, ino: int) -> None:
-        """The cache's ``on_content_changed`` (wired by kvfs.build.build_ops)."""
-        self.opens.page_key.pop(ino, None)
-        if self._mounted:
-            self.notifier.send(pyfuse3.invalidate_inode, ino, False)
-
-    def sealed(self, ino: int, serial: int, oid: int) -> None:
-        """The cache's ``on_sealed`` (wired by kvfs.build.build_ops): a write state became
-        object ``oid``. Its writes all went through the kernel's page cache (no O_DIRECT, no
-        direct_io handle, no O_APPEND) when the pages still carry its key: then they hold
-        exactly the sealed bytes, and the size and mtime the kernel knows are the sealed ones
-        (see WriteState.mtime), so pages and attributes stay; else both go."""
-        if self.opens.page_key.get(ino) == ("ws", serial):
-            self.opens.page_key[ino] = ("obj", oid)
-            return
-        self.content_changed(ino)
+        store.names.on_names_removed(self.kernel.name_removed)
+        self.control.commits.invalidate = self.kernel.invalidate_names
 
     # ---- names and attributes ----------------------------------------------
     @translate
@@ -189,7 +144,7 @@ class KvfsOperations(pyfuse3.Operations):
         try:
             return _entry(inode, self.store.files.getattr(inode))
         except NamespaceError as e:
-            raise self._stale(inode, e) from None
+            raise _stale(self.store, inode, e) from None
 
     @translate
     async def setattr(self, inode, attr, fields, fh, ctx):
@@ -209,7 +164,7 @@ class KvfsOperations(pyfuse3.Operations):
                 atime=attr.st_atime_ns if fields.update_atime else None,
                 mtime=attr.st_mtime_ns if fields.update_mtime else None)
         except NamespaceError as e:
-            raise self._stale(inode, e) from None
+            raise _stale(self.store, inode, e) from None
         except Held:
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
         return _entry(inode, rec)
@@ -224,29 +179,25 @@ class KvfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL)
         return rec["target"]
 
-    def _parent_ok(self, parent_inode: int) -> None:
-        if control.is_control(parent_inode):
-            raise pyfuse3.FUSEError(errno.EPERM)
-
     @translate
     async def mkdir(self, parent_inode, name, mode, ctx):
-        self._parent_ok(parent_inode)
+        _parent_ok(parent_inode)
         ino, rec = self.store.names.make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx.uid, ctx.gid)
         return _entry(ino, rec)
 
     @translate
     async def rmdir(self, parent_inode, name, ctx):
-        self._parent_ok(parent_inode)
+        _parent_ok(parent_inode)
         self.store.names.rmdir(parent_inode, name)
 
     @translate
     async def unlink(self, parent_inode, name, ctx):
-        self._parent_ok(parent_inode)
+        _parent_ok(parent_inode)
         await self.store.names.unlink(parent_inode, name)
 
     @translate
     async def symlink(self, parent_inode, name, target, ctx):
-        self._parent_ok(parent_inode)
+        _parent_ok(parent_inode)
         ino, rec = self.store.names.make(parent_inode, name, stat.S_IFLNK | 0o777, ctx.uid, ctx.gid,
                                    target=bytes(target))
         return _entry(ino, rec)
@@ -267,8 +218,8 @@ class KvfsOperations(pyfuse3.Operations):
 
     @translate
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        self._parent_ok(parent_inode_old)
-        self._parent_ok(parent_inode_new)
+        _parent_ok(parent_inode_old)
+        _parent_ok(parent_inode_new)
         await self.store.names.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     # ---- directories ----------------------------------------------------------
@@ -309,7 +260,7 @@ class KvfsOperations(pyfuse3.Operations):
                 await self.opens.changeable(inode)
             fh = await self.store.files.open(inode, flags)
         except NamespaceError as e:
-            raise self._stale(inode, e) from None
+            raise _stale(self.store, inode, e) from None
         except Held:
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
         try:
@@ -318,21 +269,9 @@ class KvfsOperations(pyfuse3.Operations):
             await self.release(fh)
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
 
-    def _stale(self, inode: int, e: NamespaceError) -> Exception:
-        """What to answer a request by a name for an inode that is not there. The daemon drops
-        inodes by itself (eviction), and the kernel holds their names until its notification
-        lands: ESTALE then, so that the kernel looks the name up again (ENOENT, and the name
-        goes; open(O_CREAT) creates the file) instead of answering ENOENT and keeping the
-        name, whose cached attributes a later stat(2) would still show. An evicted inode kept
-        for a reader of an older version is answered so too (``ns.evicted``): a write open
-        would have started an empty buffer on an unlinked inode."""
-        if e.errno == errno.ENOENT and self.store.names.dropped(inode):
-            return pyfuse3.FUSEError(errno.ESTALE)
-        return e
-
     @translate
     async def create(self, parent_inode, name, mode, flags, ctx):
-        self._parent_ok(parent_inode)
+        _parent_ok(parent_inode)
         fh, ino, rec = await self.store.files.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
         return await self.opens.file_info(fh, ino, flags), _entry(ino, rec)
 

@@ -53,13 +53,13 @@ async def _verified_within_deadline(store, tier, path: str, obj) -> int | None:
     passthrough (the daemon's read then fails with EIO at its own deadline, as before)."""
     abandoned = threading.Event()
     check = functools.partial(_open_verified, path, obj.size, obj.chunk_size, obj.sums, abandoned)
-    if not store.read_deadline:
+    if not store.reads.deadline:
         return await trio.to_thread.run_sync(check)
-    with trio.move_on_after(store.read_deadline):
+    with trio.move_on_after(store.reads.deadline):
         return await trio.to_thread.run_sync(check, abandon_on_cancel=True)
     abandoned.set()
     store.telemetry.deadline(tier.name)
-    log.warning("checking %s for passthrough passed the %.1f s read deadline", path, store.read_deadline)
+    log.warning("checking %s for passthrough passed the %.1f s read deadline", path, store.reads.deadline)
     return None
 
 

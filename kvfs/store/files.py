@@ -298,7 +298,7 @@ class FileHandles:
             staging = self.store.ram.new_staging()
             try:
                 if ws.base is not None and ws.base.size:
-                    await staging.fill_from(await self.store.read_all(ws.base))
+                    await staging.fill_from(await self.store.reads.read_all(ws.base))
             except BaseException:
                 staging.discard()
                 raise
@@ -326,8 +326,8 @@ class FileHandles:
                 return data, staging.size
             if ws.base is None:
                 return b"", 0
-            return await self.store.read(ws.base, offset, size), ws.base.size
-        return await self.store.read(h.obj, offset, size), h.obj.size
+            return await self.store.reads.read(ws.base, offset, size), ws.base.size
+        return await self.store.reads.read(h.obj, offset, size), h.obj.size
 
     async def _fitted(self, h: Handle, offset: int, size: int, data, n: int):
         """``data`` (read from the handle's content before an await) fitted to the inode's size

@@ -89,7 +89,7 @@ class BatchGets:
                 size = digest = 0
                 if obj is not None:
                     try:
-                        data = await self.store.read_all(obj)
+                        data = await self.store.reads.read_all(obj)
                         if len(data) != obj.size:
                             raise NoSuchObject(f"object {obj.oid:x}: {len(data)} of {obj.size} bytes")
                         if obj.size:

@@ -1,4 +1,5 @@
-"""Sealed objects: placement across tiers, verified reads, demotion, promotion, eviction.
+"""Sealed objects: placement across tiers, demotion, promotion, eviction; their verified reads
+are a member (reads.py).
 
 Placement is inclusive: promotion copies an object up and keeps its lower copy,
 so demoting it again is free and a restart still finds it. The RAM tier is
@@ -11,7 +12,6 @@ removes the name in the same index transaction as the object record.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
@@ -19,7 +19,7 @@ from typing import Callable
 
 import trio
 
-from kvfs.errors import CorruptObject, NoSuchObject, TierUnavailable
+from kvfs.errors import TierUnavailable
 from kvfs.store import checksum
 from kvfs.store.fair import Shares, TierLRU
 from kvfs.store.index import Index, Txn
@@ -27,6 +27,7 @@ from kvfs.store.moves import Mover
 from kvfs.store.objtable import ObjTable
 from kvfs.store.policy import Policy
 from kvfs.store.prefix import PrefixRule
+from kvfs.store.reads import Reads
 from kvfs.store.ram import RamTier, Staging
 from kvfs.store.tally import Tally
 from kvfs.store.tier import ObjectInfo, Tier
@@ -35,8 +36,6 @@ from kvfs.telemetry import Telemetry, namespace_of
 log = logging.getLogger(__name__)
 
 INLINE_HASH = 256 << 10     # objects up to this size are hashed on the trio thread at seal
-_CHUNK_CACHE = 48          # chunks of verified lower-tier bytes shared by readers
-_READ_AHEAD = 4            # chunks fetched ahead of a reader of a lower tier (A/B on NVMe: 1: 0.55-0.60x, 2: 0.51-0.68x, 4: 0.65-0.84x O_DIRECT)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -114,12 +113,14 @@ class ObjectStore:
         self.counters = {t.name: TierCounters() for t in tiers}
         self.telemetry = Telemetry()     # histograms, namespaces, events (kvfs.telemetry)
         self.events = self.telemetry.events
-        self.read_deadline = read_deadline           # seconds a lower-tier read may take (0: none)
+        # verified reads, by chunk from the tiers below RAM (reads.py)
+        self.reads = Reads(ram, self.durable, counters=self.counters, telemetry=self.telemetry, events=self.events,
+                           lose=self.lose, deadline=read_deadline)
         self.policy = Policy(tiers, ram, self.objs, fair=self.lru, prefix=prefix, telemetry=self.telemetry,
                              high=high, low=low, promote_hits=promote_hits, promote_window=promote_window,
                              admit_after=admit_after)
         self.mover = Mover(tiers, ram, index, self.objs, lru=self.lru, counters=self.counters,
-                           events=self.events, policy=self.policy, read_all=self.read_all, lose=self.lose,
+                           events=self.events, policy=self.policy, read_all=self.reads.read_all, lose=self.lose,
                            rekey=self.rekey, wait_loaded=self.wait_loaded)
         # set by the namespace: drop the object's name and record in this txn
         self.on_lost: Callable[[Txn, Obj], None] = lambda txn, obj: None
@@ -129,8 +130,6 @@ class ObjectStore:
         self._loaded.set()
         self._scanning = False
         self._scan_ended = trio.Event()
-        self._chunks: collections.OrderedDict[tuple[int, int], bytes] = collections.OrderedDict()
-        self._inflight: dict[tuple[int, int], trio.Event] = {}
         self._dirty: set[int] = set()
         self._kick = trio.Event()
         self._promote_send, self._promote_recv = trio.open_memory_channel(64)
@@ -139,7 +138,6 @@ class ObjectStore:
         # receiver (the channel's buffer stays empty) before that task runs, so the buffer
         # alone let ``settled`` say True with a promotion about to start
         self._promote_queued = 0
-        self._background: trio.Nursery | None = None    # serve()'s nursery (read-ahead)
 
     # ---- loading ------------------------------------------------------------
     def load(self) -> list[Obj]:
@@ -289,8 +287,7 @@ class ObjectStore:
                 await tier.delete(obj.oid, loc)
             except TierUnavailable:
                 log.warning("could not free object %x on unavailable tier %s", obj.oid, name)
-        for k in [k for k in self._chunks if k[0] == obj.oid]:
-            del self._chunks[k]
+        self.reads.forget(obj.oid)
 
     def rekey(self, obj: Obj) -> None:
         """Refresh ``obj.key`` (its current path) before it is written to a tier."""
@@ -342,149 +339,6 @@ class ObjectStore:
             except trio.WouldBlock:
                 pass
 
-    async def read(self, obj: Obj, offset: int, length: int):
-        if obj.corrupt:
-            raise CorruptObject(f"object {obj.oid:x} failed its checksum")
-        end = min(obj.size, offset + length)
-        if offset >= end:
-            return b""
-        if self.ram.name in obj.place:
-            mv = await self.ram.read(obj.oid, b"", offset, end - offset)
-            self.counters[self.ram.name].bytes_read += len(mv)
-            return mv
-        tier = self._serving_tier(obj)
-        cs = obj.chunk_size
-        first, last = offset // cs, (end - 1) // cs
-        # read ahead: the next chunk alongside this one, the one after once this is in
-        # (a first read is not slowed by more than one competing fetch)
-        self._read_ahead(obj, tier, last + 1)
-        parts = await self._chunks_within_deadline(obj, tier, first, last)
-        for i in range(last + 2, last + 1 + _READ_AHEAD):
-            self._read_ahead(obj, tier, i)
-        lo = offset - first * cs
-        if len(parts) == 1:
-            return memoryview(parts[0])[lo:lo + end - offset]
-        return b"".join(parts)[lo:lo + end - offset]
-
-    async def _chunks_within_deadline(self, obj: Obj, tier: Tier, first: int, last: int) -> list[bytes]:
-        """Chunks ``first..last`` of ``obj`` from ``tier``; a read that takes longer than
-        ``read_deadline`` (a stalled remote target, a hung disk) fails with TierUnavailable
-        (EIO) and counts ``deadline_exceeded``. The remote tier's reads are cancelled (sockets);
-        the NVMe tier's worker-thread reads are abandoned (the thread finishes when the disk
-        answers, the reader does not wait for it)."""
-        if not self.read_deadline:
-            return [await self._chunk(obj, tier, i) for i in range(first, last + 1)]
-        with trio.move_on_after(self.read_deadline):
-            return [await self._chunk(obj, tier, i) for i in range(first, last + 1)]
-        self.telemetry.deadline(tier.name)
-        log.warning("read of %s (object %x) from %s passed its %.1f s deadline", obj.key, obj.oid,
-                    tier.name, self.read_deadline)
-        raise TierUnavailable(f"read of object {obj.oid:x} from {tier.name} passed its deadline")
-
-    def _serving_tier(self, obj: Obj) -> Tier:
-        for t in self.durable():
-            if t.name in obj.place:
-                if not t.available:
-                    raise TierUnavailable(f"object {obj.oid:x} lives on unavailable tier {t.name}")
-                return t
-        raise NoSuchObject(f"object {obj.oid:x} has no copy")
-
-    def _read_ahead(self, obj: Obj, tier: Tier, idx: int) -> None:
-        """Fetch chunk ``idx`` in the background, in ``serve``'s nursery: a store that is not
-        served (tools, in-process tests) or has shut down reads no further than asked."""
-        key = (obj.oid, idx)
-        if (self._background is not None and idx < len(obj.sums) and key not in self._chunks
-                and key not in self._inflight):
-            self._background.start_soon(self._prefetch, obj, tier, idx)
-
-    async def _prefetch(self, obj: Obj, tier: Tier, idx: int) -> None:
-        if obj.dead or tier.name not in obj.place:     # gone before its turn came
-            return
-        try:
-            await self._chunk(obj, tier, idx)
-        except Exception:     # the reader that needs it will see the error
-            pass
-
-    async def _chunk(self, obj: Obj, tier: Tier, idx: int) -> bytes:
-        key = (obj.oid, idx)
-        while True:
-            data = self._chunks.get(key)
-            if data is not None:
-                self._chunks.move_to_end(key)
-                return data
-            ev = self._inflight.get(key)
-            if ev is None:
-                break
-            await ev.wait()
-            if key not in self._chunks:        # the leader failed: fail the same way
-                return await self._fetch_chunk(obj, tier, idx)
-        ev = self._inflight[key] = trio.Event()
-        try:
-            data = await self._fetch_chunk(obj, tier, idx)
-            self._chunks[key] = data
-            while len(self._chunks) > _CHUNK_CACHE:
-                self._chunks.popitem(last=False)
-            return data
-        finally:
-            del self._inflight[key]
-            ev.set()
-
-    async def _fetch_chunk(self, obj: Obj, tier: Tier, idx: int) -> bytes:
-        cs = obj.chunk_size
-        want = min(cs, obj.size - idx * cs)
-        c = self.counters[tier.name]
-        loc = obj.place.get(tier.name)
-        if loc is None:
-            if obj.corrupt:
-                raise CorruptObject(f"object {obj.oid:x} failed its checksum")
-            raise NoSuchObject(f"object {obj.oid:x} has no copy on {tier.name}")
-        try:
-            data = bytes(await tier.read(obj.oid, loc, idx * cs, want))
-        except TierUnavailable:
-            c.errors += 1
-            raise
-        except NoSuchObject:
-            data = b""
-        if obj.corrupt:
-            raise CorruptObject(f"object {obj.oid:x} failed its checksum")
-        if (len(data) != want or checksum.digest(data) != obj.sums[idx]) and (
-                obj.dead or tier.name not in obj.place):
-            # dropped or moved off this tier while it was read (a read-ahead of a file just
-            # deleted): nothing is corrupt, the copy is simply gone
-            raise NoSuchObject(f"object {obj.oid:x} left tier {tier.name} while it was read")
-        if len(data) != want or checksum.digest(data) != obj.sums[idx]:
-            c.checksum_failures += 1
-            log.error("checksum mismatch: object %x chunk %d on %s (%s)", obj.oid, idx, tier.name, obj.key)
-            obj.corrupt = True
-            self.events.emit("removed", obj, None)
-            await self.lose(obj)
-            raise CorruptObject(f"object {obj.oid:x} chunk {idx} failed its checksum on {tier.name}")
-        c.bytes_read += want
-        return data
-
-    async def read_all(self, obj: Obj) -> memoryview:
-        """The whole object, verified when it comes from a lower tier."""
-        if obj.corrupt:
-            raise CorruptObject(f"object {obj.oid:x} failed its checksum")
-        if self.ram.name in obj.place:
-            return await self.ram.read(obj.oid, b"", 0, obj.size)
-        if not obj.size:
-            return memoryview(b"")
-        tier = self._serving_tier(obj)
-        data = bytes(await tier.read(obj.oid, obj.place[tier.name], 0, obj.size))
-        self.counters[tier.name].bytes_read += len(data)
-        ok = len(data) == obj.size and await trio.to_thread.run_sync(
-            lambda: checksum.chunk_sums(memoryview(data), obj.chunk_size) == obj.sums)
-        if not ok:
-            if obj.dead or tier.name not in obj.place:      # freed or moved while read
-                raise NoSuchObject(f"object {obj.oid:x} left tier {tier.name} while it was read")
-            self.counters[tier.name].checksum_failures += 1
-            obj.corrupt = True
-            self.events.emit("removed", obj, None)
-            await self.lose(obj)
-            raise CorruptObject(f"object {obj.oid:x} failed its checksum on {tier.name}")
-        return memoryview(data)
-
     async def lose(self, obj: Obj) -> None:
         """The object's bytes are gone or wrong: drop it and its name."""
         if obj.dead:
@@ -500,7 +354,7 @@ class ObjectStore:
         all in one nursery (cancelled at shutdown, so none of it runs after)."""
         try:
             async with trio.open_nursery() as nursery:
-                self._background = nursery
+                self.reads.background = nursery
                 nursery.start_soon(self._pressure_loop)
                 nursery.start_soon(self._promote_loop)
                 nursery.start_soon(self._stats_loop)
@@ -508,7 +362,7 @@ class ObjectStore:
                     nursery.start_soon(self._scan)
                 task_status.started()
         finally:
-            self._background = None
+            self.reads.background = None
 
     def kick(self) -> None:
         """Wake the pressure loop when a tier is above its high watermark."""

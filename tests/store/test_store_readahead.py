@@ -27,9 +27,9 @@ async def test_read_ahead_of_a_deleted_object_is_not_a_checksum_failure(tmp_path
         nvme = store.tiers[1]
         data = os.urandom(4 * store.chunk_size)
         obj = await _sealed_on_nvme(kvstore, b"f", data)
-        assert bytes(await store.read(obj, 0, 10)) == data[:10]
+        assert bytes(await store.reads.read(obj, 0, 10)) == data[:10]
         await kvstore.names.unlink(ROOT_INO, b"f")          # its bytes are freed at once (not open)
-        await store._prefetch(obj, nvme, 2)          # a read-ahead whose turn comes now
+        await store.reads.prefetch(obj, nvme, 2)          # a read-ahead whose turn comes now
         assert store.counters["nvme"].checksum_failures == 0
         assert "checksum mismatch" not in caplog.text
 
@@ -44,7 +44,7 @@ async def test_read_of_a_copy_deleted_under_it_is_not_counted_as_corrupt(tmp_pat
         obj.refs -= 1
         await store.release_space(obj)              # the reader closed: bytes freed
         try:
-            await store._fetch_chunk(obj, nvme, 1)   # a fetch that was already on its way
+            await store.reads.fetch_chunk(obj, nvme, 1)   # a fetch that was already on its way
         except Exception as e:                      # noqa: BLE001
             assert type(e).__name__ == "NoSuchObject", e
         assert store.counters["nvme"].checksum_failures == 0
@@ -54,8 +54,8 @@ async def test_read_of_a_copy_deleted_under_it_is_not_counted_as_corrupt(tmp_pat
 async def _read_ahead_done(store) -> None:
     """Every read-ahead task has started and its fetch (in a worker thread) has ended."""
     await trio.testing.wait_all_tasks_blocked()
-    while store._inflight:
-        await next(iter(store._inflight.values())).wait()
+    while store.reads.inflight:
+        await next(iter(store.reads.inflight.values())).wait()
         await trio.testing.wait_all_tasks_blocked()
 
 
@@ -68,12 +68,12 @@ async def test_read_ahead_runs_in_the_served_store_and_not_after_it_stops(tmp_pa
         obj = await _sealed_on_nvme(kvstore, b"h", os.urandom(8 * store.chunk_size))
         async with trio.open_nursery() as nursery:
             await nursery.start(store.serve)
-            assert bytes(await store.read(obj, 0, 10))
+            assert bytes(await store.reads.read(obj, 0, 10))
             await _read_ahead_done(store)
-            assert {(obj.oid, i) for i in range(1, 4)} <= set(store._chunks), sorted(store._chunks)
+            assert {(obj.oid, i) for i in range(1, 4)} <= set(store.reads.chunks), sorted(store.reads.chunks)
             nursery.cancel_scope.cancel()
-        store._chunks.clear()
-        assert bytes(await store.read(obj, 5 * store.chunk_size, 10))
+        store.reads.chunks.clear()
+        assert bytes(await store.reads.read(obj, 5 * store.chunk_size, 10))
         await _read_ahead_done(store)
-        assert set(store._chunks) == {(obj.oid, 5)}
-        assert not store._inflight
+        assert set(store.reads.chunks) == {(obj.oid, 5)}
+        assert not store.reads.inflight

@@ -313,3 +313,100 @@ def test_control_answers_are_encoded_in_protocol():
               for n in ast.walk(ast.parse(p.read_text()))
               if isinstance(n, ast.Attribute) and n.attr in ("GET_HEAD", "GET_ENTRY", "GET_MAGIC")]
     assert not found, "a control file's wire format outside kvfs/protocol.py:\n" + "\n".join(found)
+
+
+MAX_CLASS_METHODS = 30
+# Classes over the limit, with why. Not a place for new entries: split the class along its concerns.
+BIG_CLASSES_ALLOWED: dict[str, str] = {}
+
+
+def methods_of(cls: ast.ClassDef) -> int:
+    """Methods defined in the class body itself (not in nested classes or functions)."""
+    return sum(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for f in cls.body)
+
+
+def test_no_class_over_the_method_limit():
+    """A class with more than MAX_CLASS_METHODS methods holds several concerns: they become
+    members (composed objects with explicit constructor arguments)."""
+    found = [f"kvfs/{path}:{cls.lineno} {name}: {n} methods" for name, defs in _classes().items()
+             for path, cls in defs if (n := methods_of(cls)) > MAX_CLASS_METHODS
+             and f"{path}:{name}" not in BIG_CLASSES_ALLOWED]
+    assert not found, f"classes over {MAX_CLASS_METHODS} methods (split them):\n" + "\n".join(found)
+
+
+def package_of(module: str) -> str:
+    """``kvfs.store.index``: ``store``; a top-level module is a package of its own
+    (``kvfs.daemon``: ``daemon``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else parts[-1]
+
+
+def _root(e: ast.expr) -> str | None:
+    """The name an expression starts from (``ops.kernel.start(...)``: ``ops``)."""
+    while isinstance(e, (ast.Attribute, ast.Subscript, ast.Call)):
+        e = e.func if isinstance(e, ast.Call) else e.value
+    return e.id if isinstance(e, ast.Name) else None
+
+
+def foreign_names(tree: ast.AST, own: str) -> set[str]:
+    """Names in a module of package ``own`` that stand for another kvfs package's objects:
+    what it imports from another package, parameters annotated with such a name, and names
+    bound (``=``, ``with ... as``) to a call of, or an attribute of, such a name."""
+    foreign = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module and n.level == 0 and n.module.startswith("kvfs."):
+            if package_of(n.module) != own:
+                foreign.update(a.asname or a.name for a in n.names)
+        elif isinstance(n, ast.Import):
+            foreign.update(a.asname or a.name.split(".")[0] for a in n.names
+                           if a.name.startswith("kvfs.") and package_of(a.name) != own)
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            foreign.update(a.arg for a in n.args.args + n.args.kwonlyargs if a.annotation is not None
+                           and any(isinstance(x, ast.Name) and x.id in foreign for x in ast.walk(a.annotation)))
+    grew = True
+    while grew:
+        grew = False
+        for n in ast.walk(tree):
+            pairs = ([(t, n.value) for t in n.targets] if isinstance(n, ast.Assign) else
+                     [(i.optional_vars, i.context_expr) for i in n.items if i.optional_vars is not None]
+                     if isinstance(n, (ast.With, ast.AsyncWith)) else [])
+            for t, v in pairs:
+                if (isinstance(t, ast.Name) and t.id not in foreign and isinstance(v, (ast.Call, ast.Attribute))
+                        and _root(v) in foreign):
+                    foreign.add(t.id)
+                    grew = True
+    return foreign
+
+
+def foreign_attribute_sets(source: str, module: str) -> list[str]:
+    """``line: target`` of each ``x.attr = ...`` (or ``x.a.b = ...``, ``+=``, a tuple's part)
+    in ``source`` (the module ``module``) where ``x`` is one of its :func:`foreign_names`."""
+    tree = ast.parse(source)
+    foreign = foreign_names(tree, package_of(module))
+    found = []
+    for n in ast.walk(tree):
+        targets = (n.targets if isinstance(n, ast.Assign) else
+                   [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else [])
+        for t in targets:
+            for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(e, ast.Attribute) and _root(e) in foreign:
+                    found.append(f"{n.lineno}: {ast.unparse(e)}")
+    return found
+
+
+def test_no_attribute_set_on_another_packages_object():
+    """Outside kvfs/build.py (the composition root), a module sets no attribute of an object
+    of another kvfs package that it imported, built or was handed as that package's type: the
+    wiring between packages is the root's (or a constructor argument), and a package changes
+    its own objects through their methods. (Objects reached through ``self`` or untyped
+    parameters are not seen; top-level modules count as packages of their own.)"""
+    found = [f"kvfs/{rel(p)}:{hit}" for p in modules() if rel(p) != "build.py"
+             for hit in foreign_attribute_sets(p.read_text(), "kvfs." + rel(p)[:-3].replace("/", "."))]
+    assert not found, "an attribute of another package's object set outside kvfs/build.py:\n" + "\n".join(found)
+    sample = ("from kvfs.store.index import Index\nfrom kvfs.build import build_ops\n"
+              "def serve(cfg, kvstore):\n    index = Index(cfg.state_dir)\n    index.names = names = None\n"
+              "    ops = build_ops(kvstore, None)\n    ops.notifier.direct = None\n    ops.kernel.start(None)\n")
+    assert foreign_attribute_sets(sample, "kvfs.daemon") == ["5: index.names", "7: ops.notifier.direct"]
+    assert foreign_attribute_sets(sample.replace("kvfs.store.index", "kvfs.daemon"), "kvfs.daemon") == [
+        "7: ops.notifier.direct"]

@@ -71,7 +71,7 @@ class Leases:
             ok = searchable.get(ino)
             if ok is None:
                 rec = self.index.get_inode(ino)
-                ok = searchable[ino] = bool(rec) and stat.S_ISDIR(rec["mode"]) and cred.may(rec, 1)
+                ok = searchable[ino] = bool(rec) and stat.S_ISDIR(rec.mode) and cred.may(rec, 1)
             return ok
 
         def walk(ino: int, comps) -> int | None:

@@ -31,6 +31,7 @@ from typing import Callable
 
 from kvfs.store import records
 from kvfs.store.index import _DEL, RECOVER, VALID, Index, Txn, k64
+from kvfs.store.records import ObjectRecord
 from kvfs.telemetry import namespace_of
 
 log = logging.getLogger(__name__)
@@ -65,13 +66,13 @@ class Tally:
         index.tally = self
 
     # ---- per record -------------------------------------------------------------
-    def _contribution(self, rec: dict | None, sign: int, d: dict) -> bool:
+    def _contribution(self, rec: ObjectRecord | None, sign: int, d: dict) -> bool:
         """Add ``rec``'s share of the totals times ``sign`` to ``d``; whether it is RAM-only."""
         if rec is None:
             return False
-        size = rec["size"]
+        size = rec.size
         _add(d, OBJECTS, sign, 0)
-        ns = namespace_of(rec.get("key", ""))
+        ns = namespace_of(rec.key)
         key = self._ns_keys.get(ns)
         if key is None:
             if len(self._ns_keys) > 4096:
@@ -79,14 +80,14 @@ class Tally:
             key = self._ns_keys[ns] = NAMESPACE + ns.encode("utf-8", "surrogateescape")
         _add(d, key, sign * size, sign)
         durable = False
-        for name in rec["place"]:
+        for name in rec.place:
             fp = self.footprints.get(name)
             if fp is not None:
                 durable = True
                 _add(d, TIER + name.encode(), sign * fp(size), sign)
         return bool(size) and not durable
 
-    def object(self, txn: Txn, oid: int, old: dict | None, new: dict | None) -> None:
+    def object(self, txn: Txn, oid: int, old: ObjectRecord | None, new: ObjectRecord | None) -> None:
         """An object record changes from ``old`` to ``new`` (None: absent) in ``txn``."""
         d = txn.d
         if d is None:
@@ -209,18 +210,18 @@ def recover(index: Index, footprints) -> dict[str, int]:
             ident = struct.unpack(">Q", key[1:])[0]
             if key[:1] == UNSEALED:
                 rec = txn.get_inode(ident)
-                if rec is not None and stat.S_ISREG(rec["mode"]) and rec.get("oid") is None:
-                    txn.unlink(rec["parent"], rec["name"])
+                if rec is not None and stat.S_ISREG(rec.mode) and rec.oid is None:
+                    txn.unlink(rec.parent, rec.name)
                     txn.del_inode(ident)
                     dropped += 1
                 txn.w[(RECOVER, key)] = _DEL         # also a stale entry (sealed or gone since)
                 continue
             orec = txn.get_object(ident)
-            if orec is not None and not any(n in footprints for n in orec["place"]):
-                rec = txn.get_inode(orec["ino"])
-                if rec is not None and rec.get("oid") == ident:
-                    txn.unlink(rec["parent"], rec["name"])
-                    txn.del_inode(orec["ino"])
+            if orec is not None and not any(n in footprints for n in orec.place):
+                rec = txn.get_inode(orec.ino)
+                if rec is not None and rec.oid == ident:
+                    txn.unlink(rec.parent, rec.name)
+                    txn.del_inode(orec.ino)
                     dropped += 1
                 txn.put_object(ident, None, old=orec)      # deleted (the totals: no second read)
                 lost += 1
@@ -245,10 +246,10 @@ def check(index: Index, footprints) -> list[str]:
         if ours._contribution(rec, 0, {}) and RAM_ONLY + k64(oid) not in keys:
             problems.append(f"object {oid:x} has no durable copy but is not in the RAM-only set")
     for ino, rec in index.iter_inodes():
-        if stat.S_ISREG(rec["mode"]) and rec.get("oid") is None and UNSEALED + k64(ino) not in keys:
-            problems.append(f"file {rec['name']!r} (inode {ino}) is unsealed but not in the unsealed set")
-        if NO_KV in keys and (rec.get("kv") or {}).get("parent"):
-            problems.append(f"file {rec['name']!r} (inode {ino}) has a KV parent but the index says none has")
+        if stat.S_ISREG(rec.mode) and rec.oid is None and UNSEALED + k64(ino) not in keys:
+            problems.append(f"file {rec.name!r} (inode {ino}) is unsealed but not in the unsealed set")
+        if NO_KV in keys and (rec.kv or {}).get("parent"):
+            problems.append(f"file {rec.name!r} (inode {ino}) has a KV parent but the index says none has")
             keys.discard(NO_KV)
     have, want = ours.current(), ours.recount(recs)
     for key in sorted(set(have) | set(want)):

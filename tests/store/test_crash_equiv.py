@@ -102,7 +102,7 @@ async def _state(kvstore) -> dict:
 
     async def walk(d: int, path: bytes) -> None:
         for _e, n, ino, rec in list(kvstore.names.entries(d, 0)):
-            if stat.S_ISDIR(rec["mode"]):
+            if stat.S_ISDIR(rec.mode):
                 tree[path + n] = "dir"
                 await walk(ino, path + n + b"/")
             else:
@@ -110,8 +110,8 @@ async def _state(kvstore) -> dict:
     await walk(ROOT_INO, b"/")
     ix = kvstore.index
     ix.commit()
-    inodes = {ino: (r["parent"], r["name"], r.get("oid"), r["size"]) for ino, r in ix.iter_inodes()}
-    objects = {oid: (r["ino"], r["size"], sorted(r["place"])) for oid, r in ix.iter_objects()}
+    inodes = {ino: (r.parent, r.name, r.oid, r.size) for ino, r in ix.iter_inodes()}
+    objects = {oid: (r.ino, r.size, sorted(r.place)) for oid, r in ix.iter_objects()}
     with ix.env.begin() as t:
         sets = sorted(bytes(k) for k in t.cursor(db=ix.recover).iternext(values=False)
                       if k[:1] in (tally.UNSEALED, tally.RAM_ONLY))

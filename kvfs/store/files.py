@@ -109,8 +109,11 @@ class FileHandles:
         changed record is a copy: ``rec`` may be the index's shared one."""
         ws = self.writers.get(ino)
         if ws is not None and (ws.staging is not None or ws.mtime is not None):
-            rec = dataclasses.replace(rec, size=rec.size if ws.staging is None else ws.staging.size,
-                                      mtime=rec.mtime if ws.mtime is None else ws.mtime)
+            rec = rec.copy()
+            if ws.staging is not None:
+                rec.size = ws.staging.size
+            if ws.mtime is not None:
+                rec.mtime = ws.mtime
         return rec
 
     def live_size(self, ino: int, rec: InodeRecord) -> int:

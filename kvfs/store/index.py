@@ -184,12 +184,7 @@ class Index:
     def verify_records(self) -> int:
         """Decode every inode and object record (IndexDamaged at the first that does not
         parse); returns how many there are."""
-        n = 0
-        for _ in self.iter_inodes():
-            n += 1
-        for _ in self.iter_objects():
-            n += 1
-        return n
+        return sum(1 for _ in self.iter_inodes()) + sum(1 for _ in self.iter_objects())
 
     def get_meta(self, name: bytes) -> bytes | None:
         with self.env.begin() as txn:
@@ -375,6 +370,41 @@ class Index:
                 if raw is not None:
                     yield eid, name, _U64x2.unpack(raw)[0]
 
+    def resolve(self, base: list[bytes], paths: list[bytes]) -> Iterator[int]:
+        """The inode of each of ``paths`` (``/``-separated, relative to the directory ``base``,
+        its components from the root), in order, in one read transaction, until the first
+        missing one. Directories met on the way are resolved once per call (chains of KV
+        blocks share a namespace directory and its shard directories)."""
+        self.commit()
+        with self.env.begin() as txn:
+            get, dirents, unpack = txn.get, self.dirents, _U64.unpack_from
+            top = k64(ROOT_INO)
+            for c in base:
+                raw = get(top + c, None, dirents)
+                if raw is None:
+                    return
+                top = raw[:8]
+            dirs: dict[bytes, bytes | None] = {}
+            for p in paths:
+                cut = p.rfind(b"/")
+                parent = top
+                if cut >= 0:
+                    d = p[:cut]
+                    parent = dirs.get(d, b"")
+                    if parent == b"":
+                        parent = top
+                        for c in d.split(b"/"):
+                            if c and c != b"." and parent is not None:
+                                raw = get(parent + c, None, dirents)
+                                parent = None if raw is None else raw[:8]
+                        dirs[d] = parent
+                    if parent is None:
+                        return
+                raw = get(parent + p[cut + 1:], None, dirents)
+                if raw is None:
+                    return
+                yield unpack(raw)[0]
+
     def has_children(self, parent: int) -> bool:
         self.commit()
         prefix = k64(parent)
@@ -433,7 +463,7 @@ class Txn:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None and self.w:
             if self.d:
-                self.ix.tally.apply(self.d, self.w)
+                self.ix.tally.apply(self.d, self)
             self.ix._apply(self.w, self.dirs)   # new names enter the name table before they are visible
 
     def _get(self, db: int, key: bytes):
@@ -444,6 +474,10 @@ class Txn:
 
     def new_id(self, kind: bytes) -> int:
         return self.ix.new_id(kind)
+
+    def recover_set(self, key: bytes, value: bytes | None) -> None:
+        """Set ``key`` of the ``recover`` database (kvfs.store.tally's) to ``value`` (None: delete)."""
+        self.w[(RECOVER, key)] = _DEL if value is None else value
 
     def get_inode(self, ino: int) -> InodeRecord | None:
         v = self.w.get((INODES, k64(ino)), _MISS)

@@ -146,7 +146,8 @@ def encode(rec) -> bytes:
     return cbor2.dumps(rec)
 
 
-def _decode(raw: bytes, fields: tuple[dict, dict], what: str) -> dict:
+def _decode(raw: bytes, fields: tuple[dict, dict], what: str) -> tuple[dict, dict | None]:
+    """The checked map, and its fields this version does not know (None: none)."""
     try:
         rec = cbor2.loads(raw, tag_hook=_no_tags)
     except Exception as e:      # noqa: BLE001 - any decoding failure is a damaged record
@@ -154,7 +155,7 @@ def _decode(raw: bytes, fields: tuple[dict, dict], what: str) -> dict:
     if type(rec) is not dict:
         raise IndexDamaged(f"index record ({what}) is not a map; {FSCK_HINT}")
     required, optional = fields
-    bad = None
+    bad = extra = None
     try:
         for name, types in required.items():
             if type(rec[name]) not in types:
@@ -171,6 +172,9 @@ def _decode(raw: bytes, fields: tuple[dict, dict], what: str) -> dict:
                 if not (type(name) is str and _plain(v)):
                     bad = name
                     break
+                if extra is None:
+                    extra = {}
+                extra[name] = v
             elif type(v) not in types:
                 bad = name
                 break
@@ -182,40 +186,32 @@ def _decode(raw: bytes, fields: tuple[dict, dict], what: str) -> dict:
                 break
     if bad is not None:
         raise IndexDamaged(f"index record ({what}) has a bad field {str(bad)[:40]!r}; {FSCK_HINT}")
-    return rec
+    return rec, extra
 
 
 _MISSING = object()
 decoded = 0                 # inode and object records decoded by this process (recovery reports its share)
 
 
-def _extra(m: dict, required: dict, optional: dict) -> dict | None:
-    """The fields of ``m`` this version does not know (None: none)."""
-    if len(m) <= len(required):
-        return None
-    out = {k: v for k, v in m.items() if k not in required and k not in optional}
-    return out or None
-
-
 def decode_inode(raw: bytes) -> InodeRecord:
     global decoded
     decoded += 1
-    m = _decode(raw, INODE_FIELDS, "inode")
+    m, extra = _decode(raw, INODE_FIELDS, "inode")
     g = m.get
     return InodeRecord(m["mode"], m["uid"], m["gid"], m["size"], m["nlink"], m["atime"], m["mtime"], m["ctime"],
                        m["parent"], m["name"], m["xattrs"], g("oid"), g("target"), g("pin", False), g("gen", 0),
-                       g("kv"), g("subdirs"), _extra(m, *INODE_FIELDS))
+                       g("kv"), g("subdirs"), extra)
 
 
 def decode_object(raw: bytes) -> ObjectRecord:
     global decoded
     decoded += 1
-    m = _decode(raw, OBJECT_FIELDS, "object")
+    m, extra = _decode(raw, OBJECT_FIELDS, "object")
     g = m.get
     return ObjectRecord(m["size"], m["checksum"], m["chunk_size"], m["sums"], m["place"], m["ino"], g("key", ""),
-                        g("gen", 0), g("hits", 0), g("atime", 0.0), _extra(m, *OBJECT_FIELDS))
+                        g("gen", 0), g("hits", 0), g("atime", 0.0), extra)
 
 
 def decode_meta(raw: bytes) -> dict:
     """A meta map (format header): plain values only."""
-    return _decode(raw, META_FIELDS, "meta")
+    return _decode(raw, META_FIELDS, "meta")[0]

@@ -30,7 +30,7 @@ import struct
 from typing import Callable
 
 from kvfs.store import records
-from kvfs.store.index import _DEL, RECOVER, VALID, Index, Txn, k64
+from kvfs.store.index import VALID, Index, Txn, k64
 from kvfs.store.records import ObjectRecord
 from kvfs.telemetry import namespace_of
 
@@ -95,10 +95,10 @@ class Tally:
         was = self._contribution(old, -1, d)
         now = self._contribution(new, 1, d)
         if was != now:
-            txn.w[(RECOVER, RAM_ONLY + k64(oid))] = b"" if now else _DEL
+            txn.recover_set(RAM_ONLY + k64(oid), b"" if now else None)
 
-    def apply(self, d: dict, w: dict) -> None:
-        """A Txn's differences join the totals and its changes (``w``): written with it."""
+    def apply(self, d: dict, txn: Txn) -> None:
+        """A Txn's differences join the totals and its changes: written with it."""
         values = self.values
         for key, (a, b) in d.items():
             if not a and not b:
@@ -109,7 +109,7 @@ class Tally:
             v[0] += a
             v[1] += b
             _PAIR.pack_into(v[2], 0, v[0], v[1])
-            w[(RECOVER, key)] = v[2]
+            txn.recover_set(key, v[2])
 
     # ---- whole totals ---------------------------------------------------------------
     def totals(self) -> dict:
@@ -158,7 +158,7 @@ class Tally:
         """Whether any inode's KV record names a parent, known from a complete table (the
         ``k`` key: set at a clean unmount whose scan found none, for the next crash start)."""
         with self.index.write() as txn:
-            txn.w[(RECOVER, NO_KV)] = _DEL if kv else b""
+            txn.recover_set(NO_KV, None if kv else b"")
         self.no_kv = not kv
 
     def reset(self, recs, kv: bool = True) -> None:
@@ -166,15 +166,15 @@ class Tally:
         ``kv``: whether any inode has a KV record with a parent (the recovery's count)."""
         d = self.recount(recs)
         with self.index.write() as txn:
-            txn.w[(RECOVER, NO_KV)] = _DEL if kv else b""
+            txn.recover_set(NO_KV, None if kv else b"")
             self.no_kv = not kv
             for key in self.values:
                 if key not in d:
-                    txn.w[(RECOVER, key)] = _DEL
+                    txn.recover_set(key, None)
             self.values = {}
             d.setdefault(OBJECTS, [0, 0])
-            self.apply(d, txn.w)
-            txn.w[(RECOVER, VALID)] = _VERSION
+            self.apply(d, txn)
+            txn.recover_set(VALID, _VERSION)
         self.valid = True
 
 
@@ -182,7 +182,7 @@ def invalidate(index: Index) -> None:
     """Forget the running totals: the next start recovers in full (a writer that changed
     records without keeping them, and tests that compare the two starts)."""
     with index.write() as txn:
-        txn.w[(RECOVER, VALID)] = _DEL
+        txn.recover_set(VALID, None)
     index.commit()
 
 
@@ -214,7 +214,7 @@ def recover(index: Index, footprints) -> dict[str, int]:
                     txn.unlink(rec.parent, rec.name)
                     txn.del_inode(ident)
                     dropped += 1
-                txn.w[(RECOVER, key)] = _DEL         # also a stale entry (sealed or gone since)
+                txn.recover_set(key, None)          # also a stale entry (sealed or gone since)
                 continue
             orec = txn.get_object(ident)
             if orec is not None and not any(n in footprints for n in orec.place):
@@ -225,7 +225,7 @@ def recover(index: Index, footprints) -> dict[str, int]:
                     dropped += 1
                 txn.put_object(ident, None, old=orec)      # deleted (the totals: no second read)
                 lost += 1
-            txn.w[(RECOVER, key)] = _DEL
+            txn.recover_set(key, None)
     index.commit()
     return {"dropped_files": dropped, "lost_objects": lost, "decoded": records.decoded - before}
 

@@ -46,9 +46,9 @@ class Quotas:
     def namespace_dir(self, ino: int) -> str:
         """The namespace an inode names, if it is a top-level directory (EINVAL otherwise)."""
         rec = self.cache.ns.inode(ino)
-        if rec.get("parent") != ROOT_INO or ino == ROOT_INO or not (rec["mode"] & 0o040000):
+        if rec.parent != ROOT_INO or ino == ROOT_INO or not (rec.mode & 0o040000):
             raise NamespaceError(errno.EINVAL, "a quota is set on a top-level directory")
-        return rec["name"].decode("utf-8", "surrogateescape")
+        return rec.name.decode("utf-8", "surrogateescape")
 
     def set_xattr(self, ino: int, value: bytes, uid: int) -> None:
         if uid != 0:

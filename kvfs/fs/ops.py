@@ -16,6 +16,7 @@ from kvfs.fs.opens import Held, Opens
 from kvfs.fs.errmap import translate
 from kvfs.protocol import ALIGN, CONTROL_NAME_B, ROOT_INO
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
+from kvfs.store.records import InodeRecord
 from kvfs.store.store import Cred, Store
 
 log = logging.getLogger(__name__)
@@ -42,26 +43,26 @@ def _negative() -> pyfuse3.EntryAttributes:
 _NEGATIVE = _negative()    # never changed: pyfuse3 copies the fields into each reply
 
 
-def _entry(ino: int, rec: dict) -> pyfuse3.EntryAttributes:
+def _entry(ino: int, rec: InodeRecord) -> pyfuse3.EntryAttributes:
     a = pyfuse3.EntryAttributes()
     a.st_ino = ino
     a.generation = 0
     a.entry_timeout = ENTRY_TIMEOUT
     a.attr_timeout = ATTR_TIMEOUT
-    a.st_mode = rec["mode"]
-    if stat.S_ISDIR(rec["mode"]):       # 1: not counted (a directory older than the count)
-        a.st_nlink = 2 + rec["subdirs"] if "subdirs" in rec else 1
+    a.st_mode = rec.mode
+    if stat.S_ISDIR(rec.mode):       # 1: not counted (a directory older than the count)
+        a.st_nlink = 2 + rec.subdirs if rec.subdirs is not None else 1
     else:
-        a.st_nlink = rec["nlink"]       # 0 for an unlinked file still open
-    a.st_uid = rec["uid"]
-    a.st_gid = rec["gid"]
+        a.st_nlink = rec.nlink       # 0 for an unlinked file still open
+    a.st_uid = rec.uid
+    a.st_gid = rec.gid
     a.st_rdev = 0
-    a.st_size = rec["size"]
+    a.st_size = rec.size
     a.st_blksize = 1 << 20
-    a.st_blocks = (rec["size"] + 511) // 512
-    a.st_atime_ns = rec["atime"]
-    a.st_mtime_ns = rec["mtime"]
-    a.st_ctime_ns = rec["ctime"]
+    a.st_blocks = (rec.size + 511) // 512
+    a.st_atime_ns = rec.atime
+    a.st_mtime_ns = rec.mtime
+    a.st_ctime_ns = rec.ctime
     return a
 
 
@@ -111,7 +112,7 @@ class KvfsOperations(pyfuse3.Operations):
         if name == b".":
             ino = parent_inode
         elif name == b"..":
-            ino = self.store.names.inode(parent_inode)["parent"]
+            ino = self.store.names.inode(parent_inode).parent
         else:
             t0 = time.perf_counter()
             try:
@@ -175,9 +176,9 @@ class KvfsOperations(pyfuse3.Operations):
     @translate
     async def readlink(self, inode, ctx):
         rec = self.store.names.inode(inode)
-        if not stat.S_ISLNK(rec["mode"]):
+        if not stat.S_ISLNK(rec.mode):
             raise pyfuse3.FUSEError(errno.EINVAL)
-        return rec["target"]
+        return rec.target
 
     @translate
     async def mkdir(self, parent_inode, name, mode, ctx):
@@ -227,7 +228,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def opendir(self, inode, ctx):
         if control.is_control(inode):
             return inode
-        if not stat.S_ISDIR(self.store.names.inode(inode)["mode"]):
+        if not stat.S_ISDIR(self.store.names.inode(inode).mode):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         if self.shared is not None:
             await self.shared.fill(inode)

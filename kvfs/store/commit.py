@@ -145,7 +145,7 @@ class Commits:
         ino = ROOT_INO
         for c in dirs:
             rec = self.ns.inode(ino)
-            if not stat.S_ISDIR(rec["mode"]):
+            if not stat.S_ISDIR(rec.mode):
                 raise _err(errno.ENOTDIR)
             if not cred.may(rec, 1):
                 raise _err(errno.EACCES)
@@ -162,7 +162,7 @@ class Commits:
                 raise _err(errno.ENOENT)
             ino = child
         prec = self.ns.inode(ino)
-        if not stat.S_ISDIR(prec["mode"]):
+        if not stat.S_ISDIR(prec.mode):
             raise _err(errno.ENOTDIR)
         if not cred.may(prec, 3):
             raise _err(errno.EACCES)
@@ -173,10 +173,10 @@ class Commits:
             raise _err(errno.EEXIST)
         if old is not None:
             orec = self.index.get_inode(old)
-            if orec is not None and stat.S_ISDIR(orec["mode"]):
+            if orec is not None and stat.S_ISDIR(orec.mode):
                 raise _err(errno.EISDIR)
-            if (orec is not None and prec["mode"] & stat.S_ISVTX and cred.uid != 0
-                    and cred.uid not in (orec["uid"], prec["uid"])):
+            if (orec is not None and prec.mode & stat.S_ISVTX and cred.uid != 0
+                    and cred.uid not in (orec.uid, prec.uid)):
                 raise _err(errno.EPERM)      # sticky directory: only the owner replaces
         return ino, name
 
@@ -406,7 +406,7 @@ class Commits:
             quotas.forget_handle(m.fh)
         await self.files.release(m.fh)
         rec = self.index.get_inode(m.ino)
-        if rec is None or rec.get("oid") is None:
+        if rec is None or rec.oid is None:
             raise _err(errno.EIO, "the committed file was not sealed")
         await self.names.rename(m.parent, m.tmp, m.parent, m.name, 1 if noreplace else 0)
         m.published = True

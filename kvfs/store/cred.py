@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvfs.store.records import InodeRecord
+
 
 @dataclasses.dataclass(frozen=True)
 class Cred:
@@ -12,14 +14,14 @@ class Cred:
     gid: int
     groups: frozenset = frozenset()
 
-    def may(self, rec: dict, want: int) -> bool:
+    def may(self, rec: InodeRecord, want: int) -> bool:
         """``default_permissions`` rules: owner, then group, then other bits (root passes)."""
         if self.uid == 0:
             return True
-        mode = rec["mode"]
-        if rec["uid"] == self.uid:
+        mode = rec.mode
+        if rec.uid == self.uid:
             bits = mode >> 6
-        elif rec["gid"] == self.gid or rec["gid"] in self.groups:
+        elif rec.gid == self.gid or rec.gid in self.groups:
             bits = mode >> 3
         else:
             bits = mode

@@ -25,6 +25,7 @@ from kvfs.store.index import Index
 from kvfs.store.namespace import Namespace
 from kvfs.store.objects import Obj, ObjectStore
 from kvfs.store.ram import Staging
+from kvfs.store.records import InodeRecord
 from kvfs.store.sniff import peek_block_header
 from kvfs.store.versions import fit
 
@@ -78,7 +79,7 @@ class FileHandles:
     Owners' (a chown/chmod takes back backing-file grants)."""
 
     def __init__(self, index: Index, store: ObjectStore, ns: Namespace, spill_dir,
-                 grants_follow_setattr: Callable[[int, dict, bool, bool], None]):
+                 grants_follow_setattr: Callable[[int, InodeRecord, bool, bool], None]):
         self.index = index
         self.store = store
         self.ns = ns
@@ -97,24 +98,28 @@ class FileHandles:
         self.on_renamed: Callable[[int, bytes], Awaitable[None]] | None = None
 
     # ---- attributes -----------------------------------------------------------
-    def getattr(self, ino: int) -> dict:
+    def getattr(self, ino: int) -> InodeRecord:
         return self.live_attrs(ino, self.ns.inode(ino))
 
-    def live_attrs(self, ino: int, rec: dict) -> dict:
+    def live_attrs(self, ino: int, rec: InodeRecord) -> InodeRecord:
         """``rec`` (the inode's record) with what a write in progress changed: the size of its
         buffer and the mtime of its last write (the record has them once it is sealed).
         Every path that reports attributes to the kernel goes through here (getattr, lookup,
-        readdirplus): the kernel keeps one size per inode and trusts the latest answer."""
+        readdirplus): the kernel keeps one size per inode and trusts the latest answer. A
+        changed record is a copy: ``rec`` may be the index's shared one."""
         ws = self.writers.get(ino)
-        if ws is not None:
-            over = {}
+        if ws is not None and (ws.staging is not None or ws.mtime is not None):
+            rec = rec.copy()
             if ws.staging is not None:
-                over["size"] = ws.staging.size
+                rec.size = ws.staging.size
             if ws.mtime is not None:
-                over["mtime"] = ws.mtime
-            if over:
-                rec = dict(rec, **over)
+                rec.mtime = ws.mtime
         return rec
+
+    def live_size(self, ino: int, rec: InodeRecord) -> int:
+        """``live_attrs(ino, rec).size`` without a copy (every read asks it)."""
+        ws = self.writers.get(ino)
+        return rec.size if ws is None or ws.staging is None else ws.staging.size
 
     def is_open(self, ino: int) -> bool:
         return self.open_count.get(ino, 0) > 0
@@ -137,11 +142,11 @@ class FileHandles:
         return max(t.capacity for t in self.store.tiers)
 
     async def setattr(self, ino: int, *, size=None, mode=None, uid=None, gid=None,
-                      atime=None, mtime=None) -> dict:
+                      atime=None, mtime=None) -> InodeRecord:
         rec = self.ns.inode(ino)
         fields = {}
         if mode is not None:
-            fields["mode"] = (rec["mode"] & ~0o7777) | (mode & 0o7777)
+            fields["mode"] = (rec.mode & ~0o7777) | (mode & 0o7777)
         if uid is not None:
             fields["uid"] = uid
         if gid is not None:
@@ -157,8 +162,8 @@ class FileHandles:
             if mtime is not None and ws is not None:
                 ws.mtime, ws.created = mtime, 0     # set after the last write: the seal keeps it
         if size is not None:
-            if not stat.S_ISREG(rec["mode"]):
-                raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec["mode"]) else errno.EINVAL)
+            if not stat.S_ISREG(rec.mode):
+                raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec.mode) else errno.EINVAL)
             if size > self.max_file_size():
                 raise NamespaceError(errno.EFBIG, "larger than the largest tier")
             ws = await self._live_writer(ino, writing=True)
@@ -200,10 +205,10 @@ class FileHandles:
         return fh
 
     async def create(self, parent: int, name: bytes, mode: int, uid: int, gid: int,
-                     flags: int = os.O_RDWR) -> tuple[int, int, dict]:
+                     flags: int = os.O_RDWR) -> tuple[int, int, InodeRecord]:
         ino, rec = self.ns.make(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid, oid=None)
         ws = WriteState(ino, staging=self.store.ram.new_staging(), dirty=True,
-                        mtime=rec["mtime"], created=rec["mtime"])
+                        mtime=rec.mtime, created=rec.mtime)
         ws.ready.set()
         self.writers[ino] = ws
         ws.handles = 1
@@ -226,7 +231,7 @@ class FileHandles:
         acc = flags & os.O_ACCMODE
         ws = await self._live_writer(ino, writing=acc != os.O_RDONLY)
         rec = self.ns.inode(ino)         # after any wait: a seal may have installed a new version
-        if stat.S_ISDIR(rec["mode"]):
+        if stat.S_ISDIR(rec.mode):
             raise NamespaceError(errno.EISDIR)
         if acc != os.O_RDONLY:
             joined = ws is not None
@@ -249,7 +254,7 @@ class FileHandles:
         if ws is not None:
             ws.handles += 1
             return self._new_fh(Handle(ino, ws=ws))
-        obj = self.store.objs.get(rec.get("oid"))
+        obj = self.store.objs.get(rec.oid)
         if obj is None:
             raise NamespaceError(errno.ENOENT)
         obj.refs += 1
@@ -277,7 +282,7 @@ class FileHandles:
 
     async def _begin_write(self, ino: int, truncate: bool) -> WriteState:
         rec = self.ns.inode(ino)
-        base = self.store.objs.get(rec.get("oid"))
+        base = self.store.objs.get(rec.oid)
         ws = WriteState(ino, base=base, dirty=truncate)
         if base is not None:
             base.refs += 1
@@ -338,7 +343,7 @@ class FileHandles:
             rec = self.ns.inode(h.ino)
         except NamespaceError:
             return fit(data, offset, size, n, None)
-        cur = self.live_attrs(h.ino, rec)["size"]
+        cur = self.live_size(h.ino, rec)
         if not self._current(h, rec):
             return fit(data, offset, size, n, cur)
         want = min(offset + size, cur) - offset
@@ -349,7 +354,7 @@ class FileHandles:
             data = bytes(data) + bytes(more)
         return data[:max(want, 0)]
 
-    def _current(self, h: Handle, rec: dict) -> bool:
+    def _current(self, h: Handle, rec: InodeRecord) -> bool:
         """Whether the handle reads the inode's current version: its live write state, or
         (no buffer in the live one) its sealed object."""
         live = self.writers.get(h.ino)
@@ -363,7 +368,7 @@ class FileHandles:
             obj = h.obj
         if live is not None and live.staging is not None:
             return False
-        return obj is not None and rec.get("oid") == obj.oid
+        return obj is not None and rec.oid == obj.oid
 
     async def write(self, fh: int, offset: int, data) -> int:
         h = self.handles[fh]
@@ -439,10 +444,10 @@ class FileHandles:
         """The last writer left and the new version could not be sealed."""
         ws.dirty = False
         rec = self.index.get_inode(ws.ino)
-        if rec is not None and rec.get("oid") is None:
+        if rec is not None and rec.oid is None:
             # never sealed: it must not stay visible as an empty file
             try:
-                self.ns.unlink(rec["parent"], rec["name"], self.is_open)
+                self.ns.unlink(rec.parent, rec.name, self.is_open)
             except NamespaceError:
                 pass
 
@@ -472,8 +477,8 @@ class FileHandles:
         if rec is None:                      # unlinked while open: nothing to keep
             orphan = self.ns.orphans.get(ws.ino)
             if orphan is not None:           # its readers still see its size (POSIX)
-                orphan["size"] = staging.size
-                orphan["mtime"] = ws.mtime or orphan["mtime"]
+                orphan.size = staging.size
+                orphan.mtime = ws.mtime or orphan.mtime
             ws.dirty = False
             return
         # until the new object is installed, writes and truncates of this file wait (they
@@ -484,7 +489,7 @@ class FileHandles:
         try:
             kv = await peek_block_header(staging)
             key, renames = self.ns.path_of(ws.ino), self.ns.renames
-            obj = await self.store.create(ws.ino, staging, key, rec.get("gen", 0) + 1)
+            obj = await self.store.create(ws.ino, staging, key, rec.gen + 1)
             ws.staging = None
             staging.discard()                # what adopt did not take (a spilled file, empty)
             kvrec = None
@@ -503,10 +508,10 @@ class FileHandles:
                 # a shared volume was published under the old name
                 now = self.index.get_inode(ws.ino)
                 if now is not None:
-                    await self.on_renamed(now["parent"], now["name"])
+                    await self.on_renamed(now.parent, now.name)
                 path = self.ns.path_of(ws.ino)
             if old is not None:
-                self.telemetry.events.emit("removed", old, None, path=path, kv=rec.get("kv"))
+                self.telemetry.events.emit("removed", old, None, path=path, kv=rec.kv)
                 await self.store.release_space(old)
             if prev is not None:
                 prev.refs -= 1

@@ -29,6 +29,7 @@ from kvfs.errors import IndexDamaged, NamespaceError, StoreError
 from kvfs.store import checksum, nvmerecord, records, tally
 from kvfs.store.index import ENV_NAME, HEADER_NAME, ROOT_INO, Index
 from kvfs.store.objects import Obj
+from kvfs.store.records import InodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +118,11 @@ def _check_names(index: Index, report: FsckReport, repair: bool) -> None:
             continue
         if ino not in named:
             bad_inodes.append(ino)
-            _problem(report, f"inode {ino} ({rec.get('name')!r}) has no name")
-        elif stat.S_ISREG(rec["mode"]) and rec.get("oid") not in objects:
+            _problem(report, f"inode {ino} ({rec.name!r}) has no name")
+        elif stat.S_ISREG(rec.mode) and rec.oid not in objects:
             bad_inodes.append(ino)
-            bad_dirents.append((rec["parent"], rec["name"]))
-            _problem(report, f"file {rec.get('name')!r} (inode {ino}) has no sealed object")
+            bad_dirents.append((rec.parent, rec.name))
+            _problem(report, f"file {rec.name!r} (inode {ino}) has no sealed object")
     if repair and (bad_dirents or bad_inodes):
         with index.write() as txn:
             for p, n in bad_dirents:
@@ -146,7 +147,7 @@ def _check_totals(index: Index, tiers: dict, report: FsckReport, repair: bool) -
 async def _check_objects(index: Index, tiers: dict, report: FsckReport, repair: bool,
                          progress: Progress) -> None:
     """Every object is owned by one file and each durable copy is there and verifies."""
-    owners = {rec.get("oid"): ino for ino, rec in index.iter_inodes() if stat.S_ISREG(rec["mode"])}
+    owners = {rec.oid: ino for ino, rec in index.iter_inodes() if stat.S_ISREG(rec.mode)}
     objs = list(index.iter_objects())
     drop: list[tuple[int, int | None]] = []
     for n, (oid, rec) in enumerate(objs):
@@ -177,10 +178,10 @@ async def _check_objects(index: Index, tiers: dict, report: FsckReport, repair: 
                 if ino is not None:
                     irec = txn.get_inode(ino)
                     if irec is not None:
-                        txn.unlink(irec["parent"], irec["name"])
+                        txn.unlink(irec.parent, irec.name)
                         txn.del_inode(ino)
                 if rec:
-                    for name, loc in rec["place"].items():
+                    for name, loc in rec.place.items():
                         if name in tiers:
                             await tiers[name].delete(oid, loc)
         report.repaired += len(drop)
@@ -211,7 +212,7 @@ async def _check_orphans(index: Index, tiers: list, report: FsckReport, repair: 
         orphans = []
         async for oid, loc, size in tier.scan():
             rec = known.get(oid)
-            if rec is None or tier.name not in rec["place"]:
+            if rec is None or tier.name not in rec.place:
                 orphans.append((oid, loc))
         for oid, loc in orphans:
             _problem(report, f"orphaned backing object {oid:x} on {tier.name}")
@@ -290,11 +291,11 @@ async def _rebuild(index: Index, remote, report: FsckReport, progress: Progress)
                 child = txn.lookup(parent, c)
                 if child is None:
                     child = txn.new_id(b"ino")
-                    txn.put_inode(child, dict(mode=stat.S_IFDIR | 0o755, uid=0, gid=0, size=0, nlink=1,
-                                              atime=now, mtime=now, ctime=now, parent=parent, name=c,
-                                              xattrs={}))
+                    txn.put_inode(child, InodeRecord(mode=stat.S_IFDIR | 0o755, uid=0, gid=0, size=0, nlink=1,
+                                                     atime=now, mtime=now, ctime=now, parent=parent, name=c,
+                                                     xattrs={}))
                     txn.link(parent, c, child)
-                elif not stat.S_ISDIR(txn.get_inode(child)["mode"]):
+                elif not stat.S_ISDIR(txn.get_inode(child).mode):
                     raise NamespaceError(20, f"cannot rebuild {info.key}: {c!r} is not a directory")
                 parent = child
             if txn.lookup(parent, comps[-1]) is not None:
@@ -303,9 +304,9 @@ async def _rebuild(index: Index, remote, report: FsckReport, progress: Progress)
             obj = Obj(info.oid, info.size, info.checksum, info.chunk_size, tuple(info.chunk_sums),
                       {remote.name: loc}, ino, info.key, info.generation)
             txn.put_object(info.oid, obj.record())
-            txn.put_inode(ino, dict(mode=stat.S_IFREG | 0o644, uid=0, gid=0, size=info.size, nlink=1,
-                                    atime=now, mtime=now, ctime=now, parent=parent, name=comps[-1],
-                                    xattrs={}, oid=info.oid, gen=info.generation))
+            txn.put_inode(ino, InodeRecord(mode=stat.S_IFREG | 0o644, uid=0, gid=0, size=info.size, nlink=1,
+                                           atime=now, mtime=now, ctime=now, parent=parent, name=comps[-1],
+                                           xattrs={}, oid=info.oid, gen=info.generation))
             txn.link(parent, comps[-1], ino)
         known.add(info.oid)
         report.rebuilt += 1

@@ -1,6 +1,8 @@
 """The LMDB index: namespace tree, attributes, object placement, access statistics.
 
-One environment per process. Records are typed CBOR maps (kvfs.store.records), never pickle.
+One environment per process. Records are typed CBOR maps (kvfs.store.records), never pickle,
+decoded here into ``InodeRecord``/``ObjectRecord`` and encoded back here; the key layout
+below is this module's own (callers ask by id and name, they build no keys).
 Group commits: a namespace operation is one ``Txn`` that never spans an await. It
 buffers its changes and, when it ends cleanly, applies them to an in-memory table of
 pending changes that every read consults first (with a cache of decoded inode
@@ -46,7 +48,7 @@ from kvfs.errors import IndexDamaged
 from kvfs.protocol import ROOT_INO
 from kvfs.store import marker, records
 from kvfs.store.lmdbfile import HEADER_NAME, check_header, check_lmdb_file, make_header, read_header  # noqa: F401
-from kvfs.store.records import FORMAT_VERSION, FSCK_HINT
+from kvfs.store.records import FORMAT_VERSION, FSCK_HINT, InodeRecord, ObjectRecord
 from kvfs.store.safedir import DirLock, holder_text, open_private_dir, write_file_atomic
 
 log = logging.getLogger(__name__)
@@ -113,13 +115,13 @@ class Index:
         self.tally = None           # kvfs.store.tally.Tally: running totals (the object store's)
         self._next: dict[bytes, list[int]] = {}
         self._dbs = (self.meta, self.inodes, self.dirents, self.dirorder, self.objects, self.recover)
-        # (database, key) -> value (a record dict for inodes and objects, else bytes) or _DEL
+        # (database, key) -> value (an InodeRecord/ObjectRecord for inodes and objects, else bytes) or _DEL
         self._pending: dict[tuple[int, bytes], object] = {}
         # pending keys LMDB does not hold (a name made in this group): a deletion in the same
         # group drops them from the group instead of deleting in LMDB (a temp name renamed away)
         self._fresh: set[tuple[int, bytes]] = set()
         self._ops = 0               # operations in _pending
-        self._icache: dict[int, dict] = {}
+        self._icache: dict[int, InodeRecord] = {}
         self._wake = None           # the committer's trio.Event while it runs
         self.names = None           # kvfs.store.names.NameTable: sees every change of names
         self.commits = 0            # LMDB write transactions of group commits
@@ -136,8 +138,8 @@ class Index:
                 txn.put(b"format", _dumps(make_header(inst)), db=self.meta)
                 txn.put(b"instance", inst.encode(), db=self.meta)
                 now = time.time_ns()
-                root = dict(mode=0o40755, uid=os.getuid(), gid=os.getgid(), size=0, nlink=1, subdirs=0,
-                            atime=now, mtime=now, ctime=now, parent=ROOT_INO, name=b"", xattrs={})
+                root = InodeRecord(mode=0o40755, uid=os.getuid(), gid=os.getgid(), size=0, nlink=1, subdirs=0,
+                                   atime=now, mtime=now, ctime=now, parent=ROOT_INO, name=b"", xattrs={})
                 txn.put(k64(ROOT_INO), _dumps(root), db=self.inodes)
                 txn.put(b"next_ino", k64(ROOT_INO + 1), db=self.meta)
             else:
@@ -182,12 +184,7 @@ class Index:
     def verify_records(self) -> int:
         """Decode every inode and object record (IndexDamaged at the first that does not
         parse); returns how many there are."""
-        n = 0
-        for _ in self.iter_inodes():
-            n += 1
-        for _ in self.iter_objects():
-            n += 1
-        return n
+        return sum(1 for _ in self.iter_inodes()) + sum(1 for _ in self.iter_objects())
 
     def get_meta(self, name: bytes) -> bytes | None:
         with self.env.begin() as txn:
@@ -329,7 +326,7 @@ class Index:
         return n
 
     # reads -------------------------------------------------------------------
-    def get_inode(self, ino: int) -> dict | None:
+    def get_inode(self, ino: int) -> InodeRecord | None:
         """The inode's record, shared: callers must not change it (a Txn gives copies)."""
         rec = self._icache.get(ino)
         if rec is not None:
@@ -373,6 +370,41 @@ class Index:
                 if raw is not None:
                     yield eid, name, _U64x2.unpack(raw)[0]
 
+    def resolve(self, base: list[bytes], paths: list[bytes]) -> Iterator[int]:
+        """The inode of each of ``paths`` (``/``-separated, relative to the directory ``base``,
+        its components from the root), in order, in one read transaction, until the first
+        missing one. Directories met on the way are resolved once per call (chains of KV
+        blocks share a namespace directory and its shard directories)."""
+        self.commit()
+        with self.env.begin() as txn:
+            get, dirents, unpack = txn.get, self.dirents, _U64.unpack_from
+            top = k64(ROOT_INO)
+            for c in base:
+                raw = get(top + c, None, dirents)
+                if raw is None:
+                    return
+                top = raw[:8]
+            dirs: dict[bytes, bytes | None] = {}
+            for p in paths:
+                cut = p.rfind(b"/")
+                parent = top
+                if cut >= 0:
+                    d = p[:cut]
+                    parent = dirs.get(d, b"")
+                    if parent == b"":
+                        parent = top
+                        for c in d.split(b"/"):
+                            if c and c != b"." and parent is not None:
+                                raw = get(parent + c, None, dirents)
+                                parent = None if raw is None else raw[:8]
+                        dirs[d] = parent
+                    if parent is None:
+                        return
+                raw = get(parent + p[cut + 1:], None, dirents)
+                if raw is None:
+                    return
+                yield unpack(raw)[0]
+
     def has_children(self, parent: int) -> bool:
         self.commit()
         prefix = k64(parent)
@@ -380,16 +412,16 @@ class Index:
             cur = txn.cursor(db=self.dirents)
             return cur.set_range(prefix) and cur.key()[:8] == prefix
 
-    def get_object(self, oid: int) -> dict | None:
+    def get_object(self, oid: int) -> ObjectRecord | None:
         return self._get(OBJECTS, k64(oid))
 
-    def iter_objects(self) -> Iterator[tuple[int, dict]]:
+    def iter_objects(self) -> Iterator[tuple[int, ObjectRecord]]:
         self.commit()
         with self.env.begin() as txn:
             for k, v in txn.cursor(db=self.objects):
                 yield _U64.unpack(k)[0], _load_object(v)
 
-    def iter_inodes(self) -> Iterator[tuple[int, dict]]:
+    def iter_inodes(self) -> Iterator[tuple[int, InodeRecord]]:
         self.commit()
         with self.env.begin() as txn:
             for k, v in txn.cursor(db=self.inodes):
@@ -431,7 +463,7 @@ class Txn:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None and self.w:
             if self.d:
-                self.ix.tally.apply(self.d, self.w)
+                self.ix.tally.apply(self.d, self)
             self.ix._apply(self.w, self.dirs)   # new names enter the name table before they are visible
 
     def _get(self, db: int, key: bytes):
@@ -443,22 +475,22 @@ class Txn:
     def new_id(self, kind: bytes) -> int:
         return self.ix.new_id(kind)
 
-    def get_inode(self, ino: int) -> dict | None:
+    def recover_set(self, key: bytes, value: bytes | None) -> None:
+        """Set ``key`` of the ``recover`` database (kvfs.store.tally's) to ``value`` (None: delete)."""
+        self.w[(RECOVER, key)] = _DEL if value is None else value
+
+    def get_inode(self, ino: int) -> InodeRecord | None:
         v = self.w.get((INODES, k64(ino)), _MISS)
         rec = self.ix.get_inode(ino) if v is _MISS else (None if v is _DEL else v)
-        if rec is None:
-            return None
-        rec = rec.copy()
-        rec["xattrs"] = rec["xattrs"].copy()
-        return rec
+        return None if rec is None else rec.copy()
 
-    def put_inode(self, ino: int, rec: dict, new: bool = False) -> None:
+    def put_inode(self, ino: int, rec: InodeRecord, new: bool = False) -> None:
         """``new``: ``ino`` was just allocated (no key of it is in LMDB yet)."""
         key = k64(ino)
-        if "kv" in rec:                 # an inode with a KV record: not "none has one" (tally.py)
+        if rec.kv is not None:          # an inode with a KV record: not "none has one" (tally.py)
             self.w[(RECOVER, b"k")] = _DEL
-        if rec["mode"] & 0o170000 == 0o100000:      # keep the set of unsealed files (tally.py)
-            if rec.get("oid") is None:
+        if rec.mode & 0o170000 == 0o100000:         # keep the set of unsealed files (tally.py)
+            if rec.oid is None:
                 uk = (RECOVER, b"u" + key)
                 self.w[uk] = b""
                 if new:                 # sealed within this group: no LMDB put, no delete
@@ -475,17 +507,17 @@ class Txn:
     def _sealed(self, ino: int, key: bytes) -> None:
         """Inode ``ino`` leaves the set of unsealed files if it was in it."""
         old = self._rec(ino, key)
-        if old is not None and old["mode"] & 0o170000 == 0o100000 and old.get("oid") is None:
+        if old is not None and old.mode & 0o170000 == 0o100000 and old.oid is None:
             self.w[(RECOVER, b"u" + key)] = _DEL
 
-    def _rec(self, ino: int, key: bytes) -> dict | None:
+    def _rec(self, ino: int, key: bytes) -> InodeRecord | None:
         v = self.w.get((INODES, key), _MISS)    # as this operation sees it (not a copy: read only)
         return self.ix.get_inode(ino) if v is _MISS else (None if v is _DEL else v)
 
     def _gone(self, ino: int) -> None:
         """An entry of ``ino`` goes: not a regular file (or unknown)? ``dirs`` (kvfs.store.names)."""
         if not self.dirs and self.ix.names is not None:
-            self.dirs = (rec := self._rec(ino, k64(ino))) is None or rec["mode"] & 0o170000 != 0o100000
+            self.dirs = (rec := self._rec(ino, k64(ino))) is None or rec.mode & 0o170000 != 0o100000
 
     def _dirent(self, parent: int, name: bytes) -> bytes | None:
         """The entry as this operation sees it; the name table answers a name absent from it
@@ -550,7 +582,7 @@ class Txn:
                     return True
         return False
 
-    def put_object(self, oid: int, rec: dict | None, old=_MISS) -> None:
+    def put_object(self, oid: int, rec: ObjectRecord | None, old=_MISS) -> None:
         """``rec`` None: delete; ``old``: the record it replaces, if the caller knows it (None:
         a new object). The running totals follow (or, without a tally, go invalid)."""
         if self.ix.tally is not None:
@@ -559,7 +591,7 @@ class Txn:
             self.w[(RECOVER, VALID)] = _DEL
         self.w[(OBJECTS, k64(oid))] = _DEL if rec is None else rec
 
-    def get_object(self, oid: int) -> dict | None:
+    def get_object(self, oid: int) -> ObjectRecord | None:
         return self._get(OBJECTS, k64(oid))
 
     def del_object(self, oid: int) -> None:

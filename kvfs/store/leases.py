@@ -14,7 +14,7 @@ import trio
 from kvfs.errors import NamespaceError
 from kvfs.protocol import LEASE_TTL, LEASE_TTL_MAX, encode_lease_answer, encode_lease_entry, lookup_answer
 from kvfs.store.cred import ROOT, Cred
-from kvfs.store.index import _U64, ROOT_INO, Index, _U64x2, k64
+from kvfs.store.index import ROOT_INO, Index
 from kvfs.store.namespace import Namespace
 from kvfs.store.objects import Obj, ObjectStore
 from kvfs.store.owners import DAEMON_UID, Owners
@@ -71,7 +71,7 @@ class Leases:
             ok = searchable.get(ino)
             if ok is None:
                 rec = self.index.get_inode(ino)
-                ok = searchable[ino] = bool(rec) and stat.S_ISDIR(rec["mode"]) and cred.may(rec, 1)
+                ok = searchable[ino] = bool(rec) and stat.S_ISDIR(rec.mode) and cred.may(rec, 1)
             return ok
 
         def walk(ino: int, comps) -> int | None:
@@ -205,53 +205,17 @@ class Leases:
 
 def resolve_prefix(index: Index, base: list[bytes], paths: list[bytes], sealed: dict) -> list:
     """Resolve ``paths`` (``/``-separated, relative to the directory ``base``, a list of
-    components from the root) in order, in one read txn, and map each inode through
-    ``sealed`` (ino -> object) until the first that is missing, not in ``sealed``, or
-    whose object is ``dead``. Returns the objects of the leading paths.
-
-    Directories met on the way are resolved once per call (chains of KV blocks share a
-    namespace directory and 256 shard directories).
-    """
+    components from the root) in order, in one read txn (``Index.resolve``), and map each
+    inode through ``sealed`` (ino -> object) until the first that is missing, not in
+    ``sealed``, or whose object is ``dead``. Returns the objects of the leading paths."""
     out: list = []
-    dirs: dict[bytes, int | None] = {}
-    index.commit()
-    with index.env.begin() as txn:
-        get = txn.get
-        ino: int | None = ROOT_INO
-        for c in base:
-            raw = get(k64(ino) + c, db=index.dirents)
-            if raw is None:
-                return out
-            ino = _U64x2.unpack(raw)[0]
-        base_key = k64(ino)
-        dirents = index.dirents
-        unpack = _U64.unpack_from
-        for p in paths:
-            cut = p.rfind(b"/")
-            if cut < 0:
-                parent_key, name = base_key, p
-            else:
-                d = p[:cut]
-                parent_key = dirs.get(d, b"")
-                if parent_key == b"":
-                    parent_key = base_key
-                    for c in d.split(b"/"):
-                        if not c or c == b".":
-                            continue
-                        raw = get(parent_key + c, None, dirents)
-                        if raw is None:
-                            parent_key = None
-                            break
-                        parent_key = raw[:8]
-                    dirs[d] = parent_key
-                if parent_key is None:
-                    break
-                name = p[cut + 1:]
-            raw = get(parent_key + name, None, dirents)
-            if raw is None:
-                break
-            v = sealed.get(unpack(raw)[0])
+    found = index.resolve(base, paths)
+    try:
+        for ino in found:
+            v = sealed.get(ino)
             if v is None or v.dead:
                 break
             out.append(v)
+    finally:
+        found.close()               # ends the read transaction now, not when collected
     return out

@@ -8,6 +8,7 @@ from typing import Awaitable, Callable
 from kvfs.store.index import Index
 from kvfs.store.namespace import Namespace
 from kvfs.store.objects import Obj, ObjectStore
+from kvfs.store.records import InodeRecord
 
 
 class NameOps:
@@ -29,13 +30,13 @@ class NameOps:
         """The inode ``name`` names in directory ``parent``, or None."""
         return self.ns.find(parent, name)
 
-    def inode(self, ino: int) -> dict:
+    def inode(self, ino: int) -> InodeRecord:
         return self.ns.inode(ino)
 
     def top_of(self, ino: int) -> str:
         return self.ns.top_of(ino)
 
-    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, **extra) -> tuple[int, dict]:
+    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, **extra) -> tuple[int, InodeRecord]:
         """A directory or symlink (files come from ``FileHandles.create``)."""
         return self.ns.make(parent, name, mode, uid, gid, **extra)
 
@@ -87,9 +88,9 @@ class NameOps:
     # ---- KV events (kvfs.events): what a removed name was -----------------------
     def describe(self, obj: Obj) -> tuple[str, dict | None]:
         rec = self.index.get_inode(obj.ino)
-        if rec is None or rec.get("oid") != obj.oid:
+        if rec is None or rec.oid != obj.oid:
             return obj.key, None
-        return self.ns.path_of(obj.ino), rec.get("kv")
+        return self.ns.path_of(obj.ino), rec.kv
 
     def describe_name(self, parent: int, name: bytes) -> tuple[str, dict | None] | None:
         """Path and KV record of ``parent/name`` while it still exists (only with readers)."""
@@ -99,7 +100,7 @@ class NameOps:
         rec = self.index.get_inode(ino) if ino is not None else None
         if rec is None:
             return None
-        return self.ns.path_of(ino), rec.get("kv")
+        return self.ns.path_of(ino), rec.kv
 
     def removed(self, obj: Obj, gone: tuple[str, dict | None] | None) -> None:
         path, kv = gone if gone is not None else (obj.key, None)

@@ -17,6 +17,7 @@ from kvfs.errors import NamespaceError
 from kvfs.protocol import CONTROL_NAME_B as CONTROL_NAME
 from kvfs.store.index import ROOT_INO, Index, Txn
 from kvfs.store.objects import Obj, ObjectStore
+from kvfs.store.records import InodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +28,12 @@ def _err(code: int, msg: str = "") -> NamespaceError:
     return NamespaceError(code, msg or os.strerror(code))
 
 
-def _count_subdir(rec: dict, delta: int) -> None:
+def _count_subdir(rec: InodeRecord, delta: int) -> None:
     """Count a subdirectory in or out of a directory's record. Directories made before
     kvfs counted them (or rebuilt by fsck) have no count and report st_nlink 1 ("unknown",
     as find(1) reads it) for good."""
-    if delta and "subdirs" in rec:
-        rec["subdirs"] = max(0, rec["subdirs"] + delta)
+    if delta and rec.subdirs is not None:
+        rec.subdirs = max(0, rec.subdirs + delta)
 
 
 class SealedMap(dict):
@@ -49,9 +50,9 @@ class SealedMap(dict):
         if not self.lazy or ino is None:
             return None
         rec = self.ns.index.get_inode(ino)
-        if rec is None or not stat.S_ISREG(rec["mode"]) or rec.get("oid") is None:
+        if rec is None or not stat.S_ISREG(rec.mode) or rec.oid is None:
             return None
-        obj = self.ns.store.objs.get(rec["oid"])
+        obj = self.ns.store.objs.get(rec.oid)
         if obj is not None:
             dict.__setitem__(self, ino, obj)
         return obj
@@ -78,7 +79,7 @@ class Namespace:
         # inode -> its sealed object, for regular files that have one: answers "is this name a
         # sealed file?" without reading and unpickling inode records (batched prefix lookups)
         self.sealed = SealedMap(self)
-        self.orphans: dict[int, dict] = {}      # unlinked inodes still open
+        self.orphans: dict[int, InodeRecord] = {}      # unlinked inodes still open
         # orphans whose name the daemon removed by itself (an eviction while a reader held an
         # older version): the kernel may still hold the name until its notification lands
         self.evicted: set[int] = set()
@@ -102,7 +103,7 @@ class Namespace:
 
     def _materialized(self, obj: Obj) -> None:
         rec = self.index.get_inode(obj.ino)
-        obj.pinned = bool(rec and rec.get("oid") == obj.oid and rec.get("pin", False))
+        obj.pinned = bool(rec and rec.oid == obj.oid and rec.pin)
 
     def drop_unsealed(self) -> int:
         """Remove the files of this session that were never sealed (the clean unmount's
@@ -111,8 +112,8 @@ class Namespace:
         with self.index.write() as txn:
             for ino in self.unsealed:
                 rec = txn.get_inode(ino)
-                if rec is not None and stat.S_ISREG(rec["mode"]) and rec.get("oid") is None:
-                    txn.unlink(rec["parent"], rec["name"])
+                if rec is not None and stat.S_ISREG(rec.mode) and rec.oid is None:
+                    txn.unlink(rec.parent, rec.name)
                     txn.del_inode(ino)
                     n += 1
         self.unsealed.clear()
@@ -132,13 +133,13 @@ class Namespace:
         live: set[int] = set()
         live_oids: set[int] = set()
         for ino, rec in self.index.iter_inodes():
-            if stat.S_ISREG(rec["mode"]):
-                oid = rec.get("oid")
-                if rec["nlink"] == 0 or oid is None or oid in lost_oids or oid not in self.store.objs:
+            if stat.S_ISREG(rec.mode):
+                oid = rec.oid
+                if rec.nlink == 0 or oid is None or oid in lost_oids or oid not in self.store.objs:
                     doomed.append(ino)
                     continue
                 live_oids.add(oid)
-                self.store.objs[oid].pinned = rec.get("pin", False)
+                self.store.objs[oid].pinned = rec.pin
                 self.sealed[ino] = self.store.objs[oid]
                 self.prefix.add(rec)
             live.add(ino)
@@ -158,7 +159,7 @@ class Namespace:
         return counts, unowned
 
     # ---- reads --------------------------------------------------------------
-    def inode(self, ino: int) -> dict:
+    def inode(self, ino: int) -> InodeRecord:
         rec = self.index.get_inode(ino) or self.orphans.get(ino)
         if rec is None:
             raise _err(errno.ENOENT)
@@ -187,8 +188,8 @@ class Namespace:
             rec = self.index.get_inode(ino)
             if rec is None:
                 break
-            names.append(rec["name"])
-            ino = rec["parent"]
+            names.append(rec.name)
+            ino = rec.parent
         return names
 
     def top_of(self, ino: int) -> str:
@@ -210,7 +211,7 @@ class Namespace:
         return "/" + b"/".join(names).decode("utf-8", "surrogateescape")
 
     # ---- namespace changes --------------------------------------------------
-    def _check_new(self, txn: Txn, parent: int, name: bytes) -> dict:
+    def _check_new(self, txn: Txn, parent: int, name: bytes) -> InodeRecord:
         """The parent directory's record (a copy the caller may change and put back)."""
         if len(name) > NAME_MAX:
             raise _err(errno.ENAMETOOLONG)
@@ -219,41 +220,41 @@ class Namespace:
         prec = txn.get_inode(parent)
         if prec is None:
             raise _err(errno.ENOENT)
-        if not stat.S_ISDIR(prec["mode"]):
+        if not stat.S_ISDIR(prec.mode):
             raise _err(errno.ENOTDIR)
         if txn.lookup(parent, name) is not None:
             raise _err(errno.EEXIST)
         return prec
 
-    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, **extra) -> tuple[int, dict]:
+    def make(self, parent: int, name: bytes, mode: int, uid: int, gid: int, **extra) -> tuple[int, InodeRecord]:
         """Create a directory, file or symlink (mode carries the type)."""
         with self.index.write() as txn:
             prec = self._check_new(txn, parent, name)
             ino = txn.new_id(b"ino")
             now = time.time_ns()
-            rec = dict(mode=mode, uid=uid, gid=gid, size=0, nlink=1, atime=now, mtime=now, ctime=now,
-                       parent=parent, name=name, xattrs={}, **extra)
+            rec = InodeRecord(mode=mode, uid=uid, gid=gid, size=0, nlink=1, atime=now, mtime=now, ctime=now,
+                              parent=parent, name=name, xattrs={}, **extra)
             if stat.S_ISLNK(mode):
-                rec["size"] = len(extra["target"])
+                rec.size = len(extra["target"])
             if stat.S_ISDIR(mode):
-                rec["subdirs"] = 0              # st_nlink 2 + subdirs (kvfs.fs.ops._entry)
+                rec.subdirs = 0              # st_nlink 2 + subdirs (kvfs.fs.ops._entry)
                 _count_subdir(prec, 1)
             txn.put_inode(ino, rec, new=True)
             txn.link(parent, name, ino, new=True)
-            prec["mtime"] = prec["ctime"] = now
+            prec.mtime = prec.ctime = now
             txn.put_inode(parent, prec)
-        if stat.S_ISREG(mode) and rec.get("oid") is None:
+        if stat.S_ISREG(mode) and rec.oid is None:
             self.unsealed.add(ino)
         return ino, rec
 
     def _touch_dir(self, txn: Txn, ino: int, subdirs: int = 0) -> None:
         rec = txn.get_inode(ino)
         if rec is not None:
-            rec["mtime"] = rec["ctime"] = time.time_ns()
+            rec.mtime = rec.ctime = time.time_ns()
             _count_subdir(rec, subdirs)
             txn.put_inode(ino, rec)
 
-    def _remove(self, txn: Txn, parent: int, name: bytes, ino: int, rec: dict, keep_open: bool) -> Obj | None:
+    def _remove(self, txn: Txn, parent: int, name: bytes, ino: int, rec: InodeRecord, keep_open: bool) -> Obj | None:
         """Remove one name and, with it, the inode and its object (unlink, rename over a
         name: the kernel made this change itself, so it is not told about it)."""
         txn.unlink(parent, name)
@@ -262,9 +263,9 @@ class Namespace:
         self.sealed.pop(ino, None)
         self.unsealed.discard(ino)
         if keep_open:
-            rec["nlink"] = 0
+            rec.nlink = 0
             self.orphans[ino] = rec
-        obj = self.store.objs.get(rec.get("oid"))
+        obj = self.store.objs.get(rec.oid)
         if obj is not None:
             self.store.drop(txn, obj)
         return obj
@@ -275,7 +276,7 @@ class Namespace:
             if ino is None:
                 raise _err(errno.ENOENT)
             rec = txn.get_inode(ino)
-            if stat.S_ISDIR(rec["mode"]):
+            if stat.S_ISDIR(rec.mode):
                 raise _err(errno.EISDIR)
             obj = self._remove(txn, parent, name, ino, rec, is_open(ino))
             self._touch_dir(txn, parent)
@@ -287,7 +288,7 @@ class Namespace:
             if ino is None:
                 raise _err(errno.ENOENT)
             rec = txn.get_inode(ino)
-            if not stat.S_ISDIR(rec["mode"]):
+            if not stat.S_ISDIR(rec.mode):
                 raise _err(errno.ENOTDIR)
             self._remove_empty_dir(txn, parent, name, ino)
             self._touch_dir(txn, parent, -1)
@@ -316,9 +317,9 @@ class Namespace:
             prec = txn.get_inode(new_parent)
             if prec is None:
                 raise _err(errno.ENOENT)
-            if not stat.S_ISDIR(prec["mode"]):
+            if not stat.S_ISDIR(prec.mode):
                 raise _err(errno.ENOTDIR)
-            if stat.S_ISDIR(rec["mode"]):
+            if stat.S_ISDIR(rec.mode):
                 self.dir_renames += 1
                 p = new_parent
                 while True:                  # no moving a directory under itself
@@ -326,7 +327,7 @@ class Namespace:
                         raise _err(errno.EINVAL)
                     if p == ROOT_INO:
                         break
-                    p = txn.get_inode(p)["parent"]
+                    p = txn.get_inode(p).parent
             target = txn.lookup(new_parent, new)
             if target == ino:
                 return None
@@ -334,22 +335,22 @@ class Namespace:
                 if flags & 1:
                     raise _err(errno.EEXIST)
                 trec = txn.get_inode(target)
-                if stat.S_ISDIR(trec["mode"]):
-                    if not stat.S_ISDIR(rec["mode"]):
+                if stat.S_ISDIR(trec.mode):
+                    if not stat.S_ISDIR(rec.mode):
                         raise _err(errno.EISDIR)
                     self._remove_empty_dir(txn, new_parent, new, target)
                     _count_subdir(prec, -1)
-                elif stat.S_ISDIR(rec["mode"]):
+                elif stat.S_ISDIR(rec.mode):
                     raise _err(errno.ENOTDIR)
                 else:
                     dropped = self._remove(txn, new_parent, new, target, trec, is_open(target))
             txn.unlink(old_parent, old)
             txn.link(new_parent, new, ino, new=True)      # no name left there (removed above)
             now = time.time_ns()
-            rec["parent"], rec["name"], rec["ctime"] = new_parent, new, now
+            rec.parent, rec.name, rec.ctime = new_parent, new, now
             txn.put_inode(ino, rec)
-            prec["mtime"] = prec["ctime"] = now
-            moved_dir = stat.S_ISDIR(rec["mode"]) and new_parent != old_parent
+            prec.mtime = prec.ctime = now
+            moved_dir = stat.S_ISDIR(rec.mode) and new_parent != old_parent
             if moved_dir:
                 _count_subdir(prec, 1)
             txn.put_inode(new_parent, prec)
@@ -358,7 +359,7 @@ class Namespace:
         return dropped
 
     def publish(self, parent: int, name: bytes, mode: int, uid: int, gid: int, obj: Obj,
-                kv: dict | None, noreplace: bool, is_open) -> tuple[dict, Obj | None]:
+                kv: dict | None, noreplace: bool, is_open) -> tuple[InodeRecord, Obj | None]:
         """A new regular file ``parent/name`` pointing at the sealed ``obj`` (whose ``ino`` it
         gets), replacing a file there as ``rename`` would (EEXIST with ``noreplace``), in ONE
         transaction: after a crash the name is its old version or this one, never a temp
@@ -367,7 +368,7 @@ class Namespace:
             prec = txn.get_inode(parent)
             if prec is None:
                 raise _err(errno.ENOENT)
-            if not stat.S_ISDIR(prec["mode"]):
+            if not stat.S_ISDIR(prec.mode):
                 raise _err(errno.ENOTDIR)
             dropped = None
             target = txn.lookup(parent, name)
@@ -375,36 +376,38 @@ class Namespace:
                 if noreplace:
                     raise _err(errno.EEXIST)
                 trec = txn.get_inode(target)
-                if stat.S_ISDIR(trec["mode"]):
+                if stat.S_ISDIR(trec.mode):
                     raise _err(errno.EISDIR)
                 dropped = self._remove(txn, parent, name, target, trec, is_open(target))
             now = time.time_ns()
-            rec = dict(mode=stat.S_IFREG | (mode & 0o7777), uid=uid, gid=gid, size=obj.size, nlink=1,
-                       atime=now, mtime=now, ctime=now, parent=parent, name=name, xattrs={},
-                       oid=obj.oid, gen=1)
-            if kv:
-                rec["kv"] = kv
+            rec = InodeRecord(mode=stat.S_IFREG | (mode & 0o7777), uid=uid, gid=gid, size=obj.size, nlink=1,
+                              atime=now, mtime=now, ctime=now, parent=parent, name=name, xattrs={},
+                              oid=obj.oid, gen=1, kv=kv or None)
             self.prefix.add(rec)
             obj.pinned = False
             txn.put_object(obj.oid, obj.record(), old=None)        # a new object: nothing to read
             txn.put_inode(obj.ino, rec, new=True)                   # and a new inode
             txn.link(parent, name, obj.ino, new=True)
-            prec["mtime"] = prec["ctime"] = now
+            prec.mtime = prec.ctime = now
             txn.put_inode(parent, prec)
         self.sealed[obj.ino] = obj
         return rec, dropped
 
-    def update(self, ino: int, **fields) -> dict:
+    def update(self, ino: int, **fields) -> InodeRecord:
+        """Set the record's ``fields`` (InodeRecord's field names) and its ctime; an orphan's
+        record (unlinked, still open) is changed in place, without a ctime."""
         with self.index.write() as txn:
             rec = txn.get_inode(ino)
             if rec is None:
                 rec = self.orphans.get(ino)
                 if rec is None:
                     raise _err(errno.ENOENT)
-                rec.update(fields)
+                for k, v in fields.items():
+                    setattr(rec, k, v)
                 return rec
-            rec.update(fields)
-            rec["ctime"] = time.time_ns()
+            for k, v in fields.items():
+                setattr(rec, k, v)
+            rec.ctime = time.time_ns()
             txn.put_inode(ino, rec)
         return rec
 
@@ -416,19 +419,16 @@ class Namespace:
             if rec is None:                 # unlinked while it was being written
                 self.store.drop(txn, obj)
                 return None, False
-            old = self.store.objs.get(rec.get("oid"))
+            old = self.store.objs.get(rec.oid)
             if old is not None:
                 self.store.drop(txn, old)
             self.prefix.remove(rec, self.store.table_loaded)
             now = time.time_ns()
-            rec.update(oid=obj.oid, size=obj.size, mtime=now if mtime is None else mtime, ctime=now,
-                       gen=rec.get("gen", 0) + 1)
-            if kv:
-                rec["kv"] = kv
-            else:
-                rec.pop("kv", None)
+            rec.oid, rec.size, rec.mtime, rec.ctime = obj.oid, obj.size, now if mtime is None else mtime, now
+            rec.gen += 1
+            rec.kv = kv or None
             self.prefix.add(rec)
-            obj.pinned = rec.get("pin", False)
+            obj.pinned = rec.pin
             txn.put_object(obj.oid, obj.record(), old=None)        # a new object
             txn.put_inode(ino, rec)
         self.sealed[ino] = obj
@@ -437,18 +437,18 @@ class Namespace:
 
     def _lost(self, txn: Txn, obj: Obj) -> None:
         rec = txn.get_inode(obj.ino)
-        if rec is not None and rec.get("oid") == obj.oid:
-            txn.unlink(rec["parent"], rec["name"])
+        if rec is not None and rec.oid == obj.oid:
+            txn.unlink(rec.parent, rec.name)
             txn.del_inode(obj.ino)
             self.prefix.remove(rec, self.store.table_loaded)
             self.sealed.pop(obj.ino, None)
             if self.is_open(obj.ino):
                 # a handle on another version of this inode (a reader of an older one): its
                 # descriptor goes on as after an unlink
-                rec["nlink"] = 0
+                rec.nlink = 0
                 self.orphans[obj.ino] = rec
                 self.evicted.add(obj.ino)
-            self.on_name_removed(rec["parent"], rec["name"], obj.ino)
+            self.on_name_removed(rec.parent, rec.name, obj.ino)
 
     # ---- xattrs stored with the file -----------------------------------------
     def set_user_xattr(self, ino: int, name: bytes, value: bytes) -> None:
@@ -456,8 +456,8 @@ class Namespace:
             rec = txn.get_inode(ino)
             if rec is None:
                 raise _err(errno.ENOENT)
-            rec["xattrs"][name] = value
-            rec["ctime"] = time.time_ns()
+            rec.xattrs[name] = value
+            rec.ctime = time.time_ns()
             txn.put_inode(ino, rec)
 
     def remove_user_xattr(self, ino: int, name: bytes) -> None:
@@ -465,7 +465,7 @@ class Namespace:
             rec = txn.get_inode(ino)
             if rec is None:
                 raise _err(errno.ENOENT)
-            if name not in rec["xattrs"]:
+            if name not in rec.xattrs:
                 raise _err(errno.ENODATA)
-            del rec["xattrs"][name]
+            del rec.xattrs[name]
             txn.put_inode(ino, rec)

@@ -378,9 +378,9 @@ class NvmeTier(Tier):
         if raw is None:
             return None
         try:
-            r = cbor2.loads(raw, tag_hook=lambda d, t: None)
-            info = ObjectInfo(int(r["oid"]), int(r["size"]), int(r["checksum"]), int(r["chunk_size"]),
-                              checksum.unpack_sums(bytes(r["sums"])), str(r["key"]), int(r["gen"]))
+            m = cbor2.loads(raw, tag_hook=lambda d, t: None)      # the tier's own record map (nvmerecord)
+            info = ObjectInfo(int(m["oid"]), int(m["size"]), int(m["checksum"]), int(m["chunk_size"]),
+                              checksum.unpack_sums(bytes(m["sums"])), str(m["key"]), int(m["gen"]))
         except Exception as e:       # noqa: BLE001 - a damaged record is skipped, not trusted
             log.warning("nvme object %x: unreadable record (%s); skipped", oid, e)
             return None

@@ -29,6 +29,7 @@ from kvfs.store.policy import Policy
 from kvfs.store.prefix import PrefixRule
 from kvfs.store.reads import Reads
 from kvfs.store.ram import RamTier, Staging
+from kvfs.store.records import ObjectRecord
 from kvfs.store.tally import Tally
 from kvfs.store.tier import ObjectInfo, Tier
 from kvfs.telemetry import Telemetry, namespace_of
@@ -62,16 +63,14 @@ class Obj:
     def info(self) -> ObjectInfo:
         return ObjectInfo(self.oid, self.size, self.checksum, self.chunk_size, self.sums, self.key, self.gen)
 
-    def record(self) -> dict:
-        return dict(size=self.size, checksum=self.checksum, chunk_size=self.chunk_size,
-                    sums=checksum.pack_sums(self.sums), place=dict(self.place), ino=self.ino,
-                    key=self.key, gen=self.gen, hits=self.hits, atime=self.atime)
+    def record(self) -> ObjectRecord:
+        return ObjectRecord(self.size, self.checksum, self.chunk_size, checksum.pack_sums(self.sums),
+                            dict(self.place), self.ino, self.key, self.gen, self.hits, self.atime)
 
     @classmethod
-    def from_record(cls, oid: int, r: dict) -> "Obj":
-        return cls(oid, r["size"], r["checksum"], r["chunk_size"], checksum.unpack_sums(r["sums"]),
-                   dict(r["place"]), r["ino"], r.get("key", ""), r.get("gen", 0), r.get("hits", 0),
-                   r.get("atime", 0.0))
+    def from_record(cls, oid: int, r: ObjectRecord) -> "Obj":
+        return cls(oid, r.size, r.checksum, r.chunk_size, checksum.unpack_sums(r.sums), dict(r.place), r.ino,
+                   r.key, r.gen, r.hits, r.atime)
 
 
 class TierCounters:
@@ -171,7 +170,7 @@ class ObjectStore:
         self.objs.begin_scan()
         self._loaded = trio.Event()
 
-    def _materialize(self, oid: int, rec: dict) -> Obj | None:
+    def _materialize(self, oid: int, rec: ObjectRecord) -> Obj | None:
         """The Obj of an object record not built yet (durable placement only)."""
         obj = Obj.from_record(oid, rec)
         obj.place = {k: v for k, v in obj.place.items() if not self._tier(k).volatile}

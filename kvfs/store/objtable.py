@@ -30,6 +30,7 @@ import trio
 
 from kvfs.store import records
 from kvfs.store.index import Index
+from kvfs.store.records import InodeRecord, ObjectRecord
 from kvfs.telemetry import namespace_of
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class ObjTable(dict):
     """``dict`` of the materialized objects; ``get``/``[]``/``in`` also find an object that
     is only in the index (and materialize it), ``len`` counts every object."""
 
-    def __init__(self, index: Index, build: Callable[[int, dict], "Obj | None"]):
+    def __init__(self, index: Index, build: Callable[[int, ObjectRecord], "Obj | None"]):
         super().__init__()
         self.index = index
         self._build = build         # record -> Obj (durable placement only), None if lost
@@ -141,7 +142,7 @@ class ObjTable(dict):
 
     _snap = None
 
-    async def scan(self, durable: set[str], lru: dict, kv_add: Callable[[dict], None] | None) -> None:
+    async def scan(self, durable: set[str], lru: dict, kv_add: Callable[[InodeRecord], None] | None) -> None:
         """Build the LRU order of the ``durable`` tiers (oid order, as ``load`` does) and
         the KV child counts (``kv_add`` of each KV inode; None: there are none) from the
         mount-time records, ``SCAN_BATCH`` at a time. Objects used meanwhile keep their
@@ -161,7 +162,7 @@ class ObjTable(dict):
                     place, entry = obj.place, (namespace_of(obj.key), obj.size)
                 else:
                     rec = records.decode_object(raw)
-                    place, entry = rec["place"], (namespace_of(rec.get("key", "")), rec["size"])
+                    place, entry = rec.place, (namespace_of(rec.key), rec.size)
                 for name in place:
                     if name in cold:
                         cold[name][oid] = entry
@@ -171,7 +172,7 @@ class ObjTable(dict):
         async for _ino, raw in self._records(self.index.inodes if kv_add else None):
             if _KV in raw:
                 rec = records.decode_inode(raw)
-                if rec.get("oid") is not None:
+                if rec.oid is not None:
                     kv_add(rec)
         snap, self._snap = self._snap, None
         snap.abort()

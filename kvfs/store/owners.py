@@ -23,6 +23,7 @@ from kvfs.store.cred import ROOT, Cred
 from kvfs.store.index import ROOT_INO, Index
 from kvfs.store.namespace import Namespace
 from kvfs.store.objects import Obj, ObjectStore
+from kvfs.store.records import InodeRecord
 from kvfs.store.tier import Tier
 from kvfs.telemetry import namespace_of
 
@@ -67,7 +68,7 @@ class Owners:
             return None
         top = self.index.lookup(ROOT_INO, ns.encode("utf-8", "surrogateescape"))
         rec = self.index.get_inode(top) if top is not None else None
-        uid = rec["uid"] if rec is not None else 0
+        uid = rec.uid if rec is not None else 0
         return None if uid in (0, DAEMON_UID) else uid
 
     def backing_for(self, obj: Obj, cred: Cred = ROOT) -> dict | None:
@@ -104,15 +105,15 @@ class Owners:
             log.info("took back %d backing-file grants (owner or namespace changed)", n)
         return n
 
-    def grants_follow_setattr(self, ino: int, rec: dict, owner_changed: bool, mode_changed: bool) -> None:
+    def grants_follow_setattr(self, ino: int, rec: InodeRecord, owner_changed: bool, mode_changed: bool) -> None:
         """After a chown/chmod: a top-level directory's new owner takes its namespace's
         grants away from the old one; a file's grants go when its mode or owner changes."""
         if not (owner_changed or mode_changed) or not any(t.granted() for t in self.store.tiers):
             return
-        if rec.get("parent") == ROOT_INO and owner_changed:
+        if rec.parent == ROOT_INO and owner_changed:
             self.recheck_grants()
             return
-        obj = self.store.objs.get(rec.get("oid"))
+        obj = self.store.objs.get(rec.oid)
         if obj is not None:
             self.revoke_grants(obj)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvfs.store.index import Index
+from kvfs.store.records import InodeRecord
 
 if TYPE_CHECKING:
     from kvfs.store.objects import Obj
@@ -22,17 +23,17 @@ class PrefixRule:
         # (namespace, hash) -> number of cached child blocks
         self.children: dict[tuple[str, str], int] = {}
 
-    def add(self, rec: dict) -> None:
+    def add(self, rec: InodeRecord) -> None:
         """Count the KV block of inode record ``rec`` (if it is one) as its parent's child."""
-        kv = rec.get("kv")
+        kv = rec.kv
         if kv and kv.get("parent"):
             k = (kv["namespace"], kv["parent"])
             self.children[k] = self.children.get(k, 0) + 1
 
-    def remove(self, rec: dict, complete: bool) -> None:
+    def remove(self, rec: InodeRecord, complete: bool) -> None:
         """Uncount the KV block of ``rec``. ``complete``: every record has been counted (the
         store's scan is done); before that a count may go below zero, the scan adds it later."""
-        kv = rec.get("kv")
+        kv = rec.kv
         if kv and kv.get("parent"):
             k = (kv["namespace"], kv["parent"])
             n = self.children.get(k, 0) - 1
@@ -44,5 +45,5 @@ class PrefixRule:
     def may_evict(self, obj: Obj) -> bool:
         """False for a KV block that has cached children."""
         rec = self.index.get_inode(obj.ino)
-        kv = rec.get("kv") if rec else None
+        kv = rec.kv if rec else None
         return not kv or self.children.get((kv["namespace"], kv["hash"]), 0) == 0

@@ -30,7 +30,8 @@ import struct
 from typing import Callable
 
 from kvfs.store import records
-from kvfs.store.index import _DEL, RECOVER, VALID, Index, Txn, k64
+from kvfs.store.index import VALID, Index, Txn, k64
+from kvfs.store.records import ObjectRecord
 from kvfs.telemetry import namespace_of
 
 log = logging.getLogger(__name__)
@@ -65,13 +66,13 @@ class Tally:
         index.tally = self
 
     # ---- per record -------------------------------------------------------------
-    def _contribution(self, rec: dict | None, sign: int, d: dict) -> bool:
+    def _contribution(self, rec: ObjectRecord | None, sign: int, d: dict) -> bool:
         """Add ``rec``'s share of the totals times ``sign`` to ``d``; whether it is RAM-only."""
         if rec is None:
             return False
-        size = rec["size"]
+        size = rec.size
         _add(d, OBJECTS, sign, 0)
-        ns = namespace_of(rec.get("key", ""))
+        ns = namespace_of(rec.key)
         key = self._ns_keys.get(ns)
         if key is None:
             if len(self._ns_keys) > 4096:
@@ -79,14 +80,14 @@ class Tally:
             key = self._ns_keys[ns] = NAMESPACE + ns.encode("utf-8", "surrogateescape")
         _add(d, key, sign * size, sign)
         durable = False
-        for name in rec["place"]:
+        for name in rec.place:
             fp = self.footprints.get(name)
             if fp is not None:
                 durable = True
                 _add(d, TIER + name.encode(), sign * fp(size), sign)
         return bool(size) and not durable
 
-    def object(self, txn: Txn, oid: int, old: dict | None, new: dict | None) -> None:
+    def object(self, txn: Txn, oid: int, old: ObjectRecord | None, new: ObjectRecord | None) -> None:
         """An object record changes from ``old`` to ``new`` (None: absent) in ``txn``."""
         d = txn.d
         if d is None:
@@ -94,10 +95,10 @@ class Tally:
         was = self._contribution(old, -1, d)
         now = self._contribution(new, 1, d)
         if was != now:
-            txn.w[(RECOVER, RAM_ONLY + k64(oid))] = b"" if now else _DEL
+            txn.recover_set(RAM_ONLY + k64(oid), b"" if now else None)
 
-    def apply(self, d: dict, w: dict) -> None:
-        """A Txn's differences join the totals and its changes (``w``): written with it."""
+    def apply(self, d: dict, txn: Txn) -> None:
+        """A Txn's differences join the totals and its changes: written with it."""
         values = self.values
         for key, (a, b) in d.items():
             if not a and not b:
@@ -108,7 +109,7 @@ class Tally:
             v[0] += a
             v[1] += b
             _PAIR.pack_into(v[2], 0, v[0], v[1])
-            w[(RECOVER, key)] = v[2]
+            txn.recover_set(key, v[2])
 
     # ---- whole totals ---------------------------------------------------------------
     def totals(self) -> dict:
@@ -157,7 +158,7 @@ class Tally:
         """Whether any inode's KV record names a parent, known from a complete table (the
         ``k`` key: set at a clean unmount whose scan found none, for the next crash start)."""
         with self.index.write() as txn:
-            txn.w[(RECOVER, NO_KV)] = _DEL if kv else b""
+            txn.recover_set(NO_KV, None if kv else b"")
         self.no_kv = not kv
 
     def reset(self, recs, kv: bool = True) -> None:
@@ -165,15 +166,15 @@ class Tally:
         ``kv``: whether any inode has a KV record with a parent (the recovery's count)."""
         d = self.recount(recs)
         with self.index.write() as txn:
-            txn.w[(RECOVER, NO_KV)] = _DEL if kv else b""
+            txn.recover_set(NO_KV, None if kv else b"")
             self.no_kv = not kv
             for key in self.values:
                 if key not in d:
-                    txn.w[(RECOVER, key)] = _DEL
+                    txn.recover_set(key, None)
             self.values = {}
             d.setdefault(OBJECTS, [0, 0])
-            self.apply(d, txn.w)
-            txn.w[(RECOVER, VALID)] = _VERSION
+            self.apply(d, txn)
+            txn.recover_set(VALID, _VERSION)
         self.valid = True
 
 
@@ -181,7 +182,7 @@ def invalidate(index: Index) -> None:
     """Forget the running totals: the next start recovers in full (a writer that changed
     records without keeping them, and tests that compare the two starts)."""
     with index.write() as txn:
-        txn.w[(RECOVER, VALID)] = _DEL
+        txn.recover_set(VALID, None)
     index.commit()
 
 
@@ -209,22 +210,22 @@ def recover(index: Index, footprints) -> dict[str, int]:
             ident = struct.unpack(">Q", key[1:])[0]
             if key[:1] == UNSEALED:
                 rec = txn.get_inode(ident)
-                if rec is not None and stat.S_ISREG(rec["mode"]) and rec.get("oid") is None:
-                    txn.unlink(rec["parent"], rec["name"])
+                if rec is not None and stat.S_ISREG(rec.mode) and rec.oid is None:
+                    txn.unlink(rec.parent, rec.name)
                     txn.del_inode(ident)
                     dropped += 1
-                txn.w[(RECOVER, key)] = _DEL         # also a stale entry (sealed or gone since)
+                txn.recover_set(key, None)          # also a stale entry (sealed or gone since)
                 continue
             orec = txn.get_object(ident)
-            if orec is not None and not any(n in footprints for n in orec["place"]):
-                rec = txn.get_inode(orec["ino"])
-                if rec is not None and rec.get("oid") == ident:
-                    txn.unlink(rec["parent"], rec["name"])
-                    txn.del_inode(orec["ino"])
+            if orec is not None and not any(n in footprints for n in orec.place):
+                rec = txn.get_inode(orec.ino)
+                if rec is not None and rec.oid == ident:
+                    txn.unlink(rec.parent, rec.name)
+                    txn.del_inode(orec.ino)
                     dropped += 1
                 txn.put_object(ident, None, old=orec)      # deleted (the totals: no second read)
                 lost += 1
-            txn.w[(RECOVER, key)] = _DEL
+            txn.recover_set(key, None)
     index.commit()
     return {"dropped_files": dropped, "lost_objects": lost, "decoded": records.decoded - before}
 
@@ -245,10 +246,10 @@ def check(index: Index, footprints) -> list[str]:
         if ours._contribution(rec, 0, {}) and RAM_ONLY + k64(oid) not in keys:
             problems.append(f"object {oid:x} has no durable copy but is not in the RAM-only set")
     for ino, rec in index.iter_inodes():
-        if stat.S_ISREG(rec["mode"]) and rec.get("oid") is None and UNSEALED + k64(ino) not in keys:
-            problems.append(f"file {rec['name']!r} (inode {ino}) is unsealed but not in the unsealed set")
-        if NO_KV in keys and (rec.get("kv") or {}).get("parent"):
-            problems.append(f"file {rec['name']!r} (inode {ino}) has a KV parent but the index says none has")
+        if stat.S_ISREG(rec.mode) and rec.oid is None and UNSEALED + k64(ino) not in keys:
+            problems.append(f"file {rec.name!r} (inode {ino}) is unsealed but not in the unsealed set")
+        if NO_KV in keys and (rec.kv or {}).get("parent"):
+            problems.append(f"file {rec.name!r} (inode {ino}) has a KV parent but the index says none has")
             keys.discard(NO_KV)
     have, want = ours.current(), ours.recount(recs)
     for key in sorted(set(have) | set(want)):

@@ -14,6 +14,7 @@ from kvfs.store.cred import ROOT, Cred
 from kvfs.store.namespace import Namespace
 from kvfs.store.objects import ObjectStore
 from kvfs.store.owners import Owners
+from kvfs.store.records import InodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +45,15 @@ class Xattrs:
         if name.startswith(KV_PREFIX):
             value = self._kv_xattr(ino, rec, name[len(KV_PREFIX):].decode("ascii", "replace"), cred)
             return None if value is None else value.encode()
-        return rec["xattrs"].get(name)
+        return rec.xattrs.get(name)
 
-    def _kv_xattr(self, ino: int, rec: dict, key: str, cred: Cred = ROOT) -> str | None:
-        if not stat.S_ISREG(rec["mode"]):
+    def _kv_xattr(self, ino: int, rec: InodeRecord, key: str, cred: Cred = ROOT) -> str | None:
+        if not stat.S_ISREG(rec.mode):
             return None
-        obj = self.store.objs.get(rec.get("oid"))
-        kv = rec.get("kv") or {}
+        obj = self.store.objs.get(rec.oid)
+        kv = rec.kv or {}
         if key == "pin":
-            return "1" if rec.get("pin") else "0"
+            return "1" if rec.pin else "0"
         if key == "tier":
             if self.dirty(ino):
                 return self.store.ram.name
@@ -74,10 +75,10 @@ class Xattrs:
 
     def names(self, ino: int) -> list[bytes]:
         rec = self.ns.inode(ino)
-        names = list(rec["xattrs"])
-        if stat.S_ISREG(rec["mode"]):
+        names = list(rec.xattrs)
+        if stat.S_ISREG(rec.mode):
             names += [KV_PREFIX + k for k in (b"tier", b"checksum", b"pin", b"hits", b"atime")]
-            if rec.get("kv"):
+            if rec.kv:
                 names += [KV_PREFIX + b"tokens", KV_PREFIX + b"parent"]
         return names
 
@@ -88,13 +89,13 @@ class Xattrs:
         if name.startswith(KV_PREFIX):
             if name != KV_PREFIX + b"pin":
                 raise NamespaceError(errno.EPERM, f"{name.decode()} is read-only")
-            if not stat.S_ISREG(rec["mode"]):
+            if not stat.S_ISREG(rec.mode):
                 raise NamespaceError(errno.EINVAL)
             v = value.strip()
             if v not in (b"0", b"1"):
                 raise NamespaceError(errno.EINVAL, "user.kvfs.pin takes 1 or 0")
             self.ns.update(ino, pin=v == b"1")
-            obj = self.store.objs.get(rec.get("oid"))
+            obj = self.store.objs.get(rec.oid)
             if obj is not None:
                 obj.pinned = v == b"1"
             return

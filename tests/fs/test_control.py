@@ -146,7 +146,7 @@ def _check_backing(block, data: bytes) -> None:
 async def test_lease_hands_out_backing_locations_and_holds_objects(ops):
     kvstore = ops.store
     rels, inos = await make_chain(ops, 4, size=1 << 20)          # >= 1 MiB: tmpfs-backed in RAM
-    obj0 = kvstore.store.objs[kvstore.files.getattr(inos[rels[0]])["oid"]]
+    obj0 = kvstore.store.objs[kvstore.files.getattr(inos[rels[0]]).oid]
     await kvstore.store.mover.demote(obj0, 0)                            # block 0 on NVMe, the rest in RAM
     fh = await open_ctl(ops, b"lease")
     ans = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels) + b"\nzz/missing.kv\n")
@@ -156,7 +156,7 @@ async def test_lease_hands_out_backing_locations_and_holds_objects(ops):
         _check_backing(block, bytes([i]) * (1 << 20))
     assert ans["blocks"][0][5] == kvstore.store.tiers[1].direct
     assert kvstore.statistics()["leases"] == 1
-    objs = [kvstore.store.objs[kvstore.files.getattr(inos[r])["oid"]] for r in rels]
+    objs = [kvstore.store.objs[kvstore.files.getattr(inos[r]).oid] for r in rels]
     assert all(o.refs == 1 for o in objs) and all(o.hits == 1 for o in objs)
     # leased objects are not demoted and their bytes are not freed when their names go
     kvstore.store.ram.capacity = 1 << 20
@@ -185,7 +185,7 @@ async def test_lease_expires(ops):
     fh = await open_ctl(ops, b"lease")
     ans = await ask(ops, fh, b"\0ttl 0.05\n\0base ns\n" + b"\n".join(rels))
     assert ans["prefix"] == 2 and ans["ttl"] == 0.05
-    obj = kvstore.store.objs[kvstore.files.getattr(inos[rels[0]])["oid"]]
+    obj = kvstore.store.objs[kvstore.files.getattr(inos[rels[0]]).oid]
     assert obj.refs == 1
     with trio.fail_after(10):
         while await kvstore.leases.expire() == 0:
@@ -215,7 +215,7 @@ async def test_lease_answer_follows_placement(ops):
     assert [b[0] for b in first["blocks"]] == ["ram", "ram", "ram"]
     assert await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels)) == dict(first, lease=first["lease"] + 1)
     await ask(ops, fh, b"\0release\n")
-    obj1 = kvstore.store.objs[kvstore.files.getattr(inos[rels[1]])["oid"]]
+    obj1 = kvstore.store.objs[kvstore.files.getattr(inos[rels[1]]).oid]
     await kvstore.store.mover.demote(obj1, 0)                            # block 1 leaves RAM for NVMe
     again = await ask(ops, fh, b"\0base ns\n" + b"\n".join(rels))
     assert [b[0] for b in again["blocks"]] == ["ram", "nvme", "ram"]
@@ -230,7 +230,7 @@ async def test_lease_during_a_demotion_keeps_the_leased_copy(ops):
     demotion ends with both copies (durably recorded) and drops the upper one only later."""
     kvstore = ops.store
     rels, inos = await make_chain(ops, 1, size=1 << 20)
-    obj = kvstore.store.objs[kvstore.files.getattr(inos[rels[0]])["oid"]]
+    obj = kvstore.store.objs[kvstore.files.getattr(inos[rels[0]]).oid]
     nvme = kvstore.store.tiers[1]
     real_put, entered, go = nvme.put, trio.Event(), trio.Event()
 
@@ -249,7 +249,7 @@ async def test_lease_during_a_demotion_keeps_the_leased_copy(ops):
     nvme.put = real_put
     assert set(obj.place) == {"ram", "nvme"}
     _check_backing(ans["blocks"][0], bytes([0]) * (1 << 20))        # still there, still right
-    assert "nvme" in kvstore.index.get_object(obj.oid)["place"]         # the NVMe copy is recorded
+    assert "nvme" in kvstore.index.get_object(obj.oid).place         # the NVMe copy is recorded
     await ask(ops, fh, b"\0release\n")
     await kvstore.store.mover.demote(obj, 0)              # not in use any more: the RAM copy goes
     assert set(obj.place) == {"nvme"} and not os.path.exists(ans["blocks"][0][1])

@@ -137,7 +137,7 @@ async def test_corrupt_nvme_object_is_eio_and_dropped(ops):
     kvstore = ops.store
     data = os.urandom(200_000)
     ino = await put(ops, ROOT_INO, b"victim", data)
-    obj = kvstore.store.objs[kvstore.files.getattr(ino)["oid"]]
+    obj = kvstore.store.objs[kvstore.files.getattr(ino).oid]
     await kvstore.store.mover.demote(obj, 0)
     assert await ops.getxattr(ino, b"user.kvfs.tier", CTX) == b"nvme"
     path = kvstore.store.tiers[1].path(obj.oid)

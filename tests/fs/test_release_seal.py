@@ -84,7 +84,7 @@ async def test_a_truncate_during_the_release_seal_is_kept(ops):
     async with trio.open_nursery() as n:
         await release_sealing(ops, n, ino, fi.fh)
         rec = await ops.store.files.setattr(ino, size=1000)      # truncate(2) of the path
-    assert rec["size"] == 1000
+    assert rec.size == 1000
     assert ino not in ops.store.files.writers                    # sealed, nothing left open
     r = await ops.open(ino, os.O_RDONLY, CTX)
     assert await read_all(ops, r.fh) == data[:1000]
@@ -136,7 +136,7 @@ async def test_a_writer_opening_while_a_truncate_seals_waits_for_it(ops):
                 await trio.sleep(0)
             w = await ops.open(ino, os.O_RDWR, CTX)      # waits until the truncate's seal is done
             assert ino in ops.store.files.writers and ops.store.files.writers[ino].writers == 1
-    assert got["rec"]["size"] == SIZE + 4096
+    assert got["rec"].size == SIZE + 4096
     await ops.write(w.fh, 0, b"Y")
     await ops.flush(w.fh)
     await ops.release(w.fh)

@@ -30,7 +30,7 @@ from kvfs.config import Config
 from kvfs.errors import NamespaceError, StoreError
 from kvfs.store import tally
 from kvfs.store.fsck import run_fsck
-from kvfs.store.index import ENV_NAME, RECOVER, ROOT_INO, Index
+from kvfs.store.index import ENV_NAME, ROOT_INO, Index
 from storekit import block, hx, open_store
 from storekit import read_file as read, write_file as write
 
@@ -102,7 +102,7 @@ async def _state(kvstore) -> dict:
 
     async def walk(d: int, path: bytes) -> None:
         for _e, n, ino, rec in list(kvstore.names.entries(d, 0)):
-            if stat.S_ISDIR(rec["mode"]):
+            if stat.S_ISDIR(rec.mode):
                 tree[path + n] = "dir"
                 await walk(ino, path + n + b"/")
             else:
@@ -110,8 +110,8 @@ async def _state(kvstore) -> dict:
     await walk(ROOT_INO, b"/")
     ix = kvstore.index
     ix.commit()
-    inodes = {ino: (r["parent"], r["name"], r.get("oid"), r["size"]) for ino, r in ix.iter_inodes()}
-    objects = {oid: (r["ino"], r["size"], sorted(r["place"])) for oid, r in ix.iter_objects()}
+    inodes = {ino: (r.parent, r.name, r.oid, r.size) for ino, r in ix.iter_inodes()}
+    objects = {oid: (r.ino, r.size, sorted(r.place)) for oid, r in ix.iter_objects()}
     with ix.env.begin() as t:
         sets = sorted(bytes(k) for k in t.cursor(db=ix.recover).iternext(values=False)
                       if k[:1] in (tally.UNSEALED, tally.RAM_ONLY))
@@ -244,7 +244,7 @@ def _forge(state: Path, key: bytes, a: int, b: int) -> None:
     back), as a bug in a writer that skipped the tally would leave it."""
     ix = Index(state)
     with ix.write() as txn:
-        txn.w[(RECOVER, key)] = struct.pack(">qq", a, b)
+        txn.recover_set(key, struct.pack(">qq", a, b))
     ix.close()
 
 
@@ -284,7 +284,7 @@ def test_fsck_reports_a_kv_parent_the_index_says_none_has(tmp_path):
     assert run_fsck(fsck_layout(cfg)).problems == []
     ix = Index(tmp_path / "state")          # what a writer that skipped put_inode's hook leaves
     with ix.write() as txn:
-        txn.w[(RECOVER, tally.NO_KV)] = b""
+        txn.recover_set(tally.NO_KV, b"")
     ix.close()
     report = run_fsck(fsck_layout(cfg), repair=True)
     assert len(report.problems) == 1 and "has a KV parent" in report.problems[0]
@@ -305,7 +305,7 @@ def test_a_clean_unmount_notes_that_no_kv_parent_exists_for_the_next_crash_start
             await _apply(kvstore, dirs, ("kv", 1, 1, -1, True), 1)       # a head: no parent
         ix = Index(tmp_path / "state")      # as an index from before the key leaves it
         with ix.write() as txn:
-            txn.w[(RECOVER, tally.NO_KV)] = tally._DEL
+            txn.recover_set(tally.NO_KV, None)
         ix.close()
         async with open_store(tmp_path, ram=RAM, nvme=NVME, clean=True) as kvstore:
             assert "dangling_names" not in kvstore.recovered and kvstore.store._scan_kv

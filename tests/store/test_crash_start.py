@@ -16,7 +16,7 @@ from kvfs.build import fsck_layout
 from kvfs.config import Config
 from kvfs.store import tally
 from kvfs.store.fsck import run_fsck
-from kvfs.store.index import RECOVER, Index, ROOT_INO
+from kvfs.store.index import Index, ROOT_INO
 from storekit import open_store
 from storekit import read_file as read, write_file as write
 
@@ -123,7 +123,7 @@ def test_fsck_checks_the_sets_and_totals_against_the_records(tmp_path):
     assert run_fsck(fsck_layout(cfg)).problems == []
     ix = Index(tmp_path / "state")                   # a total that drifted from the records
     with ix.write() as txn:
-        txn.w[(RECOVER, tally.NAMESPACE + b"a")] = struct.pack(">qq", 1, 1)
+        txn.recover_set(tally.NAMESPACE + b"a", struct.pack(">qq", 1, 1))
     ix.close()
     report = run_fsck(fsck_layout(cfg), repair=True)
     assert len(report.problems) == 1 and "running total b'na'" in report.problems[0]

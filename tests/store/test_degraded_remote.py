@@ -30,7 +30,7 @@ async def read(kvstore, name: bytes) -> bytes:
 
 
 def obj_of(kvstore, name: bytes):
-    return kvstore.store.objs[kvstore.index.get_inode(kvstore.index.lookup(ROOT_INO, name))["oid"]]
+    return kvstore.store.objs[kvstore.index.get_inode(kvstore.index.lookup(ROOT_INO, name)).oid]
 
 
 def evictions(kvstore) -> int:

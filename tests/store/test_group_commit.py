@@ -43,7 +43,7 @@ def test_operations_are_served_from_memory_and_committed_in_one_transaction(tmp_
             files = [ns.make(d, f"f{i}".encode(), FILE, 0, 0, oid=None)[0] for i in range(20)]
             ns.rename(d, b"f0", d, b"g0", 0, kvstore.files.is_open)
             assert ix.pending == 22
-            assert ns.lookup(d, b"g0") == files[0] and ns.inode(files[0])["name"] == b"g0"
+            assert ns.lookup(d, b"g0") == files[0] and ns.inode(files[0]).name == b"g0"
             assert not in_lmdb(ix, ix.dirents, k64(d) + b"g0")
             assert not in_lmdb(ix, ix.inodes, k64(files[5]))
             ix.commit()
@@ -130,7 +130,7 @@ def test_fsync_puts_the_sealed_record_in_lmdb(tmp_path):
             assert in_lmdb(ix, ix.objects, k64(oid)) and in_lmdb(ix, ix.dirents, k64(ROOT_INO) + b"f")
             with ix.env.begin() as txn:
                 from kvfs.store.records import decode_inode
-                assert decode_inode(txn.get(k64(ino), db=ix.inodes))["oid"] == oid
+                assert decode_inode(txn.get(k64(ino), db=ix.inodes)).oid == oid
     trio.run(main)
 
 

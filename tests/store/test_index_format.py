@@ -36,10 +36,10 @@ def test_opens_an_index_of_format_2(state):
         d = ix.lookup(ROOT_INO, b"blocks")
         f = ix.lookup(d, b"abc.bin")
         rec = ix.get_inode(f)
-        assert rec["size"] == 5 and rec["oid"] == 7 and rec["uid"] == 1000
-        assert rec["xattrs"] == {b"user.note": b"hello"} and rec["kv"]["hash"] == "abc"
+        assert rec.size == 5 and rec.oid == 7 and rec.uid == 1000
+        assert rec.xattrs == {b"user.note": b"hello"} and rec.kv["hash"] == "abc"
         obj = ix.get_object(7)
-        assert obj["place"] == {"nvme": b""} and obj["key"] == "/blocks/abc.bin" and obj["atime"] == 1.5
+        assert obj.place == {"nvme": b""} and obj.key == "/blocks/abc.bin" and obj.atime == 1.5
         assert ix.verify_records() == 4
     finally:
         ix.close()
@@ -78,7 +78,7 @@ def test_a_record_of_the_wrong_shape_is_refused(bad):
         raw = cbor2.dumps(rec)
     with pytest.raises(IndexDamaged):
         records.decode_inode(raw)
-    assert records.decode_inode(cbor2.dumps(good))["name"] == b"n"
+    assert records.decode_inode(cbor2.dumps(good)).name == b"n"
 
 
 def test_an_unknown_format_version_is_refused(state):

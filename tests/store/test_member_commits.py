@@ -81,4 +81,4 @@ async def test_the_parent_is_checked_as_the_caller(tmp_path):
         made: list = []
         parent, name = commits.commit_parent(b"d/e/f/x", ROOT, dirmode=0o750, made=made)
         assert name == b"x" and made == [(d, b"e"), (ns.find(d, b"e"), b"f")]
-        assert ns.inode(parent)["mode"] & 0o7777 == 0o750
+        assert ns.inode(parent).mode & 0o7777 == 0o750

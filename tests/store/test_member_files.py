@@ -24,12 +24,12 @@ async def test_write_seal_and_read_back(tmp_path):
         files.on_sealed = lambda ino, serial, oid: sealed.append((ino, oid))
         data = os.urandom(100_000)
         fh, ino, rec = await files.create(ROOT_INO, b"f", 0o644, 0, 0)
-        assert stat.S_ISREG(rec["mode"]) and files.is_open(ino)
+        assert stat.S_ISREG(rec.mode) and files.is_open(ino)
         await files.write(fh, 0, data)
-        assert files.dirty(ino) and files.getattr(ino)["size"] == len(data)
+        assert files.dirty(ino) and files.getattr(ino).size == len(data)
         await files.release(fh)
         assert not files.is_open(ino) and not files.dirty(ino) and files.open_handles() == 0
-        assert sealed == [(ino, index.get_inode(ino)["oid"])]
+        assert sealed == [(ino, index.get_inode(ino).oid)]
         fh = await files.open(ino, os.O_RDONLY)
         assert bytes(await files.read(fh, 0, 1 << 20)) == data
         assert bytes(await files.read(fh, 99_990, 100)) == data[99_990:]
@@ -43,10 +43,10 @@ async def test_truncate_by_setattr_seals_a_new_version(tmp_path):
         fh, ino, _ = await files.create(ROOT_INO, b"f", 0o644, 0, 0)
         await files.write(fh, 0, b"x" * 5000)
         await files.release(fh)
-        old = index.get_inode(ino)["oid"]
+        old = index.get_inode(ino).oid
         rec = await files.setattr(ino, size=1000, mode=0o600)
-        assert rec["size"] == 1000 and rec["mode"] & 0o7777 == 0o600
-        assert index.get_inode(ino)["oid"] != old
+        assert rec.size == 1000 and rec.mode & 0o7777 == 0o600
+        assert index.get_inode(ino).oid != old
         fh = await files.open(ino, os.O_RDONLY)
         assert bytes(await files.read(fh, 0, 8192)) == b"x" * 1000
         await files.release(fh)

@@ -33,11 +33,11 @@ async def test_directories_and_lookups(tmp_path):
     async with open_parts(tmp_path) as (index, store, ns, spill):
         files, names = build(index, store, ns, spill)
         d, rec = names.make(ROOT_INO, b"d", stat.S_IFDIR | 0o755, 0, 0)
-        assert stat.S_ISDIR(rec["mode"]) and names.find(ROOT_INO, b"d") == d
+        assert stat.S_ISDIR(rec.mode) and names.find(ROOT_INO, b"d") == d
         assert names.find(ROOT_INO, b"nope") is None
         ino = await sealed(files, d, b"f", b"abc")
         assert [(n, i) for _, n, i, _ in names.entries(d, 0)] == [(b"f", ino)]
-        assert names.top_of(ino) == "d" and names.inode(ino)["size"] == 3
+        assert names.top_of(ino) == "d" and names.inode(ino).size == 3
         assert names.inode_count() == 3             # root, d, f
         with pytest.raises(NamespaceError) as e:
             names.rmdir(ROOT_INO, b"d")

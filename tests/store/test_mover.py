@@ -17,7 +17,7 @@ async def put(kvstore, name: bytes, data: bytes):
 
 def placed(kvstore, obj) -> set[str]:
     """Where the index says ``obj`` lives (durable copies only)."""
-    return set(kvstore.index.get_object(obj.oid)["place"])
+    return set(kvstore.index.get_object(obj.oid).place)
 
 
 async def test_demote_copies_down_and_frees_the_copy_above(tmp_path):

@@ -88,7 +88,7 @@ class StoreMachine(RuleBasedStateMachine):
             fh = await self.kvstore.files.open(ino, os.O_WRONLY | (os.O_APPEND if append else os.O_TRUNC))
         try:
             # the kernel resolves O_APPEND offsets from i_size before it sends the write
-            base = self.kvstore.files.getattr(self._ino(name))["size"] if append and ino is not None else 0
+            base = self.kvstore.files.getattr(self._ino(name)).size if append and ino is not None else 0
             half = len(data) // 2
             await self.kvstore.files.write(fh, base, data[:half])
             await self.kvstore.files.write(fh, base + half, data[half:])
@@ -103,7 +103,7 @@ class StoreMachine(RuleBasedStateMachine):
         fh = await self.kvstore.files.open(ino, os.O_RDONLY)
         try:
             out, off = [], 0
-            size = self.kvstore.files.getattr(ino)["size"]
+            size = self.kvstore.files.getattr(ino).size
             while off < size:
                 part = bytes(await self.kvstore.files.read(fh, off, 50_000))
                 if not part:

@@ -410,3 +410,62 @@ def test_no_attribute_set_on_another_packages_object():
     assert foreign_attribute_sets(sample, "kvfs.daemon") == ["5: index.names", "7: ops.notifier.direct"]
     assert foreign_attribute_sets(sample.replace("kvfs.store.index", "kvfs.daemon"), "kvfs.daemon") == [
         "7: ops.notifier.direct"]
+
+
+def record_fields() -> set[str]:
+    """The field names of index records: the keys of INODE_FIELDS and OBJECT_FIELDS in
+    kvfs/store/records.py (read from its source)."""
+    out = set()
+    for n in ast.walk(ast.parse((PKG / "store" / "records.py").read_text())):
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id in ("INODE_FIELDS", "OBJECT_FIELDS")
+                                             for t in n.targets):
+            out.update(k.value for d in ast.walk(n.value) if isinstance(d, ast.Dict)
+                       for k in d.keys if isinstance(k, ast.Constant))
+    return out
+
+
+# what the code calls a record it holds (an attribute of that name counts too)
+RECORD_NAMES = {"rec", "record", "r", "prec", "orec", "trec", "irec", "inode_rec", "orphan"}
+RECORD_HOMES = {"store/index.py", "store/records.py"}
+# modules whose ``r`` is a row of a table the CLI prints (JSON from a mount), never an index record
+TABLE_ROWS = {"cli/inspect.py", "cli/bench_report.py"}
+
+
+def string_keyed_records(source: str, fields: set[str]) -> list[tuple[int, str]]:
+    """``(line, text)`` of each ``rec["mode"]``, ``rec.get("oid")`` and ``"kv" in rec`` in
+    ``source``, where ``rec`` is a name (or attribute) in RECORD_NAMES and the string is a
+    record field name."""
+    def is_record(e: ast.expr) -> bool:
+        return (isinstance(e, ast.Name) and e.id in RECORD_NAMES) or (
+            isinstance(e, ast.Attribute) and e.attr in RECORD_NAMES)
+
+    def field(e: ast.expr) -> bool:
+        return isinstance(e, ast.Constant) and e.value in fields
+
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        if ((isinstance(n, ast.Subscript) and is_record(n.value) and field(n.slice))
+                or (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("get", "pop")
+                    and is_record(n.func.value) and n.args and field(n.args[0]))
+                or (isinstance(n, ast.Compare) and field(n.left) and len(n.ops) == 1
+                    and isinstance(n.ops[0], (ast.In, ast.NotIn)) and is_record(n.comparators[0]))):
+            out.append((n.lineno, ast.unparse(n)))
+    return out
+
+
+def test_records_are_read_by_attribute():
+    """Index records are typed (kvfs/store/records.py: InodeRecord, ObjectRecord): outside the
+    index and the records module nothing reads one by a string key
+    (``rec["mode"]``, ``rec.get("oid")``, ``"kv" in rec``: a KeyError at run time on a typo).
+    The check goes by name: a variable or attribute named as in RECORD_NAMES, subscripted or
+    asked with a string that is a record field name; a record under another name is not seen."""
+    fields = record_fields()
+    assert {"mode", "oid", "xattrs", "place", "chunk_size"} <= fields, fields
+    found = [f"kvfs/{rel(p)}:{line} {text}" for p in modules() if rel(p) not in RECORD_HOMES | TABLE_ROWS
+             for line, text in string_keyed_records(p.read_text(), fields)]
+    assert not found, "a record read by a string key (use its attribute):\n" + "\n".join(found)
+    probe = 'rec["mode"]; self.prec.get("oid"); "kv" in orec; row["mode"]; rec["other"]; rec.mode'
+    assert [t for _, t in string_keyed_records(probe, fields)] == [
+        "rec['mode']", "self.prec.get('oid')", "'kv' in orec"], "the check no longer sees record reads"
+    rows = [p for p in TABLE_ROWS if string_keyed_records((PKG / p).read_text(), fields)]
+    assert sorted(rows) == sorted(TABLE_ROWS), f"no longer reads rows named like records: {set(TABLE_ROWS) - set(rows)}"

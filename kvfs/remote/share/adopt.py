@@ -64,7 +64,7 @@ class SharedNames:
         # the name may have appeared while the header was read (a local write, another lookup)
         ino = self._make(parent, name, stat.S_IFREG | 0o644, uid, gid)
         rec = self.index.get_inode(ino)
-        if rec is None or rec.get("oid") is not None:
+        if rec is None or rec.oid is not None:
             return ino
         store = self.store
         obj = Obj(self.index.new_id(b"oid"), info.size, info.checksum, info.chunk_size, info.chunk_sums,

@@ -63,8 +63,7 @@ def snapshot(kvstore) -> dict:
     quotas = getattr(kvstore, "quotas", None)
     doc["quotas"] = quotas.statistics() if quotas is not None else {"limits": {}, "evicted": 0, "refused": 0}
     doc["queues"] = {
-        "promotion": store._promote_send.statistics().current_buffer_used,
-        "moving": store._moving,
+        **store.queues(),
         "writers": len(kvstore.files.writers),
         "demotion_backlog": {t.name: max(0, int(t.used - store.policy.target(t))) for t in store.tiers},
     }

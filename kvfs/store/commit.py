@@ -378,7 +378,7 @@ class Commits:
         if staging.mem is not None and m.entry.length >= self.store.ram.mapped_min:
             if m.fh is None:                # published directly: the file is made as its object
                 m.oid = self.index.new_id(b"oid")
-            staging._to_file(m.oid)
+            staging.to_file(m.oid)
         return staging.fd if staging.mem is None else None
 
     async def _finish(self, m: "_Pending", got, noreplace: bool, quotas=None) -> tuple[int, bytes]:
@@ -395,7 +395,7 @@ class Commits:
             await staging.write(0, got)
             got = len(got)
         if got > staging.size:
-            staging._account(got)
+            staging.account(got)
         if got != m.entry.length:
             raise _err(errno.EINVAL, f"the source holds {got} of the {m.entry.length} bytes named")
         if m.fh is None:

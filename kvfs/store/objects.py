@@ -387,6 +387,10 @@ class ObjectStore:
             finally:
                 self._moving -= 1
 
+    def queues(self) -> dict[str, int]:
+        """Background work now: promotions queued, relieve/promote passes running (metrics)."""
+        return {"promotion": self._promote_send.statistics().current_buffer_used, "moving": self._moving}
+
     def settled(self) -> bool:
         """No demotion, eviction or promotion is running or queued (for tests and tools)."""
         return (not self._moving and not self._kick.is_set() and self._loaded.is_set()

@@ -371,14 +371,14 @@ class Staging:
     def _gone(self) -> bool:
         return self.mem is None and self.fd < 0
 
-    def _account(self, new_size: int) -> None:
+    def account(self, new_size: int) -> None:
         if not self.spilled:
             delta = new_size - self.size
             self.ram.used += delta
             self.ram.staged += delta
         self.size = new_size
 
-    def _to_file(self, oid: int | None = None) -> None:
+    def to_file(self, oid: int | None = None) -> None:
         """The buffer reaches ``mapped_min``: its bytes move to a tmpfs file (``oid``: one
         already named as that object, :meth:`RamTier.object_file`)."""
         where, name, fd = self.ram.staging_file() if oid is None else self.ram.object_file(oid)
@@ -411,12 +411,12 @@ class Staging:
             if end < self.ram.mapped_min:
                 self._mem_write(offset, data, end)
                 if end > self.size:
-                    self._account(end)
+                    self.account(end)
                 return n
             await ramroom.to_file(self, end)        # or spilled: no room on the tmpfs
         n = await ramroom.write(self, offset, data, n)     # a full tmpfs spills (kvfs.store.ramroom)
         if end > self.size:
-            self._account(end)
+            self.account(end)
         return n
 
     async def read(self, offset: int, length: int) -> bytes:
@@ -445,20 +445,20 @@ class Staging:
                     self.mem = mem[:size]
                 elif size > len(mem):
                     self.mem = bytes(mem) + bytes(size - len(mem))
-                self._account(size)
+                self.account(size)
                 return
-            self._to_file()
+            self.to_file()
         if self.spilled:
             await trio.to_thread.run_sync(os.ftruncate, self.fd, size)
         else:
             os.ftruncate(self.fd, size)
-        self._account(size)
+        self.account(size)
 
     async def fill_from(self, data: memoryview) -> None:
         """Initialise with existing content (opening a sealed file for writing)."""
         if self.mem is not None and len(data) < self.ram.mapped_min:
             self.mem = bytes(data)
-            self._account(len(data))
+            self.account(len(data))
             return
         await self.truncate(len(data))
         if len(data):

@@ -75,12 +75,12 @@ async def spill(staging, why: str) -> None:
 
 
 async def to_file(staging, end: int) -> None:
-    """``staging._to_file()`` (a buffer reaching ``end`` bytes leaves the daemon's memory for
+    """``staging.to_file()`` (a buffer reaching ``end`` bytes leaves the daemon's memory for
     a tmpfs file), or a spill when the filesystem has no room for it."""
     if not has_room(staging.ram, end):
         return await spill(staging, "no room for the buffer")
     try:
-        staging._to_file()
+        staging.to_file()
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise

@@ -225,11 +225,6 @@ def private_uses(path: Path) -> list[tuple[str, str]]:
 # What is left, with why. Not a place for new entries: give the name a public spelling instead.
 PRIVATE_USES_ALLOWED = {
     ("cli/mounting.py", "os._exit"): "the standard library's own spelling",
-    ("metrics.py", "store._promote_send"): "ObjectStore's queues: its Policy/Moves split is under way elsewhere",
-    ("metrics.py", "store._moving"): "ObjectStore's queues: its Policy/Moves split is under way elsewhere",
-    ("store/commit.py", "staging._to_file"): "ram.Staging's spill: commit.py and files.py are being rewritten",
-    ("store/commit.py", "staging._account"): "ram.Staging's accounting: commit.py and files.py are being rewritten",
-    ("store/ramroom.py", "staging._to_file"): "ram.Staging's spill, in the module that decides when it spills",
 }
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvfs.errors import NamespaceError
-from kvfs.store.commit import CallerProcess
+from kvfs.store.caller import CallerProcess
 
 
 @pytest.fixture

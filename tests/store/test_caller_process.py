@@ -1,4 +1,4 @@
-"""The commit path's hold on its caller (kvfs.store.commit.CallerProcess)."""
+"""The commit path's hold on its caller (kvfs.store.caller.CallerProcess)."""
 from __future__ import annotations
 
 import errno

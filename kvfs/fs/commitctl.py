@@ -41,8 +41,9 @@ import trio
 from kvfs import protocol
 from kvfs.errors import NamespaceError
 from kvfs.fs.errmap import to_errno
+from kvfs.store.caller import CallerFile, CallerProcess
 from kvfs.store.callermaps import mount_spans, overlaps
-from kvfs.store.commit import CallerFile, CallerProcess, CommitEntry
+from kvfs.store.commit import CommitEntry
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +66,6 @@ def _mount_dev(mountpoint: str) -> int:
     return dev
 
 
-def parse(raw: bytes) -> tuple[list[tuple[int, int, int, bytes, int]], bool, int | None]:
-    """``([(fd, offset, length, path from the root, mode), ...], noreplace, dirmode)`` of a
-    request (kvfs.protocol.parse_commit_request); EINVAL if it does not parse, E2BIG past
-    MAX_ENTRIES entries."""
-    try:
-        out, noreplace, dirmode = protocol.parse_commit_request(raw)
-    except ValueError:
-        raise pyfuse3.FUSEError(errno.EINVAL) from None
-    if len(out) > MAX_ENTRIES:
-        raise pyfuse3.FUSEError(errno.E2BIG)
-    return out, noreplace, dirmode
-
-
 class CommitControl:
     def __init__(self, store, describe):
         self.store = store
@@ -97,7 +85,14 @@ class CommitControl:
         return self._dev
 
     async def serve(self, h, raw: bytes) -> dict:
-        reqs, noreplace, dirmode = parse(raw)
+        """Serve one request (EINVAL if it does not parse, E2BIG past MAX_ENTRIES entries);
+        the answer, ``kvfs.protocol.commit_answer``."""
+        try:
+            reqs, noreplace, dirmode = protocol.parse_commit_request(raw)
+        except ValueError:
+            raise pyfuse3.FUSEError(errno.EINVAL) from None
+        if len(reqs) > MAX_ENTRIES:
+            raise pyfuse3.FUSEError(errno.E2BIG)
         fds: dict[int, int | Exception] = {}
         results: list[int] = [0] * len(reqs)
         entries, where = [], []

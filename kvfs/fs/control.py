@@ -106,7 +106,7 @@ class ControlHandle:
         self.answer: bytes | None = None
         self.lease: int | None = None      # the lease this descriptor holds (lease file)
         self.events = None                 # its kvfs.events.Subscriber (events file)
-        self.process = None                # who opened it (commit file: kvfs.store.commit.CallerProcess)
+        self.process = None                # who opened it (commit file: kvfs.store.caller.CallerProcess)
 
 
 def caller(ctx) -> Cred:

@@ -41,7 +41,7 @@ import trio
 from kvfs.errors import NamespaceError
 from kvfs.protocol import CONTROL_NAME_B
 from kvfs.store import checksum, ramroom
-from kvfs.store.caller import CallerFile, CallerMemory, CallerProcess, _err  # noqa: F401 -- CallerProcess: the commit file's
+from kvfs.store.caller import CallerFile, CallerMemory, _err
 from kvfs.store.cred import Cred
 from kvfs.store.files import FileHandles
 from kvfs.store.index import ROOT_INO, Index

@@ -13,15 +13,6 @@ from kvfs.store.ram import Staging
 log = logging.getLogger(__name__)
 
 _HEADER_PEEK = 1 << 20      # the largest block header we parse
-
-
-def kv_header(data: bytes) -> dict | None:
-    try:
-        return parse_block_header(data)
-    except Exception:
-        return None
-
-
 HEAD = 9                    # bytes that tell a block header from anything else
 
 
@@ -36,4 +27,8 @@ async def peek_block_header(staging: Staging, head: bytes | None = None) -> dict
     n = int.from_bytes(first[:8], "little") + 8
     if n > min(staging.size, _HEADER_PEEK) or first[8:9] != b"{":
         return None
-    return kv_header(await staging.read(0, n))
+    data = await staging.read(0, n)
+    try:
+        return parse_block_header(data)
+    except Exception:       # noqa: BLE001 -- e.g. RecursionError: JSON nested too deep is no block
+        return None

@@ -1,4 +1,4 @@
-"""The commit path's hold on its caller (kvfs.store.commit.CallerProcess)."""
+"""The commit path's hold on its caller (kvfs.store.caller.CallerProcess)."""
 from __future__ import annotations
 
 import errno
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvfs.errors import NamespaceError
-from kvfs.store.commit import CallerProcess
+from kvfs.store.caller import CallerProcess
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Remote-tier benchmark: the userspace NVMe/TCP initiator vs the raw TCP stream of the same VM.
 
-Boots the real nvmet-tcp target in QEMU (tests/target/nvmet_target.py), then in one run:
+Boots the real nvmet-tcp target in QEMU (tests/support/nvmet.py), then in one run:
 
 * raw TCP: the best throughput the VM streams to the host (busybox ``nc`` from /dev/zero,
   and ``nc -e dd bs=1M``), measured before and after the initiator runs;
@@ -41,9 +41,9 @@ import trio
 import xxhash
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "target"))
+sys.path.insert(0, str(REPO / "tests"))
 
-from nvmet_target import Target  # noqa: E402
+from support.nvmet import Target  # noqa: E402
 
 from kvfs.remote.controller import Controller  # noqa: E402
 from kvfs.remote.url import parse_url  # noqa: E402

@@ -6,7 +6,7 @@
                                           [--from-json saved.json]
 
 For each runtime (SGLang 0.5.23, vLLM 0.33.0, LMCache 0.5.6: their released storage layers,
-tests/integration/released.py), in one run, three rows: the runtime's own file backend on a
+tests/support/released.py), in one run, three rows: the runtime's own file backend on a
 plain directory, the same backend on a kvfs mount, and the kvfs adapter on the mount. vLLM
 and LMCache rows: benchmarks/runtime_rows.py. For SGLang:
 
@@ -46,7 +46,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "benchmarks")]
 
-from integration.released import load_lmcache, load_sglang, load_vllm, storage_config  # noqa: E402
+from support.released import load_lmcache, load_sglang, load_vllm, storage_config  # noqa: E402
 from kvfs.bench import BenchMount, warm_memory  # noqa: E402
 from runtime_rows import make_rows  # noqa: E402
 

@@ -22,8 +22,8 @@ import statistics
 import time
 from pathlib import Path
 
-from integration.drivers import LmcacheController, vllm_tier
-from integration.released import L1Object
+from support.drivers import LmcacheController, vllm_tier
+from support.released import L1Object
 
 
 def spin(predicate, timeout: float, what: str):

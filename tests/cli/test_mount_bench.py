@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _env, run_kvfs
+from support.mount import _env, run_kvfs
 from kvfs.cli import bench_report
 
 pytestmark = pytest.mark.mount

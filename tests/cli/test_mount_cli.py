@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from conftest import _env, kvfs_command, lazy_unmount, pid_alive, run_kvfs, wait_for
-from conftest import assert_one_line_error
+from kvfs.proc import pid_alive
+from support.mount import _env, kvfs_command, lazy_unmount, run_kvfs, wait_for, assert_one_line_error
 
 pytestmark = pytest.mark.mount
 

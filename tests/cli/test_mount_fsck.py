@@ -5,8 +5,7 @@ import os
 
 import pytest
 
-from conftest import wait_for
-from conftest import assert_one_line_error
+from support.mount import wait_for, assert_one_line_error
 
 pytestmark = pytest.mark.mount
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, lazy_unmount, pid_alive, run_kvfs
+from kvfs.proc import pid_alive
+from support.mount import REPO, lazy_unmount, run_kvfs
 
 HELPER = REPO / "mount" / "mount.kvfs"
 

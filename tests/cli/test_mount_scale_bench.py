@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, _env
+from support.mount import REPO, _env
 
 pytestmark = pytest.mark.mount
 

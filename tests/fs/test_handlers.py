@@ -14,7 +14,7 @@ import xxhash
 from kvfs.build import build_ops  # noqa: E402
 from kvfs.fs import control  # noqa: E402
 from kvfs.store.index import ROOT_INO  # noqa: E402
-from storekit import open_store  # noqa: E402
+from support.store import open_store  # noqa: E402
 
 CTX = types.SimpleNamespace(uid=0, gid=0, pid=os.getpid(), umask=0o022)
 

@@ -13,7 +13,7 @@ import trio
 
 from kvfs.build import build_ops
 from kvfs.store.index import ROOT_INO
-from storekit import open_store
+from support.store import open_store
 
 CTX = types.SimpleNamespace(uid=0, gid=0, pid=os.getpid(), umask=0o022)
 SIZE = 3 << 20          # hashed in a worker thread: the seal waits, other requests run meanwhile

@@ -1,4 +1,4 @@
-"""The fsx-style exerciser (tests/fsx/fsx.py) against real kvfs mounts with tiny tiers.
+"""The fsx-style exerciser (tests/support/fsx.py) against real kvfs mounts with tiny tiers.
 
 Default run: 1500 operations with 1 process, and with 2 processes in 2 phases with a kill -9
 and remount between them; RAM 4 MiB and NVMe 16 MiB so demotion and eviction run during the
@@ -25,8 +25,8 @@ import time
 
 import pytest
 
-import fsx  # noqa: E402
-from conftest import wait_for  # noqa: E402
+from support import fsx  # noqa: E402
+from support.mount import wait_for  # noqa: E402
 
 pytestmark = pytest.mark.mount
 

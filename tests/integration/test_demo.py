@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import _env
+from support.mount import _env
 
 pytestmark = [pytest.mark.mount, pytest.mark.torch]
 

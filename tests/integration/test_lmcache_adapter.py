@@ -5,7 +5,7 @@ The adapter is created by LMCache's own ``plugin`` L2 adapter factory from the r
 ``fs`` L2 adapter on the same directory, and driven the way LMCache's store and prefetch
 controllers drive an L2 adapter: submit a task, wait on the adapter's event fd, pop or query
 its result; a prefetch is lookup_and_lock, load of the locked prefix, unlock. See
-tests/integration/released.py.
+tests/support/released.py.
 """
 from __future__ import annotations
 
@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import lazy_unmount, pid_alive, wait_for
-from integration.drivers import LmcacheController
-from integration.released import load_lmcache, load_sglang, storage_config
+from kvfs.proc import pid_alive
+from support.drivers import LmcacheController
+from support.mount import lazy_unmount, wait_for
+from support.released import load_lmcache, load_sglang, storage_config
 
 pytestmark = pytest.mark.mount
 

@@ -3,7 +3,7 @@
 The backend is created by SGLang's own ``StorageBackendFactory`` (``dynamic`` backend, the
 recipe's extra config) and driven by the controller's released batch loops
 (``_page_backup``, ``_page_transfer`` and the page get/set functions they select) on threads
-of their own, against a real kvfs mount. See tests/integration/released.py.
+of their own, against a real kvfs mount. See tests/support/released.py.
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import lazy_unmount, pid_alive, wait_for
-from integration.released import load_sglang, storage_config
+from kvfs.proc import pid_alive
+from support.mount import lazy_unmount, wait_for
+from support.released import load_sglang, storage_config
 
 pytestmark = pytest.mark.mount
 

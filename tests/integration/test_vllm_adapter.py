@@ -8,7 +8,7 @@ RETRY until the tier's lookup thread has resolved the step's batch (the schedule
 ``submit_store``/``submit_load`` with ``TransferJob``s naming primary-tier slots, and
 ``get_finished_jobs`` polled until the job is reported. Only the wheel (336 MB) is large: these
 tests run in ``make test-integration``, not in the default ``make test`` (marker
-``vllm_wheel``). See tests/integration/released.py.
+``vllm_wheel``). See tests/support/released.py.
 """
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import lazy_unmount, pid_alive, wait_for
-from integration.drivers import VllmDriver, vllm_spec, vllm_tier
-from integration.released import load_sglang, load_vllm, storage_config
+from kvfs.proc import pid_alive
+from support.drivers import VllmDriver, vllm_spec, vllm_tier
+from support.mount import lazy_unmount, wait_for
+from support.released import load_sglang, load_vllm, storage_config
 
 pytestmark = [pytest.mark.mount, pytest.mark.vllm_wheel]
 

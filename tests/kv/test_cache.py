@@ -17,7 +17,7 @@ from kvfs.kv.block import ChecksumMismatch  # noqa: E402
 from kvfs.blockformat import BlockFormatError  # noqa: E402
 from kvfs.kv.loader import BlockNotFound  # noqa: E402
 from kvfs.kv.writer import BlockWriter, SaveError, SaveJob  # noqa: E402
-from kv.kvkit import LAYOUT, _run_exit_child, assert_exit_child_saves_read_back  # noqa: E402
+from support.kv import LAYOUT, _run_exit_child, assert_exit_child_saves_read_back  # noqa: E402
 
 pytestmark = pytest.mark.torch
 

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import kvfs  # noqa: E402
 from kvfs.kv.block import ChecksumMismatch  # noqa: E402
-from kv.kvkit import LAYOUT  # noqa: E402
+from support.kv import LAYOUT  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device on this machine (run benchmarks/cuda_check.sh on a GPU node)",

@@ -16,7 +16,7 @@ import xxhash  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 import kvfs  # noqa: E402
-from conftest import wait_for  # noqa: E402
+from support.mount import wait_for  # noqa: E402
 from kvfs.blockformat import parse_block_header  # noqa: E402
 from kvfs.kv.tree import tree_document  # noqa: E402
 
@@ -426,7 +426,7 @@ def test_lookup_hold_api_edges(kvfs_mount, tmp_path):
 
 def test_save_then_normal_exit_keeps_every_block_through_commit(kvfs_mount):
     """KVCache.save on kvfs goes through .kvfs/commit; queued saves still land at exit."""
-    from kv.kvkit import LAYOUT, _run_exit_child, assert_exit_child_saves_read_back
+    from support.kv import LAYOUT, _run_exit_child, assert_exit_child_saves_read_back
     m = kvfs_mount()
     with kvfs.KVCache(m.path, model="test/model", layout=LAYOUT) as c:
         assert c._writer._commit is not None, "the writer does not use .kvfs/commit on a kvfs mount"
@@ -447,7 +447,7 @@ def test_cache_opening_as_the_mount_dies_writes_nothing_under_it(kvfs_mount, mon
     the bare mount point (the namespace and its namespace.json once landed on the disk below,
     and the cache saved blocks there as a plain directory)."""
     import kvfs.kv.layout as layout
-    from kv.kvkit import LAYOUT
+    from support.kv import LAYOUT
     m = kvfs_mount()
     real, killed = layout.find_control, []
 

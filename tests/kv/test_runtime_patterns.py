@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from conftest import wait_for
+from support.mount import wait_for
 
 pytestmark = pytest.mark.mount
 O_DIRECT = getattr(os, "O_DIRECT", 0)

@@ -17,10 +17,11 @@ import threading
 
 import pytest
 
-from bigkit import GiB, MiB, check_big, write_big
-from conftest import put, tier_of, wait_for
+from support.bigfile import GiB, MiB, check_big, write_big
+from support.files import put, tier_of
+from support.mount import wait_for
 from kvfs.store import nvmerecord
-from mounthelp import content, read
+from support.files import content, read
 
 pytestmark = pytest.mark.mount
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from conftest import reachable, run_kvfs
-from mounthelp import MiB, content, put, read, wait_for
+from support.files import MiB, content, put, read
+from support.mount import run_kvfs, wait_for
+from support.users import reachable
 from kvfs.integrations.pages import PageStore
 from kvfs.kv.commit import CommitClient
 from kvfs.protocol import commit_request

@@ -11,8 +11,8 @@ import os
 import pytest
 import xxhash
 
-from conftest import reachable
-from mounthelp import MiB, content, read
+from support.files import MiB, content, read
+from support.users import reachable
 from kvfs.kv import commit as commit_mod
 from kvfs.kv.commit import CommitClient
 

@@ -16,7 +16,8 @@ import os
 
 import pytest
 
-from mounthelp import MiB, content, read, wait_for
+from support.files import MiB, content, read
+from support.mount import wait_for
 
 pytestmark = pytest.mark.mount
 

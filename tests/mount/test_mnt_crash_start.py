@@ -12,7 +12,8 @@ import pytest
 from kvfs.errors import InUse
 from kvfs.store import tally
 from kvfs.store.index import Index
-from mounthelp import content, read, run_kvfs, wait_for
+from support.files import content, read
+from support.mount import run_kvfs, wait_for
 
 pytestmark = pytest.mark.mount
 

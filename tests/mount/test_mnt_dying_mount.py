@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from mounthelp import MiB, read
+from support.files import MiB, read
 
 pytestmark = pytest.mark.mount
 

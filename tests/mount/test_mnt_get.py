@@ -10,8 +10,8 @@ import struct
 import pytest
 import xxhash
 
-from conftest import reachable
-from mounthelp import MiB, content, put
+from support.files import MiB, content, put
+from support.users import reachable
 from kvfs import protocol
 from kvfs.integrations.pages import PageStore
 from kvfs.kv import getbatch

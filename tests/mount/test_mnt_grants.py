@@ -11,8 +11,9 @@ import subprocess
 
 import pytest
 
-from conftest import reachable, run_kvfs, wait_for
-from mounthelp import MiB, content, read
+from support.files import MiB, content, read
+from support.mount import run_kvfs, wait_for
+from support.users import reachable
 
 pytestmark = pytest.mark.mount
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_kvfs
-from mounthelp import content, put, read
+from support.files import content, put, read
+from support.mount import run_kvfs
 from kvfs.proc import filesystem_of
 
 pytestmark = pytest.mark.mount

@@ -14,8 +14,8 @@ import threading
 
 import pytest
 
-from mounthelp import content, put, read
-from mounthelp import d, mnt  # noqa: F401 - shared fixtures
+from support.files import content, put, read
+from support.mount import d, mnt  # noqa: F401 - shared fixtures
 
 pytestmark = pytest.mark.mount
 

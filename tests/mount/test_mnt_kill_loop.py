@@ -25,8 +25,8 @@ import time
 
 import pytest
 
-from conftest import lazy_unmount, wait_for
-from mounthelp import MiB, abort_conn, read
+from support.files import MiB, read
+from support.mount import lazy_unmount, wait_for, abort_conn
 
 pytestmark = pytest.mark.mount
 

@@ -7,7 +7,8 @@ import signal
 
 import pytest
 
-from mounthelp import open_mount, pid_alive, run_kvfs
+from kvfs.proc import pid_alive
+from support.mount import open_mount, run_kvfs
 
 pytestmark = pytest.mark.mount
 

@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from mounthelp import wait_for
+from support.mount import wait_for
 
 from kvfs.metrics_http import MAX_PARKED, WORKERS
 

@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from mounthelp import MiB, content, put, read, wait_for
+from support.files import MiB, content, put, read
+from support.mount import wait_for
 
 from kvfs.integrations.pages import PageStore
 from kvfs.kv.names import NameView

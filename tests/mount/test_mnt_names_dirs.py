@@ -14,7 +14,8 @@ import shutil
 
 import pytest
 
-from mounthelp import content, put, read, wait_for
+from support.files import content, put, read
+from support.mount import wait_for
 
 from kvfs.integrations.pages import PageStore
 

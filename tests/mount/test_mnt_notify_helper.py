@@ -10,8 +10,8 @@ import struct
 
 import pytest
 
-from conftest import wait_for
-from mounthelp import errno_of
+from support.files import errno_of
+from support.mount import wait_for
 
 from kvfs.fs import notifyproc
 

@@ -19,9 +19,11 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mounthelp import MiB, content, put, read, run_kvfs, scrape, wait_for
+from support.files import MiB, content, put, read
+from support.mount import run_kvfs, scrape, wait_for
 
-from conftest import _env, direct_read, kvfs_command
+from support.files import direct_read
+from support.mount import _env, kvfs_command
 from kvfs.blockformat import build_header
 
 pytestmark = pytest.mark.mount
@@ -264,7 +266,7 @@ def test_events_file_is_read_only_and_bounded(kvfs_mount):
 
 
 def test_other_users_cannot_read_events(kvfs_mount, intruder):
-    from conftest import reachable
+    from support.users import reachable
     m = kvfs_mount(allow_other=True)
     with reachable(m.path):
         res = intruder.run("import os, sys\ntry:\n    os.open(sys.argv[1], os.O_RDONLY)\n"

@@ -14,8 +14,9 @@ import os
 
 import pytest
 
-from mounthelp import MiB, content, open_mount, put, read
-from mounthelp import d  # noqa: F401 - shared fixture
+from support.files import MiB, content, put, read
+from support.mount import open_mount
+from support.mount import d  # noqa: F401 - shared fixture
 
 pytestmark = pytest.mark.mount
 

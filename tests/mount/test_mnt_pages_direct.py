@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from conftest import wait_for
+from support.mount import wait_for
 from kvfs.integrations.pages import PageStore
 from kvfs.kv.blockio import AlignedBuffer, LeaseClient
 

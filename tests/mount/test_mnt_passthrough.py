@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
-from conftest import reachable, wait_for
-from mounthelp import MiB, content, read
+from support.files import MiB, content, read
+from support.mount import wait_for
+from support.users import reachable
 
 pytestmark = pytest.mark.mount
 

@@ -12,7 +12,8 @@ import os
 import cbor2
 import pytest
 
-from mounthelp import MiB, content, open_mount, read, run_kvfs
+from support.files import MiB, content, read
+from support.mount import open_mount, run_kvfs
 
 from kvfs.store import nvmerecord
 

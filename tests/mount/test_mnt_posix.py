@@ -11,7 +11,8 @@ import stat
 
 import pytest
 
-from mounthelp import errno_of, open_mount
+from support.files import errno_of
+from support.mount import open_mount
 
 pytestmark = pytest.mark.mount
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from mounthelp import content, put, read, run_kvfs
+from support.files import content, put, read
+from support.mount import run_kvfs
 
-from conftest import reachable
+from support.users import reachable
 
 pytestmark = pytest.mark.mount
 
@@ -76,7 +77,7 @@ def test_a_tenant_past_its_quota_evicts_its_own_lru_then_gets_edquot(kvfs_mount,
     assert st["limits"]["tenant-a"]["limit"] == 7 << 19
     assert st["limits"]["tenant-a"]["used"] <= 7 << 19
     assert st["refused"] >= 1
-    from mounthelp import scrape
+    from support.mount import scrape
     metrics = scrape(m)
     assert metrics[("kvfs_namespace_quota_bytes", ("tenant-a",))] == 7 << 19
     assert metrics[("kvfs_quota_evictions_total", ())] == st["evicted"]
@@ -101,7 +102,7 @@ def test_quota_errors_are_one_line(kvfs_mount):
 
 
 def _settled(m) -> dict:
-    from conftest import wait_for
+    from support.mount import wait_for
     return wait_for(lambda: (lambda s: s if s["settled"] else None)(m.stats()), 120, "the store to settle")
 
 

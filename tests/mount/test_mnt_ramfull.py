@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvfs.kv.commit import CommitClient
-from mounthelp import MiB, content, read
+from support.files import MiB, content, read
 
 pytestmark = pytest.mark.mount
 

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import plant_record, reachable, run_kvfs
-from mounthelp import MiB, content, put, read
+from support.files import MiB, content, put, read
+from support.mount import run_kvfs
+from support.store import plant_record
+from support.users import reachable
 
 pytestmark = pytest.mark.mount
 

@@ -12,8 +12,9 @@ import threading
 
 import pytest
 
-from mounthelp import MiB, content, errno_of, fallocate, open_mount, put, read, renameat2, RENAME_NOREPLACE
-from mounthelp import d, mnt  # noqa: F401 - shared fixtures
+from support.files import MiB, content, errno_of, fallocate, put, read, renameat2, RENAME_NOREPLACE
+from support.mount import open_mount
+from support.mount import d, mnt  # noqa: F401 - shared fixtures
 
 pytestmark = pytest.mark.mount
 

@@ -18,9 +18,9 @@ import time
 
 import pytest
 
-from mounthelp import MiB, abort_conn, content, open_mount, put, read, stats_json, wait_for
-from mounthelp import d, mnt  # noqa: F401 - shared fixtures
-from conftest import lazy_unmount
+from support.files import MiB, content, put, read
+from support.mount import abort_conn, open_mount, stats_json, wait_for, lazy_unmount
+from support.mount import d, mnt  # noqa: F401 - shared fixtures
 
 pytestmark = pytest.mark.mount
 

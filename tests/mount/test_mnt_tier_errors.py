@@ -9,7 +9,9 @@ import subprocess
 
 import pytest
 
-from mounthelp import content, open_mount, pid_alive, read, wait_for
+from kvfs.proc import pid_alive
+from support.files import content, read
+from support.mount import open_mount, wait_for
 
 pytestmark = pytest.mark.mount
 

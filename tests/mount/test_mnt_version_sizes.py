@@ -21,7 +21,8 @@ import sys
 
 import pytest
 
-from mounthelp import MiB, content, open_mount, put, read
+from support.files import MiB, content, put, read
+from support.mount import open_mount
 
 pytestmark = pytest.mark.mount
 

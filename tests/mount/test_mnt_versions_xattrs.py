@@ -8,8 +8,9 @@ import os
 import pytest
 import xxhash
 
-from mounthelp import MiB, content, errno_of, open_mount, put, read, xattr
-from mounthelp import d, mnt  # noqa: F401 - shared fixtures
+from support.files import MiB, content, errno_of, put, read, xattr
+from support.mount import open_mount
+from support.mount import d, mnt  # noqa: F401 - shared fixtures
 
 pytestmark = pytest.mark.mount
 

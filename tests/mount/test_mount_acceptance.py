@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import wait_for
+from support.mount import wait_for
 
 pytestmark = pytest.mark.mount
 

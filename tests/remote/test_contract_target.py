@@ -1,10 +1,10 @@
-"""The store's tier contract (tests/store/storekit.py) over the remote tier on the real target."""
+"""The store's tier contract (tests/support/store.py) over the remote tier on the real target."""
 
 import pytest
 import trio
 
 
-from storekit import contract  # noqa: E402
+from support.store import contract  # noqa: E402
 
 
 @pytest.mark.target

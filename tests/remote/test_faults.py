@@ -9,9 +9,9 @@ import pytest
 import trio
 
 from kvfs.errors import NoSuchObject, TierUnavailable
-from nvmet_fixtures import open_tier
-from nvmet_target import SUBNQN
-from storekit import make_info
+from support.nvmet import SUBNQN
+from support.store import make_info
+from support.target import open_tier
 
 pytestmark = pytest.mark.target
 CMD_TIMEOUT = 2.0

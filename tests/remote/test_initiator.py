@@ -14,7 +14,7 @@ from kvfs.remote import pdu as P
 from kvfs.remote.controller import Controller
 from kvfs.remote.errors import NvmeStatusError, TransportError
 from kvfs.remote.url import parse_url
-from nvmet_target import SUBNQN, free_port
+from support.nvmet import SUBNQN, free_port
 
 pytestmark = pytest.mark.target
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import direct_read, put, run_kvfs, tier_of, wait_for
+from support.files import direct_read, put, tier_of
+from support.mount import run_kvfs, wait_for
 
 pytestmark = [pytest.mark.mount, pytest.mark.target]
 

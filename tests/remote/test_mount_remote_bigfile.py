@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from bigkit import GiB, MiB, check_big, write_big
-from conftest import put, tier_of, wait_for
-from nvmet_fixtures import _boot
+from support.bigfile import GiB, MiB, check_big, write_big
+from support.files import put, tier_of
+from support.mount import wait_for
+from support.target import _boot
 
 pytestmark = [pytest.mark.mount, pytest.mark.target]
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_kvfs, wait_for
-from sharekit import MiB, caught_up, content, outcome, put, share, tier_of  # noqa: F401
+from support.files import put, tier_of  # noqa: F401
+from support.mount import run_kvfs, wait_for
+from support.share import MiB, caught_up, content, outcome, share  # noqa: F401
 
 NFILES = 40
 

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from conftest import run_kvfs, wait_for
-from sharekit import MiB, caught_up, content, outcome, put, share, tier_of
+from support.files import put, tier_of
+from support.mount import run_kvfs, wait_for
+from support.share import MiB, caught_up, content, outcome, share
 
 LEASE = 6.0
 

@@ -14,8 +14,9 @@ import json
 
 import pytest
 
-from conftest import run_kvfs, wait_for
-from sharekit import caught_up, content, outcome, put, share, tier_of
+from support.files import put, tier_of
+from support.mount import run_kvfs, wait_for
+from support.share import caught_up, content, outcome, share
 
 LEASE = 4.0
 

@@ -13,8 +13,9 @@ import os
 
 import pytest
 
-from conftest import run_kvfs, wait_for
-from sharekit import caught_up, content, put, share, tier_of
+from support.files import put, tier_of
+from support.mount import run_kvfs, wait_for
+from support.share import caught_up, content, share
 
 from kvfs.remote import volume_format as L
 

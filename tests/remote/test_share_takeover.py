@@ -18,7 +18,7 @@ from kvfs.remote.share import format as F
 from kvfs.remote.share import member
 from kvfs.remote.share.tier import SharedRemoteTier
 
-from sharekit import VOL, foreign_read, info_of
+from support.share import VOL, foreign_read, info_of
 
 LEASE = 10.0
 

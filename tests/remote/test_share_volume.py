@@ -14,7 +14,7 @@ from kvfs.remote import make_volume
 from kvfs.remote.share import format as F
 from kvfs.remote.tier import RemoteTier
 
-from sharekit import CHUNK, VOL, foreign_read, info_of, node  # noqa: F401
+from support.share import CHUNK, VOL, foreign_read, info_of, node  # noqa: F401
 
 
 async def test_two_nodes_publish_tail_and_miss_after_free(tmp_path):

@@ -12,8 +12,8 @@ import xxhash
 from kvfs.build import build_remote_tier
 from kvfs.config import Config
 from kvfs.errors import ConfigError, NoSuchObject, TierFull, TierUnavailable
-from nvmet_fixtures import open_tier
-from storekit import make_info
+from support.store import make_info
+from support.target import open_tier
 
 CHUNK = 1 << 20
 

@@ -13,8 +13,7 @@ import trio
 
 from kvfs.store import objtable, tally
 from kvfs.store.index import Index, ROOT_INO
-from storekit import open_store
-from storekit import block, hx, read_file as read, write_file as write
+from support.store import open_store, block, hx, read_file as read, write_file as write
 
 FILE = stat.S_IFREG | 0o644
 

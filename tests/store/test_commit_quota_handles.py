@@ -9,7 +9,7 @@ from kvfs.store.caller import CallerFile
 from kvfs.store.commit import CommitEntry
 from kvfs.store.cred import Cred
 from kvfs.store.index import ROOT_INO
-from storekit import open_store
+from support.store import open_store
 
 ROOT = Cred(0, 0)
 

@@ -31,8 +31,7 @@ from kvfs.errors import NamespaceError, StoreError
 from kvfs.store import tally
 from kvfs.store.fsck import run_fsck
 from kvfs.store.index import ENV_NAME, ROOT_INO, Index
-from storekit import block, hx, open_store
-from storekit import read_file as read, write_file as write
+from support.store import block, hx, open_store, read_file as read, write_file as write
 
 DIR = stat.S_IFDIR | 0o755
 FILE = stat.S_IFREG | 0o644

@@ -17,8 +17,7 @@ from kvfs.config import Config
 from kvfs.store import tally
 from kvfs.store.fsck import run_fsck
 from kvfs.store.index import Index, ROOT_INO
-from storekit import open_store
-from storekit import read_file as read, write_file as write
+from support.store import open_store, read_file as read, write_file as write
 
 FILE = stat.S_IFREG | 0o644
 DIR = stat.S_IFDIR | 0o755

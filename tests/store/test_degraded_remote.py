@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from kvfs.store.index import ROOT_INO
-from storekit import file_remote_tier, open_store
+from support.store import file_remote_tier, open_store
 
 KiB = 1 << 10
 SIZE = 192 * KiB

@@ -12,7 +12,7 @@ import trio
 
 from kvfs.errors import NamespaceError
 from kvfs.store.index import DIRENTS, ROOT_INO, k64
-from storekit import open_store
+from support.store import open_store
 
 DIR = stat.S_IFDIR | 0o755
 FILE = stat.S_IFREG | 0o644

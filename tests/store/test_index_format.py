@@ -14,7 +14,7 @@ from pathlib import Path
 import cbor2
 import pytest
 
-from conftest import plant_record
+from support.store import plant_record
 from kvfs.errors import IndexDamaged
 from kvfs.store import records
 from kvfs.store.index import ROOT_INO, Index, k64

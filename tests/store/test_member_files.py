@@ -8,7 +8,7 @@ import stat
 from kvfs.store.files import FileHandles
 from kvfs.store.index import ROOT_INO
 from kvfs.store.owners import Owners
-from storekit import open_parts
+from support.store import open_parts
 
 
 def files_over(index, store, ns, spill) -> FileHandles:

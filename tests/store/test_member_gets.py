@@ -13,7 +13,7 @@ from kvfs.store.getbatch import BatchGets
 from kvfs.store.index import ROOT_INO
 from kvfs.store.leases import Leases
 from kvfs.store.owners import Owners
-from storekit import open_parts
+from support.store import open_parts
 
 
 async def test_answer_holds_each_file_or_its_errno(tmp_path):

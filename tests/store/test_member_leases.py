@@ -15,7 +15,7 @@ from kvfs.store.files import FileHandles
 from kvfs.store.index import ROOT_INO
 from kvfs.store.leases import LEASE_TTL_MAX_USER, Leases
 from kvfs.store.owners import Owners
-from storekit import open_parts
+from support.store import open_parts
 
 
 async def build(index, store, ns, spill, n: int = 3) -> Leases:

@@ -12,7 +12,7 @@ from kvfs.store.files import FileHandles
 from kvfs.store.index import ROOT_INO
 from kvfs.store.nameops import NameOps
 from kvfs.store.owners import Owners
-from storekit import open_parts
+from support.store import open_parts
 
 
 def build(index, store, ns, spill) -> tuple[FileHandles, NameOps]:

@@ -12,7 +12,7 @@ from kvfs.store.files import FileHandles
 from kvfs.store.index import ROOT_INO
 from kvfs.store.ownerlinks import can_grant
 from kvfs.store.owners import DAEMON_UID, Owners
-from storekit import open_parts
+from support.store import open_parts
 
 OWNER = 4242 if DAEMON_UID != 4242 else 4243
 

@@ -13,7 +13,7 @@ from kvfs.store.files import FileHandles
 from kvfs.store.index import ROOT_INO
 from kvfs.store.owners import Owners
 from kvfs.store.xattrs import KV_PREFIX, XATTR_MAX, Xattrs
-from storekit import open_parts
+from support.store import open_parts
 
 
 def build(index, store, ns, spill) -> tuple[FileHandles, Xattrs]:

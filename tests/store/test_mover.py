@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from kvfs.store.index import ROOT_INO
-from storekit import open_store, read_file, write_file
+from support.store import open_store, read_file, write_file
 
 KiB = 1 << 10
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvfs.errors import TierFull
 from kvfs.store.index import ROOT_INO
-from storekit import block, file_remote_tier, hx, open_store, write_file
+from support.store import block, file_remote_tier, hx, open_store, write_file
 
 KiB = 1 << 10
 

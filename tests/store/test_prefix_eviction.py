@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from kvfs.store.index import ROOT_INO
-from storekit import PAYLOAD, block, hx, open_store  # noqa: F401
+from support.store import PAYLOAD, block, hx, open_store  # noqa: F401
 
 
 async def write(kvstore, name: bytes, data: bytes) -> None:

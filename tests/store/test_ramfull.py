@@ -14,7 +14,7 @@ import pytest
 from kvfs.errors import TierFull
 from kvfs.store import ownerlinks, ramroom
 from kvfs.store.ram import RamTier
-from storekit import info, nvme_tier, small_tmpfs
+from support.store import info, nvme_tier, small_tmpfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")
 MiB = 1 << 20

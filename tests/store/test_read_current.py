@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvfs.store.index import ROOT_INO
-from storekit import open_store, small_tmpfs
+from support.store import open_store, small_tmpfs
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -14,7 +14,7 @@ import trio.testing
 from kvfs.store import ownerlinks
 from kvfs.store.nvme import NvmeTier
 from kvfs.store.ram import RamTier
-from storekit import info, nvme_tier, small_tmpfs
+from support.store import info, nvme_tier, small_tmpfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")
 MiB = 1 << 20

@@ -12,7 +12,7 @@ import xxhash
 from kvfs.store import checksum  # noqa: E402
 from kvfs.store.ram import FD_RESERVE_MIN, RamTier, mapping_budget  # noqa: E402
 from kvfs.store.tier import ObjectInfo  # noqa: E402
-from storekit import nvme_tier  # noqa: E402
+from support.store import nvme_tier  # noqa: E402
 
 MIN = 64 << 10      # mapped_min of these tests
 

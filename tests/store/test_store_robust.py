@@ -11,7 +11,7 @@ import pytest
 
 from kvfs.errors import TierWriteFailed
 from kvfs.store.index import Index, ROOT_INO
-from storekit import open_store, read_file as read, write_file as write
+from support.store import open_store, read_file as read, write_file as write
 
 
 async def test_demoting_an_empty_object_writes_no_nvme_file(tmp_path):

@@ -6,7 +6,7 @@ import os
 import trio
 import trio.testing
 
-from storekit import open_store
+from support.store import open_store
 
 from kvfs.store.index import ROOT_INO
 

@@ -8,7 +8,7 @@ import pytest
 import trio
 
 
-from storekit import contract, file_remote_tier, info, nvme_tier, ram_tier
+from support.store import contract, file_remote_tier, info, nvme_tier, ram_tier
 
 FACTORIES = {"ram": ram_tier, "nvme": nvme_tier, "remote-file": file_remote_tier}
 

@@ -12,7 +12,7 @@ from kvfs.errors import NamespaceError
 from kvfs.remote import make_volume
 from kvfs.remote.tier import RemoteTier
 from kvfs.store.index import ROOT_INO
-from storekit import file_remote_tier, open_store
+from support.store import file_remote_tier, open_store
 
 MiB = 1 << 20
 

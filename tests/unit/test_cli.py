@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_one_line_error, run_kvfs
+from support.mount import REPO, assert_one_line_error, run_kvfs
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_dev_fuse_missing(tmp_path, mp):
 
 
 def _kvfs_argv():
-    from conftest import kvfs_command
+    from support.mount import kvfs_command
     return kvfs_command()
 
 

@@ -94,10 +94,10 @@ def test_the_checks_see_the_package():
 
 def test_tests_do_not_edit_the_import_path():
     """Shared helpers are found through pyproject's pytest ``pythonpath``, not ``sys.path`` edits
-    (tests/integration/released.py alone puts the released runtime wheels on the path)."""
+    (tests/support/released.py alone puts the released runtime wheels on the path)."""
     tests = PKG.parent / "tests"
     found = [f"{p.relative_to(tests)}:{n.lineno}" for p in sorted(tests.rglob("*.py"))
-             if p.relative_to(tests).as_posix() != "integration/released.py"
+             if p.relative_to(tests).as_posix() != "support/released.py"
              for n in ast.walk(ast.parse(p.read_text()))
              if isinstance(n, ast.Attribute) and n.attr == "insert" and isinstance(n.value, ast.Attribute)
              and n.value.attr == "path"]
@@ -105,7 +105,7 @@ def test_tests_do_not_edit_the_import_path():
 
 
 def test_no_test_module_imports_another():
-    """Helpers live in helper modules (conftest, storekit, mounthelp, sharekit, ...), not in
+    """Helpers live in the support package (tests/support: mount, files, store, ...), not in
     test modules: importing a test module runs its tests' module-level code twice."""
     tests = PKG.parent / "tests"
     found = [f"{p.relative_to(tests)}:{n.lineno}" for p in sorted(tests.rglob("*.py"))

@@ -2,7 +2,7 @@
 benchmarks/runtime_adapters.py: vLLM's tiering manager's calls on a secondary tier
 (:class:`VllmDriver`) and LMCache's controllers' calls on an L2 adapter
 (:class:`LmcacheController`). ``wait(predicate, timeout, what)`` polls until the predicate is
-truthy (the tests pass conftest's ``wait_for``; the benchmark a tighter poll)."""
+truthy (the tests pass ``support.mount.wait_for``; the benchmark a tighter poll)."""
 from __future__ import annotations
 
 import itertools
@@ -12,7 +12,7 @@ import select
 import numpy as np
 import torch
 
-from integration.released import L1Object, released_defs
+from support.released import L1Object, released_defs
 
 
 # -- vLLM --------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ what kvfs kept. ``FSX_HISTORY=N`` in the environment shows N earlier checks per 
 Run it from the command line on a mount you made yourself (``--tiers`` prints the tier sizes
 a run of that seed mounts with: ``tier_sizes``, as tests/fsx/test_fsx.py does)::
 
-    python tests/fsx/fsx.py MOUNT_DIR REF_DIR --seed 1 --ops 20000 --procs 4
+    python tests/support/fsx.py MOUNT_DIR REF_DIR --seed 1 --ops 20000 --procs 4
 """
 from __future__ import annotations
 

@@ -199,3 +199,15 @@ def small_tmpfs(path: Path, size: str = "40m"):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def plant_record(state: Path, db: bytes, key: bytes, value: bytes) -> None:
+    """Write a raw value into the index of the state directory ``state`` (as an attacker
+    with write access to it would, or a damaged disk)."""
+    import lmdb
+    env = lmdb.open(str(state / "index.lmdb"), max_dbs=8, subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(key, value, db=env.open_db(db, txn=txn))
+    finally:
+        env.close()

@@ -12,7 +12,7 @@ the raw TCP throughput of the same VM.
 
 Run as a script::
 
-    python tests/target/nvmet_target.py up [--image PATH] [--size 1GiB] [--port N]
+    python tests/support/nvmet.py up [--image PATH] [--size 1GiB] [--port N]
 
 prints the URL and PID and leaves the VM running (stop it with ``kill PID``).
 """

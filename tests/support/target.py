@@ -1,6 +1,5 @@
-"""pytest fixtures around the real nvmet-tcp target (import them into a conftest.py).
-
-    from nvmet_fixtures import nvmet_target, remote_url, remote_tier, fresh_target  # noqa: F401
+"""pytest fixtures around the real nvmet-tcp target (``support.nvmet``; tests/conftest.py
+registers them).
 
 * ``nvmet_target`` (session): one VM for the whole run, 1 GiB namespace image on the host.
 * ``remote_url``: the session target's URL (string).
@@ -15,7 +14,7 @@ import uuid
 import pytest
 import trio
 
-from nvmet_target import Target, ensure_initramfs
+from support.nvmet import Target, ensure_initramfs
 
 
 def _boot(image, size=1 << 30) -> Target:

@@ -1,13 +1,11 @@
-"""Shared-volume test helpers (tests/remote/test_share_volume.py, test_share_takeover.py):
-object infos, nodes on a file volume, reads of another node's published blocks."""
+"""Shared-volume test helpers (tests/remote/test_share*.py): object infos, nodes on a file
+volume, reads of another node's published blocks, and the share status of a mount."""
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
 import xxhash
-
-from conftest import put, tier_of  # noqa: F401  (the share tests import them from here)
 
 from kvfs.remote import make_volume
 from kvfs.remote.share import format as F

@@ -72,8 +72,8 @@ async def test_dead_node_region_taken_over_and_the_returning_node_refused(tmp_pa
             for t in (b, c):
                 await t.heartbeat()
                 await t.tail_once()
-        assert c.takeovers == 1 and list(c.held) == [a.region] and b.takeovers == 0
-        assert c.held[a.region]["writable_at"] >= clock.t + LEASE + c.grace
+        assert c.takeovers == 1 and list(c.regions.held) == [a.region] and b.takeovers == 0
+        assert c.regions.held[a.region]["writable_at"] >= clock.t + LEASE + c.grace
         st = c.status()["share"]
         held = st["held"][str(a.region)]
         assert (held["from_slot"], held["from_node"], held["from_epoch"]) == (a.slot, "node-a", a.node.epoch)
@@ -217,14 +217,14 @@ def test_an_observer_that_was_away_does_not_declare_others_dead():
 async def _dead_and_taken(a, b, c, clock: Clock) -> None:
     """A stops heartbeating; B and C beat and tail until C holds A's region, then until
     C may write there (lease + grace + the I/O timeout after its claim)."""
-    while not c.held:
+    while not c.regions.held:
         clock.t += LEASE / 4
         for t in (b, c):
             await t.heartbeat()
             await t.tail_once()
     own = c.capacity        # the held region adds room only once C may write there
-    assert own == c.held_tiers[a.region].capacity and not c.status()["share"]["held"][str(a.region)]["writable"]
-    while clock.t < c.held[a.region]["writable_at"]:
+    assert own == c.regions.tiers[a.region].capacity and not c.status()["share"]["held"][str(a.region)]["writable"]
+    while clock.t < c.regions.held[a.region]["writable_at"]:
         clock.t += LEASE / 4
         for t in (b, c):
             await t.heartbeat()
@@ -245,7 +245,7 @@ async def test_the_taker_frees_the_dead_nodes_blocks_and_reuses_their_space(tmp_
     try:
         await _dead_and_taken(a, b, c, clock)
         await b.tail_once()
-        h = c.held_tiers[a.region]
+        h = c.regions.tiers[a.region]
         assert len(h.inherited()) == 8 and c.used == 0 and c.capacity == 2 * h.capacity   # writable now
         # C fills its own region, then the region it holds: it has to free A's blocks there
         oid, mine = 1, {}               # C's oids start at 1 too: they meet A's in A's region
@@ -299,7 +299,7 @@ async def test_the_taker_frees_the_dead_nodes_blocks_and_reuses_their_space(tmp_
     await c.close()
     c2 = await node(vol, "node-c", clock)
     try:
-        h2 = c2.held_tiers[a.region]
+        h2 = c2.regions.tiers[a.region]
         c2.recount([loc for loc, _d in mine.values()])
         assert not h2.inherited() and h2.own == h.own and c2.used == c.used
         for o, (loc, data) in mine.items():

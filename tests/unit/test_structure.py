@@ -136,7 +136,7 @@ def _classes() -> dict[str, list[tuple[str, ast.ClassDef]]]:
 
 
 def _base_name(b: ast.expr) -> str:
-    """A base class's own name (``H.HoldsRegions``: HoldsRegions)."""
+    """A base class's own name (``mod.Base``: Base)."""
     return b.attr if isinstance(b, ast.Attribute) else b.id if isinstance(b, ast.Name) else ast.unparse(b)
 
 
@@ -156,11 +156,6 @@ def _assigns_self_state(cls: ast.ClassDef) -> bool:
     return False
 
 
-# Stateful mixins outside the store, not turned into composition yet (issue 33): remove an entry
-# once its class is composed.
-MIXED = {"SharedRemoteTier"}
-
-
 def test_no_stateful_mixins():
     """A class of kvfs/ with more than one base has no kvfs-defined base that keeps state of
     its own (assigns ``self.<attr>``): concerns that share one object's state are members
@@ -169,7 +164,7 @@ def test_no_stateful_mixins():
     found = []
     for name, defs in classes.items():
         for path, cls in defs:
-            if len(cls.bases) < 2 or name in MIXED:
+            if len(cls.bases) < 2:
                 continue
             for b in cls.bases:
                 for bpath, bcls in classes.get(_base_name(b), []):
@@ -186,7 +181,7 @@ def test_store_classes_are_composed():
     for name, defs in classes.items():
         for path, cls in defs:
             kvfs_bases = [b for b in cls.bases if _base_name(b) in classes]
-            if path.startswith("store/") and len(kvfs_bases) > 1 and name not in MIXED:
+            if path.startswith("store/") and len(kvfs_bases) > 1:
                 found.append(f"kvfs/{path}:{cls.lineno} {name}{tuple(map(_base_name, kvfs_bases))}")
             if name == "Store" and path == "store/store.py" and cls.bases:
                 found.append(f"kvfs/{path}:{cls.lineno} Store has bases {tuple(map(_base_name, cls.bases))}")

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import logging
 import struct
+from typing import Awaitable, Callable
+
+import trio
 
 from kvfs.errors import ConfigError, NoSuchObject, TierFull, TierUnavailable
 from kvfs.remote.share import format as F
 from kvfs.remote.share.member import write_unit
 from kvfs.remote.share.region import RegionVolume
+from kvfs.remote.share.view import SharedView
 from kvfs.remote.tier import _LOC, RemoteTier
+from kvfs.remote.volume import Volume
 from kvfs.store.tier import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -126,50 +131,68 @@ def describe(t: HeldRegion) -> dict:
             "reclaimed": t.reclaimed}
 
 
-class HoldsRegions:
-    """SharedRemoteTier's part for the regions it took over (``held_tiers``): open them,
-    put into them when its own region is full, reclaim the dead node's records there, free
-    its own records there, count and list them."""
+class HeldRegions:
+    """The regions a SharedRemoteTier took over from dead nodes: ``held`` (each one's origin
+    and ``writable_at``) and ``tiers`` (those of them open for writing). It opens them, puts
+    into them when the tier's own region is full, reclaims the dead node's records there, frees
+    the node's own records there, counts and lists them.
 
-    @property
+    What it needs of the shared tier comes in as arguments: ``parent`` (the shared volume),
+    ``owner`` (the node's instance id), ``guard`` (the write check every region volume calls),
+    ``clock`` (the failure detector's), ``publish`` (async: appends a put or free to the node's
+    log), ``count`` (adds bytes and objects to the tier's totals) and ``view`` (the tier's
+    SharedView, which a reclaimed record leaves at once)."""
+
+    def __init__(self, parent: Volume, *, owner: str, guard: Callable[[], None], clock: Callable[[], float],
+                 publish: Callable[..., Awaitable[None]], count: Callable[[int, int], None], view: SharedView):
+        self.parent = parent
+        self.owner = owner
+        self.guard = guard
+        self.clock = clock
+        self.publish = publish
+        self.count = count
+        self.view = view
+        self.held: dict[int, dict] = {}            # regions taken over from dead nodes -> what and when
+        self.tiers: dict[int, HeldRegion] = {}     # those of them open for writing
+        self.lock = trio.Lock()
+
     def capacity(self) -> int:
-        """Our region's data area plus that of every held region we may write in now (before
-        ``writable_at`` a held region adds nothing: the store must not count on its room)."""
+        """The data area of every held region we may write in now (before ``writable_at`` a
+        held region adds nothing: the store must not count on its room)."""
         now = self.clock()
-        return self._own_capacity + sum(h.capacity for h in getattr(self, "held_tiers", {}).values()
-                                        if now >= h.writable_at)
+        return sum(h.capacity for h in self.tiers.values() if now >= h.writable_at)
 
-    @capacity.setter
-    def capacity(self, v: int) -> None:
-        self._own_capacity = v
-
-    async def _open_held(self, region: int) -> None:
+    async def open(self, region: int, sb2: F.Superblock2 | None) -> None:
         """Open a held region's format-1 volume (reads only) so this node may reclaim the dead
         node's records there and put its own, from ``writable_at`` on."""
-        if region in self.held_tiers or self.sb2 is None:
+        if region in self.tiers or sb2 is None:
             return
-        rv = RegionVolume(self.parent, self.sb2.region_off(region), self.sb2.region_bytes)
-        rv.guard = self._may_write
-        h = HeldRegion(rv, region=region, owner=self.instance_id,
-                         writable_at=self.held[region]["writable_at"])
+        rv = RegionVolume(self.parent, sb2.region_off(region), sb2.region_bytes)
+        rv.guard = self.guard
+        h = HeldRegion(rv, region=region, owner=self.owner, writable_at=self.held[region]["writable_at"])
         try:
             await h.open()
         except (ConfigError, ValueError, TierUnavailable) as e:
             log.error("held region %d stays read-only: %s", region, e)
             return
-        self.held_tiers[region] = h
+        self.tiers[region] = h
         log.info("held region %d: %d inherited records (%d bytes), writable in %.1f s", region,
                  len(h.inherited()), sum(e[3] for _s, e in h.inherited()) * h.unit,
                  max(0.0, h.writable_at - self.clock()))
 
-    async def _put_held(self, info: ObjectInfo, data: memoryview) -> bytes:
+    async def reload(self) -> None:
+        """After a reconnect: same region volumes, deletes applied."""
+        for h in self.tiers.values():
+            await h.reload()
+
+    async def put(self, info: ObjectInfo, data: memoryview) -> bytes:
         """Our region is full: put into a held region, first freeing as many of the dead node's
         records there as the new one needs (each free published in our log)."""
-        async with self._held_lock:     # one reclaim at a time: a header is zeroed only before its space is free
-            return await self._put_held_locked(info, data)
+        async with self.lock:     # one reclaim at a time: a header is zeroed only before its space is free
+            return await self._put_locked(info, data)
 
-    async def _put_held_locked(self, info: ObjectInfo, data: memoryview) -> bytes:
-        for region, h in sorted(self.held_tiers.items()):
+    async def _put_locked(self, info: ObjectInfo, data: memoryview) -> bytes:
+        for region, h in sorted(self.tiers.items()):
             if self.clock() < h.writable_at or not h.available or h.footprint(info.size) > h.capacity:
                 continue
             while not h.fits(info.size) and h.inherited():
@@ -178,9 +201,8 @@ class HoldsRegions:
                 continue
             rloc = await h.put(info, data)
             units = _LOC.unpack(rloc)[3]
-            self.used += units * h.unit
-            self.objects += 1
-            await self._publish(F.OP_PUT, info.oid, rloc, info, region, h.sb.volume_uuid)
+            self.count(units * h.unit, 1)
+            await self.publish(F.OP_PUT, info.oid, rloc, info, region, h.sb.volume_uuid)
             return held_loc(region, rloc)
         raise TierFull("remote tier: no room in our region or the regions we hold")
 
@@ -189,52 +211,61 @@ class HoldsRegions:
         header (a reader by location misses from now on), free its table entry."""
         oid, start, _size, _units, _hu = entry
         rloc = h.loc_of(slot)
-        await self._publish(F.OP_FREE, oid, rloc, None, h.region, h.sb.volume_uuid)
+        await self.publish(F.OP_FREE, oid, rloc, None, h.region, h.sb.volume_uuid)
         await write_unit(h.vol, start * h.unit, bytes(h.unit), h.unit)
         await h.delete(oid, rloc)          # counts it in h.reclaimed
         victim = self.held[h.region]["from_slot"]
         self.view.apply(victim, "", F.LogEntry(0, 0, F.OP_FREE, h.region, start, oid=oid))
 
-    async def _delete_held(self, oid: int, loc: bytes) -> None:
+    def record(self, oid: int, loc: bytes) -> tuple[HeldRegion, bytes, int, int] | None:
+        """(held region, its loc, start unit, units) of a live record of ours at held-region
+        ``loc``, or None (its region not open, or no such record)."""
         region, rloc = unpack_held_loc(loc)
-        h = self.held_tiers.get(region)
-        if h is None or self.fenced:
-            return
+        h = self.tiers.get(region)
+        if h is None:
+            return None
         try:
             _slot, (_oid, start, _size, units, _hu) = h.entry(oid, rloc)
         except NoSuchObject:
-            return
-        if self.available:
-            await self._check_fence()
-        await self._publish(F.OP_FREE, oid, rloc, None, region, h.sb.volume_uuid)
+            return None
+        return h, rloc, start, units
+
+    async def free(self, oid: int, h: HeldRegion, rloc: bytes, start: int, units: int) -> None:
+        """Free one of our records in a held region (its ``record``): publish the free, clear
+        its header, free its table entry."""
+        await self.publish(F.OP_FREE, oid, rloc, None, h.region, h.sb.volume_uuid)
         try:
             await write_unit(h.vol, start * h.unit, bytes(h.unit), h.unit)
         except TierUnavailable as e:
             log.warning("could not clear the record header of object %x: %s", oid, e)
         await h.delete(oid, rloc)
-        self.used -= units * h.unit
-        self.objects -= 1
+        self.count(-units * h.unit, -1)
 
-    def recount(self, locs) -> None:
-        """After the store loaded (``locs``: every loc the index holds on this tier): mark our
-        own records in held regions, and count only our records as used (not the dead nodes'
-        inherited ones, nor other nodes' blocks the index adopted)."""
+    def mark_own(self, locs) -> None:
+        """After the store loaded (``locs``: every loc the index holds on the tier): our own
+        records in the held regions (the others stay inherited)."""
         for loc in locs:
             if is_held_loc(loc):
                 region, rloc = unpack_held_loc(loc)
-                if region in self.held_tiers:
-                    self.held_tiers[region].mark_own(rloc)
-        self.used = sum(e[3] for e in self.entries.values()) * self.sb.unit if self.sb else 0
-        self.objects = len(self.entries)
-        for h in self.held_tiers.values():
-            self.used += h.own_used
-            self.objects += len(h.own)
+                if region in self.tiers:
+                    self.tiers[region].mark_own(rloc)
+
+    def own_totals(self) -> tuple[int, int]:
+        """(bytes, objects) of our own records in the held regions."""
+        return (sum(h.own_used for h in self.tiers.values()), sum(len(h.own) for h in self.tiers.values()))
 
     async def scan(self):
-        async for item in super().scan():
-            yield item
-        for region, h in sorted(self.held_tiers.items()):
+        """(oid, held-region loc, size) of our own records in the held regions."""
+        for region, h in sorted(self.tiers.items()):
             for slot in sorted(h.own):
                 if slot in h.entries:
                     oid, _start, size, _units, _hu = h.entries[slot]
                     yield oid, held_loc(region, h.loc_of(slot)), size
+
+    def status(self) -> dict:
+        """The ``held`` part of the share status: per region, where it came from, whether we
+        may write there now, and (when open) its use."""
+        return {str(r): {**{k: v for k, v in h.items() if k != "writable_at"},
+                         "writable": r in self.tiers and self.clock() >= h["writable_at"],
+                         **(describe(self.tiers[r]) if r in self.tiers else {})}
+                for r, h in self.held.items()}

@@ -30,7 +30,7 @@ from kvfs.store.tier import ObjectInfo
 log = logging.getLogger(__name__)
 
 
-class SharedRemoteTier(H.HoldsRegions, RemoteTier):
+class SharedRemoteTier(RemoteTier):
     sweep_by_location = True        # Store.sweep_orphans: a stray record of a known object is freed
     def __init__(self, volume: Volume, *, instance_id: str, node_id: str = "", hostnqn: str = "",
                  format: bool = False, max_nodes: int = 8, poll: float = 0.5, lease: float = 10.0,
@@ -54,9 +54,6 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         self.partitioned = False           # our heartbeat failed for lease/2: we write nothing
         self.partitions = 0
         self.liveness = Liveness(lease, self.grace)
-        self.held: dict[int, dict] = {}    # regions taken over from dead nodes -> what and when
-        self.held_tiers: dict[int, H.HeldRegion] = {}   # those of them open for writing (held.py)
-        self._held_lock = trio.Lock()
         self.takeovers = 0
         self.settle = settle
         self.log_units = log_units
@@ -65,6 +62,11 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         self.node: F.NodeSlot | None = None
         self.region = -1
         self.view = SharedView()
+        # the regions taken over from dead nodes (held.py); the clock is read through self,
+        # which a test may replace after this
+        self.regions = H.HeldRegions(volume, owner=instance_id, guard=self._may_write,
+                                     clock=lambda: self.clock(), publish=self._publish, count=self._count,
+                                     view=self.view)
         self.tailer: Tailer | None = None
         self.logw: LogWriter | None = None
         self.published = 0
@@ -75,6 +77,21 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         self.on_dropped = None          # async (list of (path, Published)): set by SharedNames
         self.tail_status: dict | None = None   # the tailer's status as of the last whole poll
         self.names = None               # the SharedNames of the mount (status only)
+
+    @property
+    def capacity(self) -> int:
+        """Our region's data area plus that of every held region we may write in now (before
+        ``writable_at`` a held region adds nothing: the store must not count on its room)."""
+        return self._own_capacity + self.regions.capacity()
+
+    @capacity.setter
+    def capacity(self, v: int) -> None:
+        self._own_capacity = v
+
+    def _count(self, nbytes: int, objects: int) -> None:
+        """Add a held region's put (or, negative, free) to our totals."""
+        self.used += nbytes
+        self.objects += objects
 
     # ---- open: format 2, join, claim ------------------------------------------
     async def open(self) -> None:
@@ -122,8 +139,8 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         for r, (_ep, nonce) in (await read_claims(self.parent, sb2))[self.slot].items():
             v = F.superseded_by(nonce)
             if v is not None:               # a region we took over before a restart: still held
-                self.held[r] = {"from_slot": v[0], "from_epoch": v[1], "writable_at": self.clock()}
-                await self._open_held(r)
+                self.regions.held[r] = {"from_slot": v[0], "from_epoch": v[1], "writable_at": self.clock()}
+                await self.regions.open(r, self.sb2)
         self.tailer = Tailer(self.parent, sb2, self.slot, self.view)
         await self.tailer.poll()
         self.liveness.observe(self.tailer.slots, self.clock())
@@ -135,8 +152,7 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         if self.region < 0:
             return                          # read-only: no region of ours to load (also after a reconnect)
         await super()._load(first=first)
-        for h in self.held_tiers.values():  # after a reconnect: same region volume, deletes applied
-            await h.reload()
+        await self.regions.reload()         # after a reconnect: same region volumes, deletes applied
 
     async def _format_shared(self) -> F.Superblock2:
         try:
@@ -211,8 +227,8 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         elif o is not None and self.region >= 0 and self.slot not in o.get(self.region, []):
             who = o.get(self.region, [])
             self.fenced = f"region {self.region} was taken over by node slot(s) {who}"
-        elif o is not None and any(self.slot not in o.get(r, []) for r in self.held_tiers):
-            lost = [r for r in self.held_tiers if self.slot not in o.get(r, [])]
+        elif o is not None and any(self.slot not in o.get(r, []) for r in self.regions.tiers):
+            lost = [r for r in self.regions.tiers if self.slot not in o.get(r, [])]
             self.fenced = f"held region(s) {lost} were taken over by another node"
         if self.fenced:
             self.state = "fenced"
@@ -251,9 +267,9 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         try:
             loc = await super().put(info, data)
         except TierFull:
-            if not self.held_tiers:
+            if not self.regions.tiers:
                 raise
-            return await self._put_held(info, data)
+            return await self.regions.put(info, data)
         await self._publish(F.OP_PUT, info.oid, loc, info)
         return loc
 
@@ -263,7 +279,7 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
             return
         if H.is_held_loc(loc):
             region, rloc = H.unpack_held_loc(loc)
-            h = self.held_tiers.get(region)
+            h = self.regions.tiers.get(region)
             try:
                 if h is None:
                     return
@@ -282,7 +298,11 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         if F.unpack_foreign_loc(loc) is not None:
             return                          # another node's block: its owner decides
         if H.is_held_loc(loc):
-            await self._delete_held(oid, loc)
+            rec = None if self.fenced else self.regions.record(oid, loc)   # fenced: not ours to free any more
+            if rec is not None:
+                if self.available:
+                    await self._check_fence()
+                await self.regions.free(oid, *rec)
             return
         try:
             self.entry(oid, loc)
@@ -331,7 +351,7 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
     async def read(self, oid: int, loc: bytes, offset: int, length: int) -> memoryview:
         if H.is_held_loc(loc):
             region, rloc = H.unpack_held_loc(loc)
-            h = self.held_tiers.get(region)
+            h = self.regions.tiers.get(region)
             if h is None:
                 raise NoSuchObject(f"remote: region {region} is not held by this node")
             return await h.read(oid, rloc, offset, length)
@@ -400,7 +420,7 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         for victim in self.liveness.dead(self.clock(), exclude=self.slot):
             seen = self.liveness.slots[victim]
             for r, holders in sorted(o.items()):
-                if victim not in holders or r in self.held:
+                if victim not in holders or r in self.regions.held:
                     continue
                 self._may_write()
                 if not await take_over(self.parent, sb2, self.slot, self.node.epoch, victim, seen, r):
@@ -415,8 +435,8 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         self.tailer.next_seq.pop(victim, None)
         await self.tailer.poll()                     # a rescan of the victim's ring, and the others
         self.takeovers += 1
-        self.held[region] = {"from_slot": victim, "from_node": seen.node_id, "from_epoch": seen.epoch,
-                             "writable_at": self.clock() + self.lease + self.grace + self.io_timeout}
+        self.regions.held[region] = {"from_slot": victim, "from_node": seen.node_id, "from_epoch": seen.epoch,
+                                     "writable_at": self.clock() + self.lease + self.grace + self.io_timeout}
         n = 0
         for path, p in sorted(self.view.by_path.items()):
             e = p.entry
@@ -429,7 +449,7 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
         self.published += n
         log.warning("took region %d over from node %r (slot %d, epoch %d): %d published blocks kept",
                     region, seen.node_id, victim, seen.epoch, n)
-        await self._open_held(region)
+        await self.regions.open(region, self.sb2)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -474,15 +494,27 @@ class SharedRemoteTier(H.HoldsRegions, RemoteTier):
                            "fenced": self.fenced, "partitioned": self.partitioned,
                            "partitions": self.partitions, "lease": self.lease, "grace": self.grace,
                            "takeovers": self.takeovers,
-                           "held": {str(r): {**{k: v for k, v in h.items() if k != "writable_at"},
-                                             "writable": r in self.held_tiers
-                                             and self.clock() >= h["writable_at"],
-                                             **(H.describe(self.held_tiers[r]) if r in self.held_tiers else {})}
-                                    for r, h in self.held.items()},
+                           "held": self.regions.status(),
                            "tail": self.tail_status if self.tail_status is not None
                            else (self.tailer.status() if self.tailer else {}),
                            **(self.names.status() if self.names is not None else {})}
         return st
+
+    # ---- our records: counted and listed with those in the held regions ----------------
+    def recount(self, locs) -> None:
+        """After the store loaded (``locs``: every loc the index holds on this tier): mark our
+        own records in held regions, and count only our records as used (not the dead nodes'
+        inherited ones, nor other nodes' blocks the index adopted)."""
+        self.regions.mark_own(locs)
+        held_bytes, held_objects = self.regions.own_totals()
+        self.used = (sum(e[3] for e in self.entries.values()) * self.sb.unit if self.sb else 0) + held_bytes
+        self.objects = len(self.entries) + held_objects
+
+    async def scan(self):
+        async for item in super().scan():
+            yield item
+        async for item in self.regions.scan():
+            yield item
 
 
 async def _own_claims(vol: Volume, sb2: F.Superblock2, slot: int) -> set[int]:

@@ -29,6 +29,12 @@ CLOSING_WAIT = 0.2      # seconds a read-only open waits for closing cached hand
 HELD_WAIT = 0.5         # seconds a change waits for the passthrough opens of its inode to go
 
 
+def same_version(a, b) -> bool:
+    """Whether two objects are the same sealed version (the object table may hold another
+    instance of one: compare ids)."""
+    return a is not None and b is not None and (a is b or a.oid == b.oid)
+
+
 class Held(Exception):
     """An inode held by passthrough opens of one version: another open of it (a writer, or a
     reader of another version) or a change of its size fails with ETXTBSY."""
@@ -87,6 +93,11 @@ class Opens:
             return False
         if not await self._may_pass(ino, h.obj, wait=True):
             return False
+        if same_version(pt.mode(ino), h.obj):
+            # the inode's registration already serves this version: another reader of it
+            # shares that backing (nothing to open or check: a copy moving meanwhile does not
+            # matter, the kernel holds the registered file)
+            return pt.offer(fh, ino, h.obj, None)
         fd = await open_backing(self.store.store, h.obj)
         if fd is None:
             pt.declined += 1
@@ -106,7 +117,7 @@ class Opens:
 
     async def _may_pass(self, ino: int, obj, wait: bool) -> bool:
         held = self.passthrough.mode(ino)
-        if held is not None and held is not obj:
+        if held is not None and not same_version(held, obj):
             return False
         handles = self.cached.get(ino)
         if not handles:
@@ -121,7 +132,7 @@ class Opens:
             self.waits_timed_out += 1
             return False
         held = self.passthrough.mode(ino)
-        return held is None or held is obj
+        return held is None or same_version(held, obj)
 
     def flushed(self, fh: int) -> None:
         """FLUSH (a close(2) of one of the handle's descriptors)."""

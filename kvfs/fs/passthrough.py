@@ -79,11 +79,13 @@ class Passthrough:
         return None if reg is None else reg.obj
 
     def offer(self, fh: int, ino: int, obj, backing_fd) -> bool:
-        """Register ``backing_fd`` (a descriptor of ``obj``'s tier file, kept until the
-        registration ends) for ``ino`` unless it already has ``obj``'s; remember the answer for
-        ``fh``'s OPEN reply."""
+        """Register ``backing_fd`` (a descriptor of ``obj``'s tier file, closed here: the
+        kernel holds the file by its id) for ``ino`` unless it already has ``obj``'s (then
+        ``backing_fd`` may be None); remember the answer for ``fh``'s OPEN reply."""
         reg = self._by_ino.get(ino)
         if reg is None:
+            if backing_fd is None:
+                return False
             try:
                 backing_id = fcntl.ioctl(self.dev, wire.DEV_IOC_BACKING_OPEN,
                                          bytearray(wire.BACKING_MAP.pack(backing_fd, 0, 0)))
@@ -95,8 +97,9 @@ class Passthrough:
             reg = self._by_ino[ino] = _Registration(backing_id, obj, ino)
             self.registered += 1
         else:
-            os.close(backing_fd)
-            if reg.obj is not obj:
+            if backing_fd is not None:
+                os.close(backing_fd)
+            if reg.obj is not obj and reg.obj.oid != obj.oid:
                 return False
         reg.opens += 1
         self._fh[fh] = ino

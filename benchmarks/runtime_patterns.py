@@ -7,7 +7,7 @@
 The storage patterns of inference runtimes, run in ONE run on six targets, interleaved
 (every round runs each pattern on every target, in a rotated order) and repeated:
 
-- ``kvfs``: a kvfs mount through the CLI, as configured by default (kvfs's own FUSE transport
+- ``kvfs``: a kvfs mount through the CLI with ``passthrough = true`` (kvfs's own FUSE transport
   with FUSE passthrough where the kernel offers it; ``.kvfs/stats`` says which it got);
 - ``kvfs_pyfuse3``: the same with ``transport = "pyfuse3"``: the path before passthrough,
   every READ answered by the daemon, so kvfs / kvfs on pyfuse3 shows what issue 30 changed;
@@ -598,7 +598,7 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
     if not targets:
         raise BenchError(f"no target chosen (targets: {', '.join(TARGETS)})")
     settings = kvfs_settings()
-    mounts = {"kvfs": BenchMount(root / "kvfs", ram=sizes.ram, nvme_size=16 << 30),
+    mounts = {"kvfs": BenchMount(root / "kvfs", ram=sizes.ram, nvme_size=16 << 30, passthrough=True),
               "kvfs_pyfuse3": BenchMount(root / "kvfs_pyfuse3", ram=sizes.ram, nvme_size=16 << 30,
                                          transport="pyfuse3")}
     mounts = {t: m for t, m in mounts.items() if t in targets}

@@ -51,7 +51,9 @@ class Config:
     # the FUSE transport: "kernel" (kvfs's own, needs root; passthrough), "pyfuse3", or "auto"
     # (kernel where it can run, else pyfuse3); KVFS_TRANSPORT in the environment sets the default
     transport: str = dataclasses.field(default_factory=lambda: os.environ.get("KVFS_TRANSPORT", "auto"))
-    passthrough: bool = True           # sealed blocks read by the kernel from their tier files
+    # sealed blocks read by the kernel from their tier files (FUSE passthrough): opt-in until the
+    # exerciser's long runs pass with it (docs/design.md, "How a read travels")
+    passthrough: bool = False
     debug: bool = False
     foreground: bool = False
 

@@ -190,7 +190,8 @@ def size_option(name: str, help: str):
               help="FUSE transport: kvfs's own (kernel: root, FUSE passthrough), pyfuse3, or auto "
                    "(default: kernel where it can run).")
 @click.option("--passthrough/--no-passthrough", default=None,
-              help="Let the kernel read sealed blocks from their tier files (default on).")
+              help="Let the kernel read sealed blocks from their tier files (FUSE passthrough; "
+                   "default off: opt-in).")
 @click.option("--debug", is_flag=True, default=None, help="Debug logging in the daemon.")
 @click.option("--foreground", "-f", is_flag=True, default=False,
               help="Stay attached: run the daemon in this process until unmounted.")

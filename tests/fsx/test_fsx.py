@@ -85,8 +85,9 @@ def _no_mismatch(summary):
 
 @pytest.mark.parametrize("procs,seed,phases", [(1, 1, 1), (2, 2, 2)])
 def test_fsx_short(kvfs_mount, tmp_path, procs, seed, phases):
-    """1500 operations; with 2 processes in 2 phases, a kill -9 and remount between them."""
-    m = kvfs_mount(**TINY)
+    """1500 operations with FUSE passthrough on; with 2 processes in 2 phases, a kill -9 and
+    remount between them."""
+    m = kvfs_mount("--passthrough", **TINY)
     s = run_fsx(m, tmp_path / "ref", seed=seed, procs=procs, ops=1500, phases=phases, exclude=fsx.KNOWN_BROKEN)
     _no_mismatch(s)
     c = s["counts"]

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.mount
 
 @pytest.fixture(scope="module", params=["passthrough", "no-passthrough"])
 def mnt(tmp_path_factory, request):
-    extra = () if request.param == "passthrough" else ("--no-passthrough",)
+    extra = ("--passthrough",) if request.param == "passthrough" else ("--no-passthrough",)
     m = open_mount(tmp_path_factory.mktemp("kvfs-mod") / "kvfs", *extra)
     yield m
     m.cleanup()

@@ -54,7 +54,7 @@ def every_way(path, size: int) -> list[bytes]:
 
 
 def test_sealed_blocks_are_read_by_the_kernel(kvfs_mount, kvfs_cli):
-    m = kvfs_mount(ram="64MiB")
+    m = kvfs_mount("--passthrough", ram="64MiB")
     t = transport(m)
     assert t["name"] == "kernel" and t["passthrough"]["state"] == "on"
     assert "passthrough: on" in kvfs_cli("stat", m.path).stdout
@@ -74,7 +74,7 @@ def test_sealed_blocks_are_read_by_the_kernel(kvfs_mount, kvfs_cli):
 
 
 def test_nvme_copies_are_verified_before_the_kernel_gets_them(kvfs_mount):
-    m = kvfs_mount(ram="8MiB", nvme_size="256MiB")
+    m = kvfs_mount("--passthrough", ram="8MiB", nvme_size="256MiB")
     blocks = {m.path / f"n{i}.kv": content(f"n{i}", 2 * MiB) for i in range(8)}
     for p, data in blocks.items():
         p.write_bytes(data)
@@ -104,7 +104,7 @@ def test_nvme_copies_are_verified_before_the_kernel_gets_them(kvfs_mount):
 def test_a_held_block_keeps_its_bytes_and_its_space(kvfs_mount):
     """Eviction, demotion, replacement and unlink of a block a passthrough descriptor holds:
     the reader keeps reading its bytes, the RAM budget keeps counting them until it closes."""
-    m = kvfs_mount(ram="16MiB", nvme_size="256MiB")
+    m = kvfs_mount("--passthrough", ram="16MiB", nvme_size="256MiB")
     held, data = m.path / "held.kv", content("held", 4 * MiB)
     held.write_bytes(data)
     before = opens(m)
@@ -128,7 +128,7 @@ def test_a_held_block_keeps_its_bytes_and_its_space(kvfs_mount):
 
 
 def test_no_other_version_while_held_then_free_at_close(kvfs_mount):
-    m = kvfs_mount(ram="64MiB")
+    m = kvfs_mount("--passthrough", ram="64MiB")
     p, data = m.path / "f.kv", content("f", 3 * MiB)
     p.write_bytes(data)
     reader = subprocess.Popen([sys.executable, "-c", "import sys,os; fd=os.open(sys.argv[1], os.O_RDONLY); "
@@ -152,7 +152,7 @@ def test_no_other_version_while_held_then_free_at_close(kvfs_mount):
 
 
 def test_a_second_user_gets_what_permissions_allow(kvfs_mount, intruder):
-    m = kvfs_mount(ram="64MiB", allow_other=True)
+    m = kvfs_mount("--passthrough", ram="64MiB", allow_other=True)
     public, private = m.path / "public.kv", m.path / "private.kv"
     public.write_bytes(content("pub", 2 * MiB))
     private.write_bytes(content("priv", 2 * MiB))

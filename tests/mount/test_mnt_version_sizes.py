@@ -38,7 +38,8 @@ PROFILES = {
     "tmpfs-pyfuse3": ("8MiB", "64MiB", 1_000_003, 1_872_697, 300_001),
     "large-nopassthrough": ("64MiB", "256MiB", 1_000_003, 1_872_697, 300_001),
 }
-EXTRA = {"tmpfs-pyfuse3": ("--transport", "pyfuse3"), "large-nopassthrough": ("--no-passthrough",)}
+EXTRA = {"tmpfs-pyfuse3": ("--transport", "pyfuse3"), "large-nopassthrough": ("--no-passthrough",),
+         **{p: ("--passthrough",) for p in ("mem", "tmpfs", "spill", "large")}}
 
 MMAP_CHILD = """
 import hashlib, mmap, sys

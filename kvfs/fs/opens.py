@@ -35,6 +35,11 @@ def same_version(a, b) -> bool:
     return a is not None and b is not None and (a is b or a.oid == b.oid)
 
 
+def write_only(h, flags: int) -> bool:
+    """A handle that can only write (O_WRONLY: it can neither read nor be mapped)."""
+    return h.write and flags & os.O_ACCMODE == os.O_WRONLY
+
+
 class Held(Exception):
     """An inode held by passthrough opens of one version: another open of it (a writer, or a
     reader of another version) or a change of its size fails with ETXTBSY."""
@@ -70,7 +75,8 @@ class Opens:
         self.fh_key[fh] = (ino, key)
         if passing:
             return pyfuse3.FileInfo(fh=fh)
-        direct = others or (self.passthrough is not None and self.passthrough.mode(ino) is not None)
+        pt = self.passthrough
+        direct = others or (pt is not None and (pt.mode(ino) is not None or pt.enabled and write_only(h, flags)))
         if direct or flags & (os.O_DIRECT | os.O_APPEND):
             self.uncached_fh.add(fh)
         if direct:

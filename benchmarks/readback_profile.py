@@ -121,6 +121,7 @@ def main(argv=None) -> int:
             s0 = stats(m)
             s1 = stats(m)
             sbase[t] = {k: s1["ops"].get(k, 0) - s0["ops"].get(k, 0) for k in s1["ops"]}
+        latency = {}
         for rnd in range(a.rounds):
             for kind in ("read", "mmap"):
                 for t in targets[rnd % len(targets):] + targets[:rnd % len(targets)]:
@@ -136,6 +137,8 @@ def main(argv=None) -> int:
                                 acc[g][k] = acc[g].get(k, 0) + v
             for t in targets:
                 shutil.rmtree(os.path.join(dirs[t], f"r{rnd}"), ignore_errors=True)
+        for t, m in mounts.items():
+            latency[t] = m.stats().get("transport", {}).get("us_by_opcode", {})
     finally:
         for m in mounts.values():
             try:
@@ -167,9 +170,12 @@ def main(argv=None) -> int:
             print(f"{t} {kind}: per file, requests to the daemon "
                   + json.dumps({k: round(v / n, 2) for k, v in sorted(c.get("ops", {}).items())})
                   + "; passthrough " + json.dumps(c.get("pt", {})))
+    for t, lat in latency.items():
+        if lat:
+            print(f"{t}: mean microseconds in the daemon per request (whole run) " + json.dumps(lat))
     if a.json:
         Path(a.json).write_text(json.dumps({"files": a.files, "rounds": a.rounds, "summary": summary,
-                                            "counts": counts, "raw": res}, indent=1))
+                                            "counts": counts, "us_by_opcode": latency, "raw": res}, indent=1))
     return 0
 
 

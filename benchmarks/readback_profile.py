@@ -10,12 +10,16 @@ FUSE requests that reached the daemon during the reads, by opcode (``transport.b
 counters (opens given, backing files registered, opens that waited for a writer's RELEASE).
 
 Targets: ``kvfs`` (kernel transport, passthrough on), ``kvfs_nopt`` (kernel transport,
-passthrough off: the page cache), ``kvfs_pyfuse3``, ``plain`` (a directory beside the mounts).
+passthrough off: the page cache), ``kvfs_pyfuse3``, ``plain`` (a directory beside the mounts),
+and ``kvfs_before``: the ``kvfs`` target run by the code of another checkout (``--before DIR``,
+e.g. a ``git archive`` of the commit before a change), so a before/after comparison shares
+one run, interleaved, on a shared machine.
 Medians per phase in microseconds; the spread is the min-max of the rounds' medians.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -34,7 +38,7 @@ from kvfs.bench import BenchMount, aligned_buffer  # noqa: E402
 MIB = 1 << 20
 SIZE = 2 * MIB
 MOUNTS = {"kvfs": dict(passthrough=True), "kvfs_nopt": dict(transport="kernel", passthrough=False),
-          "kvfs_pyfuse3": dict(transport="pyfuse3")}
+          "kvfs_pyfuse3": dict(transport="pyfuse3"), "kvfs_before": dict(passthrough=True)}
 ns = time.perf_counter_ns
 
 
@@ -72,6 +76,25 @@ def mmap_one(path: str, r) -> tuple[int, int, int]:
     return t1 - t0, t2 - t1, t3 - t2
 
 
+@contextlib.contextmanager
+def code_of(tree: str | None):
+    """The kvfs CLI (and so its daemon) started meanwhile runs the code in ``tree``."""
+    if tree is None:
+        yield
+        return
+    cwd, path = os.getcwd(), os.environ.get("PYTHONPATH")
+    os.chdir(tree)
+    os.environ["PYTHONPATH"] = tree
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        if path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = path
+
+
 def stats(m: BenchMount) -> dict:
     tr = m.stats().get("transport", {})
     return {"ops": dict(tr.get("by_opcode", {})), "pt": dict(tr.get("passthrough") or {})}
@@ -99,20 +122,24 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/open-profile")
     ap.add_argument("--targets", default="kvfs,kvfs_nopt,plain")
+    ap.add_argument("--before", help="a checkout whose code the kvfs_before target runs")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     base = Path(a.dir)
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     targets = a.targets.split(",")
+    if "kvfs_before" in targets and not a.before:
+        ap.error("the kvfs_before target needs --before DIR")
     mounts = {t: BenchMount(base / t, ram=1 << 30, nvme_size=1 << 30, **MOUNTS[t])
               for t in targets if t in MOUNTS}
     w, r = memoryview(aligned_buffer(SIZE, b"k")), memoryview(aligned_buffer(SIZE))
     res: dict = {t: {k: [] for k in ("read", "mmap")} for t in targets}
     counts: dict = {t: {} for t in mounts}
     try:
-        for m in mounts.values():
-            m.mount()
+        for t, m in mounts.items():
+            with code_of(os.path.abspath(a.before) if t == "kvfs_before" else None):
+                m.mount()
         dirs = {t: str(m.path) for t, m in mounts.items()}
         if "plain" in targets:
             dirs["plain"] = str(base / "plain")

@@ -27,6 +27,7 @@ from kvfs.store.backing import open_backing
 
 CLOSING_WAIT = 0.2      # seconds a read-only open waits for closing cached handles' RELEASE
 HELD_WAIT = 0.5         # seconds a change waits for the passthrough opens of its inode to go
+EMPTY = ("empty", 0)    # a page_key: the kernel holds no page of the inode (created, only direct I/O since)
 
 
 def same_version(a, b) -> bool:
@@ -80,6 +81,10 @@ class Opens:
         if direct or flags & (os.O_DIRECT | os.O_APPEND):
             self.uncached_fh.add(fh)
         if direct:
+            if flags & os.O_APPEND and self.page_key.get(ino) == EMPTY:
+                # its offsets are the daemon's (the buffer's end), maybe not the size the
+                # kernel computes: the seal then tells the kernel (kvfs/fs/coherence.py)
+                del self.page_key[ino]
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         # O_APPEND through the page cache: the kernel resolves write(2)'s append offset from
         # its size, and a shared mapping's writeback through this handle carries its page's
@@ -140,6 +145,11 @@ class Opens:
         held = self.passthrough.mode(ino)
         return held is None or same_version(held, obj)
 
+    def created(self, ino: int) -> None:
+        """A new inode (CREATE): no page of it in the kernel until a cached open reads or
+        writes one (its file_info replaces the key; a direct_io writer leaves it)."""
+        self.page_key[ino] = EMPTY
+
     def flushed(self, fh: int) -> None:
         """FLUSH (a close(2) of one of the handle's descriptors)."""
         ino, _ = self.fh_key.get(fh, (None, None))
@@ -177,6 +187,8 @@ class Opens:
             keys.pop(key, None)
         if not keys:
             self.open_keys.pop(ino, None)
+            if self.page_key.get(ino) == EMPTY:
+                del self.page_key[ino]
 
     def statistics(self) -> dict:
         return {"waited_for_release": self.waited, "wait_timed_out": self.waits_timed_out}

@@ -19,7 +19,6 @@ Medians per phase in microseconds; the spread is the min-max of the rounds' medi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import mmap
 import os
@@ -33,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kvfs.bench import BenchMount, aligned_buffer  # noqa: E402
+from kvfs.bench import BenchMount, aligned_buffer, code_of  # noqa: E402
 
 MIB = 1 << 20
 SIZE = 2 * MIB
@@ -74,25 +73,6 @@ def mmap_one(path: str, r) -> tuple[int, int, int]:
     os.close(fd)
     t3 = ns()
     return t1 - t0, t2 - t1, t3 - t2
-
-
-@contextlib.contextmanager
-def code_of(tree: str | None):
-    """The kvfs CLI (and so its daemon) started meanwhile runs the code in ``tree``."""
-    if tree is None:
-        yield
-        return
-    cwd, path = os.getcwd(), os.environ.get("PYTHONPATH")
-    os.chdir(tree)
-    os.environ["PYTHONPATH"] = tree
-    try:
-        yield
-    finally:
-        os.chdir(cwd)
-        if path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = path
 
 
 def stats(m: BenchMount) -> dict:

@@ -74,9 +74,10 @@ if str(REPO) not in sys.path:
 from kvfs.bench import BenchError, BenchMount, aligned_buffer, code_of, wait_for, xattr  # noqa: E402
 
 log = logging.getLogger("runtime_patterns")
-TARGETS = ("kvfs", "kvfs_before", "kvfs_pyfuse3", "floor", "floor_kl", "plain", "tmpfs")
+TARGETS = ("kvfs", "kvfs_pyfuse3", "floor", "floor_kl", "plain", "tmpfs")
+BEFORE = "kvfs_before"        # a target only with --before: kvfs on another checkout's code
 KVFS_TARGETS = ("kvfs", "kvfs_before", "kvfs_pyfuse3")
-DISK_TARGETS = ("kvfs", "kvfs_before", "kvfs_pyfuse3", "plain")        # those that run (j)
+DISK_TARGETS = ("kvfs", "kvfs_pyfuse3", "plain")        # those that run (j)
 LABELS = {"kvfs": "kvfs", "kvfs_before": "kvfs before", "kvfs_pyfuse3": "kvfs on pyfuse3", "floor": "floor fs",
           "floor_kl": "floor fs, kvfs's loop", "plain": "plain dir", "tmpfs": "tmpfs"}
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -596,14 +597,13 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     shm = tmpfs / f"kvfs-runtime-{os.getpid()}"
-    unknown = set(targets or ()) - set(TARGETS)
+    unknown = set(targets or ()) - {*TARGETS, BEFORE}
     if unknown:
         raise BenchError(f"unknown target(s) {', '.join(sorted(unknown))} (targets: {', '.join(TARGETS)})")
-    targets = tuple(t for t in TARGETS if not targets or t in targets)
+    targets = tuple(t for t in ("kvfs", BEFORE, *TARGETS[1:])
+                    if (not targets or t in targets) and (t != BEFORE or before is not None))
     if not targets:
         raise BenchError(f"no target chosen (targets: {', '.join(TARGETS)})")
-    if before is None:
-        targets = tuple(t for t in targets if t != "kvfs_before")
     settings = kvfs_settings()
     mounts = {"kvfs": BenchMount(root / "kvfs", ram=sizes.ram, nvme_size=16 << 30, passthrough=True),
               "kvfs_before": BenchMount(root / "kvfs_before", ram=sizes.ram, nvme_size=16 << 30, passthrough=True),
@@ -636,7 +636,7 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
         dirs = {t: dirs[t] for t in targets}
         for t, p in dirs.items():
             os.makedirs(p, exist_ok=True)
-            if "nvme_read" in names and t in DISK_TARGETS:
+            if "nvme_read" in names and (t in DISK_TARGETS or t == BEFORE):
                 progress(f"(j) setup on {t}")
                 pats.setup_nvme(str(p), mounts.get(t), progress)
             progress(f"setup on {t}")

@@ -66,6 +66,12 @@ class KernelCaches:
         if self._mounted:
             self.notifier.send(pyfuse3.invalidate_entry, parent, name, ino)
 
+    def entry_moved(self, parent: int, name: bytes) -> None:
+        """The daemon gave ``parent/name`` another inode (a renewal, kvfs.fs.ops): the kernel's
+        entry for it goes, so the next lookup finds the new inode."""
+        if self._mounted:
+            self.notifier.send(pyfuse3.invalidate_entry, parent, name)
+
     def content_changed(self, ino: int) -> None:
         """The store's ``on_content_changed`` (wired by kvfs.build.build_ops)."""
         self.opens.page_key.pop(ino, None)

@@ -284,6 +284,60 @@ print(json.dumps(out))
     assert read(public) == content("pub", 2 * MiB)
 
 
+def test_a_second_user_cannot_rewrite_through_a_renewal(kvfs_mount, intruder):
+    """Renewal changes nothing of who may do what: the kernel checks the caller's permission
+    before it sends the open or truncate (``default_permissions``), the new inode has the
+    old one's owner and mode, and the holder keeps its bytes whoever rewrote the name."""
+    m = kvfs_mount("--passthrough", ram="64MiB", allow_other=True)
+    modes = {"public.kv": 0o644, "private.kv": 0o600, "shared.kv": 0o666}
+    data = {n: content(n, 2 * MiB) for n in modes}
+    fds = {}
+    before = passthrough(m)
+    try:
+        for n, mode in modes.items():
+            (m.path / n).write_bytes(data[n])
+            os.chmod(m.path / n, mode)
+            fds[n] = os.open(m.path / n, os.O_RDONLY)          # held by root's passthrough readers
+        assert passthrough(m)["opens"] == before["opens"] + 3 and passthrough(m)["held"] == 3
+        inos = {n: os.stat(m.path / n).st_ino for n in modes}
+        probe = r"""
+import json, os, sys
+out = {}
+for name in sys.argv[1:]:
+    res = []
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_TRUNC); os.write(fd, b"intruder"); os.close(fd); res.append("wrote")
+    except OSError as e:
+        res.append(e.errno)
+    try:
+        os.truncate(name, 3); res.append("truncated")
+    except OSError as e:
+        res.append(e.errno)
+    try:
+        with open(name, "rb") as f: res.append(len(f.read()))
+    except OSError as e:
+        res.append(e.errno)
+    out[os.path.basename(name)] = res
+print(json.dumps(out))
+"""
+        with reachable(m.path):
+            res = json.loads(intruder.run(probe, *(m.path / n for n in modes)).stdout)
+        assert res == {"public.kv": [errno.EACCES, errno.EACCES, 2 * MiB],
+                       "private.kv": [errno.EACCES, errno.EACCES, errno.EACCES],
+                       "shared.kv": ["wrote", "truncated", 3]}
+        assert passthrough(m)["renewed"] == before["renewed"] + 1       # the one it may rewrite
+        for n in ("public.kv", "private.kv"):
+            assert os.stat(m.path / n).st_ino == inos[n] and read(m.path / n) == data[n]
+        st = os.stat(m.path / "shared.kv")
+        assert st.st_ino != inos["shared.kv"] and (st.st_uid, st.st_mode & 0o7777) == (0, 0o666)
+        assert read(m.path / "shared.kv") == b"int"
+        for n, fd in fds.items():
+            assert os.pread(fd, 3 * MiB, 0) == data[n] and os.fstat(fd).st_size == len(data[n])
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 @pytest.mark.parametrize("flags,name,state", [
     (("--transport", "pyfuse3"), "pyfuse3", "off (the pyfuse3 transport cannot negotiate it)"),
     (("--no-passthrough",), "kernel", "off (turned off: passthrough = false)"),

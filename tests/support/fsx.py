@@ -269,11 +269,7 @@ class Worker:
                 self.counts["renewed_after_close"] += 1
             return rino
         rp, tmp = self.rp(n), self.rp(n) + "~renewed"
-        with open(rp, "rb") as f:
-            data = f.read()
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, stat.S_IMODE(os.stat(rp).st_mode))
+        shutil.copy2(rp, tmp)           # bytes, mode, times and xattrs, as kvfs's new inode has
         os.replace(tmp, rp)
         self.kino[n] = kino
         self.counts["renewed"] += 1

@@ -18,12 +18,15 @@ descriptor, a mapping) makes the open a cached one, as without passthrough.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import pyfuse3
 import trio
 
 from kvfs.store.backing import open_backing
+
+log = logging.getLogger(__name__)
 
 CLOSING_WAIT = 0.2      # seconds a read-only open waits for closing cached handles' RELEASE
 HELD_WAIT = 0.5         # seconds a change waits for the passthrough opens of its inode to go
@@ -39,9 +42,22 @@ def same_version(a, b) -> bool:
 class Held(Exception):
     """An inode held by passthrough opens of one version: another open of it (a writer, or a
     reader of another version) or a change of its size fails with ETXTBSY where the file
-    cannot be renewed instead (kvfs.fs.ops ``_changeable``)."""
+    cannot be renewed instead (Renewed)."""
 
 
+
+
+class Renewed(Exception):
+    """A change by a name (an open for writing or truncating, a truncate by path) of a file
+    passthrough readers hold: its name was given a new inode with the same version, the
+    readers keep the old one (kvfs/store/namespace.py ``renew``). Answered ESTALE: the kernel
+    looks the name up again (LOOKUP_REVAL) and retries the change once, on the new inode.
+    ``entry``: (parent, name) whose kernel entry goes; None when the inode had been renewed
+    (or evicted) already."""
+
+    def __init__(self, entry: tuple[int, bytes] | None):
+        super().__init__(entry)
+        self.entry = entry
 
 
 class Opens:
@@ -137,9 +153,21 @@ class Opens:
         del self.renewing[ino]
         return False
 
-    async def changeable(self, ino: int) -> None:
+    async def changeable(self, ino: int, renew: bool = False) -> None:
         """Raise Held unless ``ino`` may get a new version: no passthrough open holds it (one
-        just closed is waited for: the kernel sends RELEASE after the close returned)."""
+        just closed is waited for: the kernel sends RELEASE after the close returned).
+        ``renew``: the change came by a name (not a descriptor): a held file is renewed
+        instead where it can be (raise Renewed; what cannot, a held inode with no name left,
+        stays Held)."""
+        if renew and self.store.names.evicted(ino):
+            raise Renewed(None)                 # renewed (or evicted) meanwhile: look it up again
+        if renew and self.held(ino):
+            moved = self.store.names.renew(ino)
+            if moved is not None:
+                parent, name, new = moved
+                self.renewed(new)
+                log.debug("renewed %r: inode %d -> %d (held by passthrough readers)", name, ino, new)
+                raise Renewed((parent, name))
         self.renewing.pop(ino, None)            # the change a renewal waited for has come
         pt = self.passthrough
         if pt is not None and pt.mode(ino) is not None and not await pt.unheld(ino, HELD_WAIT):

@@ -12,7 +12,7 @@ import pyfuse3
 from kvfs.errors import NamespaceError
 from kvfs.fs import control, dirreply
 from kvfs.fs.coherence import KernelCaches
-from kvfs.fs.opens import Held, Opens
+from kvfs.fs.opens import Held, Opens, Renewed
 from kvfs.fs.errmap import translate
 from kvfs.protocol import ALIGN, CONTROL_NAME_B, ROOT_INO
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
@@ -155,7 +155,7 @@ class KvfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ESTALE)
         try:
             if fields.update_size:
-                await self._changeable(inode, by_name=fh is None)
+                await self.opens.changeable(inode, renew=fh is None and self.shared is None)
             rec = await self.store.files.setattr(
                 inode,
                 size=attr.st_size if fields.update_size else None,
@@ -168,6 +168,8 @@ class KvfsOperations(pyfuse3.Operations):
             raise _stale(self.store, inode, e) from None
         except Held:
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
+        except Renewed as r:
+            raise self.kernel.renewed(r) from None
         return _entry(inode, rec)
 
     async def forget(self, inode_list):
@@ -258,37 +260,19 @@ class KvfsOperations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
         try:
             if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-                await self._changeable(inode, by_name=True)
+                await self.opens.changeable(inode, renew=self.shared is None)
             fh = await self.store.files.open(inode, flags)
         except NamespaceError as e:
             raise _stale(self.store, inode, e) from None
         except Held:
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
+        except Renewed as r:
+            raise self.kernel.renewed(r) from None
         try:
             return await self.opens.file_info(fh, inode, flags)
         except Held:
             await self.release(fh)
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
-
-    async def _changeable(self, inode: int, by_name: bool) -> None:
-        """Before a new version of ``inode`` (an open for writing, ``O_TRUNC``, a truncate):
-        raise Held (ETXTBSY) while passthrough readers hold it and it cannot be renewed. By a
-        name, a held file of one name is renewed instead: its name gets a new inode holding
-        the same sealed version, the readers keep the old one as an orphan (as after a rename
-        over the name), and the request is answered ESTALE: the kernel looks the name up
-        again (LOOKUP_REVAL), finds the new inode and retries the change on it
-        (docs/design.md, "How a read travels")."""
-        if by_name and self.store.names.evicted(inode):
-            raise pyfuse3.FUSEError(errno.ESTALE)         # renewed (or evicted) meanwhile
-        if by_name and self.shared is None and self.opens.held(inode):
-            moved = self.store.names.renew(inode)
-            if moved is not None:
-                parent, name, new = moved
-                self.opens.renewed(new)
-                self.kernel.entry_moved(parent, name)
-                log.debug("renewed %r: inode %d -> %d (held by passthrough readers)", name, inode, new)
-                raise pyfuse3.FUSEError(errno.ESTALE)
-        await self.opens.changeable(inode)
 
     @translate
     async def create(self, parent_inode, name, mode, flags, ctx):

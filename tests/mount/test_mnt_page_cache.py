@@ -4,7 +4,7 @@ Issue 2 section 2: "readers that opened the old version keep reading it"; "a rep
 must not serve stale bytes". kvfs/fs/ops.py tracks which version the cached pages hold and
 gives direct_io to a handle opened while another version is open. With FUSE passthrough a
 reader of a sealed block holds its inode's one backing file: the rewrite renews the name (a new
-inode with the same version, kvfs/fs/ops.py ``_changeable``) and goes on there, the reader keeps
+inode with the same version, kvfs/fs/opens.py ``Opens.changeable``) and goes on there, the reader keeps
 the old inode and its version; with passthrough off the rewrite goes on beside the reader.
 """
 from __future__ import annotations

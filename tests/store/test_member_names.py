@@ -74,7 +74,7 @@ async def test_rename_over_a_file_releases_it_and_calls_the_hook(tmp_path):
 
 
 async def test_renew_gives_the_name_a_new_inode_and_keeps_the_reader(tmp_path):
-    """A held file's rewrite (kvfs/fs/ops.py ``_changeable``): the name gets a new inode with
+    """A held file's rewrite (kvfs/fs/opens.py ``Opens.changeable``): the name gets a new inode with
     the same sealed version, record and xattrs in one transaction; the open descriptor keeps
     the old inode as an orphan, reads its version, and its space stays counted until it goes."""
     async with open_parts(tmp_path) as (index, store, ns, spill):

@@ -45,8 +45,6 @@ class Held(Exception):
     cannot be renewed instead (Renewed)."""
 
 
-
-
 class Renewed(Exception):
     """A change by a name (an open for writing or truncating, a truncate by path) of a file
     passthrough readers hold: its name was given a new inode with the same version, the
@@ -134,7 +132,7 @@ class Opens:
         return self.passthrough is not None and self.passthrough.mode(ino) is not None
 
     def renewed(self, ino: int) -> None:
-        """``ino`` is the new inode a held file's name was given (kvfs.fs.ops): the change
+        """``ino`` is the new inode a held file's name was given (``changeable``): the change
         that asked for it comes back to it once the kernel has looked the name up again, so
         until then (at most RENEW_HOLD s) a reader of it is not given passthrough, which would
         hold it again and send that change back a second time."""

@@ -18,6 +18,7 @@ descriptor, a mapping) makes the open a cached one, as without passthrough.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import pyfuse3
@@ -25,8 +26,11 @@ import trio
 
 from kvfs.store.backing import open_backing
 
+log = logging.getLogger(__name__)
+
 CLOSING_WAIT = 0.2      # seconds a read-only open waits for closing cached handles' RELEASE
 HELD_WAIT = 0.5         # seconds a change waits for the passthrough opens of its inode to go
+RENEW_HOLD = 1.0        # seconds a renewed inode declines passthrough while its rewrite's retry comes
 
 
 def same_version(a, b) -> bool:
@@ -37,9 +41,21 @@ def same_version(a, b) -> bool:
 
 class Held(Exception):
     """An inode held by passthrough opens of one version: another open of it (a writer, or a
-    reader of another version) or a change of its size fails with ETXTBSY."""
+    reader of another version) or a change of its size fails with ETXTBSY where the file
+    cannot be renewed instead (Renewed)."""
 
 
+class Renewed(Exception):
+    """A change by a name (an open for writing or truncating, a truncate by path) of a file
+    passthrough readers hold: its name was given a new inode with the same version, the
+    readers keep the old one (kvfs/store/namespace.py ``renew``). Answered ESTALE: the kernel
+    looks the name up again (LOOKUP_REVAL) and retries the change once, on the new inode.
+    ``entry``: (parent, name) whose kernel entry goes; None when the inode had been renewed
+    (or evicted) already."""
+
+    def __init__(self, entry: tuple[int, bytes] | None):
+        super().__init__(entry)
+        self.entry = entry
 
 
 class Opens:
@@ -54,6 +70,8 @@ class Opens:
         self.closing: set[int] = set()          # cached handles flushed, nothing written since
         self._gone: dict[int, trio.Event] = {}  # inode -> set when its last cached handle goes
         self.waited = self.waits_timed_out = 0
+        self.renewing: dict[int, float] = {}    # renewed inode -> until when it declines passthrough
+        self.renews = 0
 
     async def file_info(self, fh: int, ino: int, flags: int = 0) -> pyfuse3.FileInfo:
         """keep_cache when the cached pages hold this handle's version (sealed objects never
@@ -91,6 +109,8 @@ class Opens:
         pt = self.passthrough
         if pt is None or not pt.enabled or h.obj is None or h.write or ino in self.store.files.writers:
             return False
+        if self._renewing(ino):
+            return False
         if not await self._may_pass(ino, h.obj, wait=True):
             return False
         if same_version(pt.mode(ino), h.obj):
@@ -107,9 +127,46 @@ class Opens:
             return False
         return pt.offer(fh, ino, h.obj, fd)
 
-    async def changeable(self, ino: int) -> None:
+    def held(self, ino: int) -> bool:
+        """Whether passthrough opens hold ``ino`` (the kernel then takes no other open of it)."""
+        return self.passthrough is not None and self.passthrough.mode(ino) is not None
+
+    def renewed(self, ino: int) -> None:
+        """``ino`` is the new inode a held file's name was given (``changeable``): the change
+        that asked for it comes back to it once the kernel has looked the name up again, so
+        until then (at most RENEW_HOLD s) a reader of it is not given passthrough, which would
+        hold it again and send that change back a second time."""
+        now = trio.current_time()
+        if len(self.renewing) > 256:
+            self.renewing = {i: t for i, t in self.renewing.items() if t > now}
+        self.renewing[ino] = now + RENEW_HOLD
+        self.renews += 1
+
+    def _renewing(self, ino: int) -> bool:
+        until = self.renewing.get(ino)
+        if until is None:
+            return False
+        if trio.current_time() < until:
+            return True
+        del self.renewing[ino]
+        return False
+
+    async def changeable(self, ino: int, renew: bool = False) -> None:
         """Raise Held unless ``ino`` may get a new version: no passthrough open holds it (one
-        just closed is waited for: the kernel sends RELEASE after the close returned)."""
+        just closed is waited for: the kernel sends RELEASE after the close returned).
+        ``renew``: the change came by a name (not a descriptor): a held file is renewed
+        instead where it can be (raise Renewed; what cannot, a held inode with no name left,
+        stays Held)."""
+        if renew and self.store.names.evicted(ino):
+            raise Renewed(None)                 # renewed (or evicted) meanwhile: look it up again
+        if renew and self.held(ino):
+            moved = self.store.names.renew(ino)
+            if moved is not None:
+                parent, name, new = moved
+                self.renewed(new)
+                log.debug("renewed %r: inode %d -> %d (held by passthrough readers)", name, ino, new)
+                raise Renewed((parent, name))
+        self.renewing.pop(ino, None)            # the change a renewal waited for has come
         pt = self.passthrough
         if pt is not None and pt.mode(ino) is not None and not await pt.unheld(ino, HELD_WAIT):
             pt.busy += 1
@@ -173,4 +230,5 @@ class Opens:
             self.open_keys.pop(ino, None)
 
     def statistics(self) -> dict:
-        return {"waited_for_release": self.waited, "wait_timed_out": self.waits_timed_out}
+        return {"waited_for_release": self.waited, "wait_timed_out": self.waits_timed_out,
+                "renewed": self.renews}

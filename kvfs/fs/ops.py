@@ -12,7 +12,7 @@ import pyfuse3
 from kvfs.errors import NamespaceError
 from kvfs.fs import control, dirreply
 from kvfs.fs.coherence import KernelCaches
-from kvfs.fs.opens import Held, Opens
+from kvfs.fs.opens import Held, Opens, Renewed
 from kvfs.fs.errmap import translate
 from kvfs.protocol import ALIGN, CONTROL_NAME_B, ROOT_INO
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
@@ -155,7 +155,7 @@ class KvfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ESTALE)
         try:
             if fields.update_size:
-                await self.opens.changeable(inode)
+                await self.opens.changeable(inode, renew=fh is None and self.shared is None)
             rec = await self.store.files.setattr(
                 inode,
                 size=attr.st_size if fields.update_size else None,
@@ -168,6 +168,8 @@ class KvfsOperations(pyfuse3.Operations):
             raise _stale(self.store, inode, e) from None
         except Held:
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
+        except Renewed as r:
+            raise self.kernel.renewed(r) from None
         return _entry(inode, rec)
 
     async def forget(self, inode_list):
@@ -258,12 +260,14 @@ class KvfsOperations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
         try:
             if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-                await self.opens.changeable(inode)
+                await self.opens.changeable(inode, renew=self.shared is None)
             fh = await self.store.files.open(inode, flags)
         except NamespaceError as e:
             raise _stale(self.store, inode, e) from None
         except Held:
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
+        except Renewed as r:
+            raise self.kernel.renewed(r) from None
         try:
             return await self.opens.file_info(fh, inode, flags)
         except Held:

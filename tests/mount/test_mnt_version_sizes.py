@@ -13,7 +13,6 @@ tmpfs file and spilled to NVMe, and with small and large RAM tiers.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import subprocess
@@ -215,25 +214,37 @@ def passthrough_opens(m) -> int:
     return ((m.stats().get("transport") or {}).get("passthrough") or {}).get("opens", 0)
 
 
+def check_held(fd: int, old: bytes) -> None:
+    """fstat, pread, read to EOF and mmap of ``fd`` give exactly ``old`` (its own inode's size)."""
+    assert os.fstat(fd).st_size == len(old)
+    assert os.pread(fd, len(old) + 10, 0) == old
+    os.lseek(fd, 0, os.SEEK_SET)
+    assert b"".join(iter(lambda: os.read(fd, 1 << 20), b"")) == old
+    if old:
+        assert mmap_digest(fd, len(old)) == hashlib.sha256(old).hexdigest()
+
+
 def held_by_passthrough(r: int, p, src, old: bytes, change: str, sizes) -> None:
-    """A reader the kernel serves through FUSE passthrough: no other version of its inode can
-    be made while it is open (the kernel takes one backing file per inode, and only
-    passthrough opens beside it), so the change fails with ETXTBSY and the reader keeps its
-    version; once it is closed, the change goes through (docs/design.md, "How a read travels")."""
+    """A reader the kernel serves through FUSE passthrough holds its inode's one backing file,
+    so a change of the file by its name renews the name (a new inode with the same version:
+    docs/design.md, "How a read travels") and goes on there: the reader keeps its inode,
+    its version and its size, as after a rename over the name; a descriptor opened by the
+    change is on the new inode."""
+    ino = os.fstat(r).st_ino
     try:
-        check_reader(r, p, old)
-        with pytest.raises(OSError) as e:
-            w = CHANGES[change](p, src, old, *sizes)
+        check_held(r, old)
+        w = CHANGES[change](p, src, old, *sizes)
+        try:
+            check_held(r, old)                  # while the new version is written
+            if w is not None:
+                assert os.fstat(w).st_ino == os.stat(p).st_ino != ino
+        finally:
             if w is not None:
                 os.close(w)
-        assert e.value.errno == errno.ETXTBSY
-        check_reader(r, p, old)
-        assert read(p) == old
+        check_held(r, old)                      # and once it is sealed
+        assert os.stat(p).st_ino != ino
     finally:
         os.close(r)
-    w = CHANGES[change](p, src, old, *sizes)      # the close's RELEASE is waited for
-    if w is not None:
-        os.close(w)
     new = read(p)
     assert new != old and os.stat(p).st_size == len(new)
 

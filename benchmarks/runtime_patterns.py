@@ -9,6 +9,9 @@ The storage patterns of inference runtimes, run in ONE run on six targets, inter
 
 - ``kvfs``: a kvfs mount through the CLI with ``passthrough = true`` (kvfs's own FUSE transport
   with FUSE passthrough where the kernel offers it; ``.kvfs/stats`` says which it got);
+- ``kvfs_wb``: the same with ``writeback_cache = true`` (the kernel's writeback cache: the kernel
+  then refuses passthrough, so this mount has none), not in the default targets: the experiment
+  of docs/design.md "How a read travels" (``--targets kvfs,kvfs_wb,plain``);
 - ``kvfs_pyfuse3``: the same with ``transport = "pyfuse3"``: the path before passthrough,
   every READ answered by the daemon, so kvfs / kvfs on pyfuse3 shows what issue 30 changed;
 - ``floor``: benchmarks/floorfs.py, an in-memory pyfuse3 + trio filesystem with kvfs's
@@ -71,10 +74,10 @@ if str(REPO) not in sys.path:
 from kvfs.bench import BenchError, BenchMount, aligned_buffer, wait_for, xattr  # noqa: E402
 
 log = logging.getLogger("runtime_patterns")
-TARGETS = ("kvfs", "kvfs_pyfuse3", "floor", "floor_kl", "plain", "tmpfs")
-KVFS_TARGETS = ("kvfs", "kvfs_pyfuse3")
+TARGETS = ("kvfs", "kvfs_wb", "kvfs_pyfuse3", "floor", "floor_kl", "plain", "tmpfs")
+KVFS_TARGETS = ("kvfs", "kvfs_wb", "kvfs_pyfuse3")
 DISK_TARGETS = ("kvfs", "kvfs_pyfuse3", "plain")        # those that run (j)
-LABELS = {"kvfs": "kvfs", "kvfs_pyfuse3": "kvfs on pyfuse3", "floor": "floor fs",
+LABELS = {"kvfs": "kvfs", "kvfs_wb": "kvfs, writeback cache", "kvfs_pyfuse3": "kvfs on pyfuse3", "floor": "floor fs",
           "floor_kl": "floor fs, kvfs's loop", "plain": "plain dir", "tmpfs": "tmpfs"}
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 KIB, MIB = 1 << 10, 1 << 20
@@ -560,10 +563,12 @@ def _summary(vals: list[float]) -> dict:
 # (key, numerator, denominator): the ratios of each row, in table order
 RATIOS = [("vs_pyfuse3", "kvfs", "kvfs_pyfuse3"), ("vs_floor", "kvfs", "floor"),
           ("vs_floor_kl", "kvfs", "floor_kl"), ("vs_plain", "kvfs", "plain"),
-          ("floor_vs_plain", "floor", "plain")]
+          ("floor_vs_plain", "floor", "plain"), ("wb_vs_kvfs", "kvfs_wb", "kvfs"),
+          ("wb_vs_plain", "kvfs_wb", "plain")]
 RATIO_LABELS = {"vs_pyfuse3": "kvfs / kvfs on pyfuse3", "vs_floor": "kvfs / floor",
                 "vs_floor_kl": "kvfs / floor, kvfs's loop", "vs_plain": "kvfs / plain",
-                "floor_vs_plain": "floor / plain"}
+                "floor_vs_plain": "floor / plain", "wb_vs_kvfs": "kvfs writeback / kvfs",
+                "wb_vs_plain": "kvfs writeback / plain"}
 
 
 def _ratios(per_round: list[dict], a: str, b: str, key: str) -> dict | None:
@@ -575,13 +580,16 @@ def _ratios(per_round: list[dict], a: str, b: str, key: str) -> dict | None:
 def _counters(m: BenchMount) -> dict:
     """The transport counters of ``.kvfs/stats`` that say whether reads reached the daemon."""
     t = m.stats().get("transport", {})
-    return {"opens": (t.get("passthrough") or {}).get("opens"), "data_reads": t.get("data_reads")}
+    out = {"opens": (t.get("passthrough") or {}).get("opens"), "data_reads": t.get("data_reads"),
+           "requests": t.get("requests")}
+    out.update({f"op:{k}": v for k, v in (t.get("by_opcode") or {}).items()})
+    return out
 
 
 def _add(acc: dict, before: dict, after: dict) -> None:
     for k, v in after.items():
-        if v is not None and before.get(k) is not None:
-            acc[k] = acc.get(k, 0) + v - before[k]
+        if v is not None and (before.get(k) is not None or k.startswith("op:")):
+            acc[k] = acc.get(k, 0) + v - before.get(k, 0)
 
 
 def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: None,
@@ -594,11 +602,13 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
     unknown = set(targets or ()) - set(TARGETS)
     if unknown:
         raise BenchError(f"unknown target(s) {', '.join(sorted(unknown))} (targets: {', '.join(TARGETS)})")
-    targets = tuple(t for t in TARGETS if not targets or t in targets)
+    targets = tuple(t for t in TARGETS if (t in targets if targets else t != "kvfs_wb"))
     if not targets:
         raise BenchError(f"no target chosen (targets: {', '.join(TARGETS)})")
     settings = kvfs_settings()
     mounts = {"kvfs": BenchMount(root / "kvfs", ram=sizes.ram, nvme_size=16 << 30, passthrough=True),
+              "kvfs_wb": BenchMount(root / "kvfs_wb", ram=sizes.ram, nvme_size=16 << 30,
+                                    writeback_cache=True),
               "kvfs_pyfuse3": BenchMount(root / "kvfs_pyfuse3", ram=sizes.ram, nvme_size=16 << 30,
                                          transport="pyfuse3")}
     mounts = {t: m for t, m in mounts.items() if t in targets}
@@ -617,7 +627,8 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
             m.mount()
             tr = m.stats().get("transport", {})
             transports[t] = {"name": tr.get("name"), "why": tr.get("why"),
-                             "passthrough": (tr.get("passthrough") or {}).get("state")}
+                             "passthrough": (tr.get("passthrough") or {}).get("state"),
+                             "writeback_cache": tr.get("writeback_cache")}
         for t, f in floors.items():
             progress(f"mounting {t}")
             f.mount()
@@ -664,8 +675,7 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
                  "o_direct": {t: per_round[0][t].get("f_direct") for t in targets} if per_round else {},
                  "passthrough": {t: dict(transports.get(t, {}), by_pattern=counters[t],
                                          total={k: sum(c.get(k, 0) for c in counters[t].values())
-                                                for k in ("opens", "data_reads")
-                                                if any(k in c for c in counters[t].values())})
+                                                for k in sorted({k for c in counters[t].values() for k in c})})
                                  for t in mounts},
                  "metrics": [], "notes": pats.notes}
     for key, what, unit in METRICS:
@@ -719,7 +729,8 @@ def passthrough_table(res: dict) -> str:
         return pt[t]["total"] if name == "total" else pt[t]["by_pattern"].get(name, {})
     # (target, counter, heading); a counter a transport does not keep gets no column
     cols = [(t, k, f"{LABELS[t]}: {head}") for t in ts
-            for k, head in (("opens", "passthrough opens"), ("data_reads", "READs at the daemon"))
+            for k, head in (("opens", "passthrough opens"), ("data_reads", "READs at the daemon"),
+                            ("requests", "requests at the daemon"))
             if any(counts(t, n).get(k) is not None for n in names)]
     if not cols:
         return ""

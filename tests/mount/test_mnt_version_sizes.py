@@ -73,9 +73,10 @@ def expected(old: bytes, size: int) -> bytes:
 
 def check_reader(fd: int, path, old: bytes, *, mapped: bool = True) -> int:
     """fstat, pread, read to EOF and mmap of ``fd`` agree, and hold ``old``'s bytes, then
-    zeros, up to the size fstat gives (the file's current size)."""
+    zeros, up to the size fstat gives (the file's current size; ``path`` None: the file has
+    no name any more)."""
     size = os.fstat(fd).st_size
-    assert os.stat(path).st_size == size
+    assert path is None or os.stat(path).st_size == size
     want = expected(old, size)
     spots = [(0, 4096), (size // 2, 2931), (1_064_312, 2931), (max(0, size - 1), 1),
              (max(0, size - 5000), 10_000), (size, 10)]
@@ -247,6 +248,47 @@ def held_by_passthrough(r: int, p, src, old: bytes, change: str, sizes) -> None:
         os.close(r)
     new = read(p)
     assert new != old and os.stat(p).st_size == len(new)
+
+
+@pytest.mark.parametrize("how", ["unlink", "rename_over"])
+def test_reader_of_a_file_removed_while_written(prof, request, how):
+    """fsx seeds 801 and 802 (30,000 operations): a writer grew the file, the name was unlinked
+    or another file renamed over it while the writer and a reader of the older version had it
+    open, then the writer closed. fstat on the reader's descriptor gave the writer's size and
+    pread below it gave EOF (the orphan's record still named the reader's version, so its reads
+    were taken for the current version's and only cut, never padded)."""
+    m, (old_size, big, small) = prof
+    d = m.path / request.node.name.replace("[", "_").replace("]", "_")
+    d.mkdir()
+    p, src = d / "f", d / "src"
+    old = content("old", old_size)
+    put(p, old)
+    before = passthrough_opens(m)
+    r = os.open(p, os.O_RDONLY)
+    try:
+        if passthrough_opens(m) > before:       # no writer beside a passthrough reader
+            with pytest.raises(OSError) as e:
+                os.close(os.open(p, os.O_WRONLY))
+            assert e.value.errno == errno.ETXTBSY
+            return
+        check_reader(r, p, old)
+        w = os.open(p, os.O_WRONLY)
+        try:
+            assert os.pwrite(w, content("past", 4321), big - 4321) == 4321
+            if how == "unlink":
+                os.unlink(p)
+            else:
+                put(src, content("src", 100_000))
+                os.rename(src, p)
+            assert check_reader(r, None, old) == big
+            os.ftruncate(w, big + 7777)          # the last size the writer gives it
+        finally:
+            os.close(w)                          # its flush seals the orphan's version
+        assert check_reader(r, None, old) == big + 7777
+    finally:
+        os.close(r)
+    if how == "rename_over":
+        assert read(p) == content("src", 100_000)
 
 
 @pytest.mark.parametrize("ram", ["8MiB", "64MiB"])

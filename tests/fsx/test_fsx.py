@@ -180,9 +180,10 @@ def _seeds() -> list[tuple[int, int]]:
 def test_fsx_random_tiers(kvfs_mount, tmp_path, seed, procs):
     """Tier sizes picked per seed (RAM 4 MiB to 1 GiB); every mmap read goes up to fstat's
     size; no mismatch, no worker killed by a signal (``FSX_OPS``: operations per run;
-    ``FSX_PHASES``: phases, with a kill -9 and remount between two)."""
+    ``FSX_PHASES``: phases, with a kill -9 and remount between two; ``FSX_PASSTHROUGH=1``:
+    with FUSE passthrough on)."""
     tiers = fsx.tier_sizes(seed)
-    m = kvfs_mount(**tiers)
+    m = kvfs_mount(**tiers, passthrough=os.environ.get("FSX_PASSTHROUGH", "") not in ("", "0"))
     s = run_fsx(m, tmp_path / "ref", seed=seed, procs=procs, ops=int(os.environ.get("FSX_OPS", "1500")),
                 phases=int(os.environ.get("FSX_PHASES", "1")), tiers=tiers)
     _no_mismatch(s)

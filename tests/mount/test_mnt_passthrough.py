@@ -283,3 +283,33 @@ def test_a_version_replaced_while_its_copy_is_checked_is_not_given(kvfs_mount, t
         os.close(rd)
     assert read(p) == new
     m.umount()                                       # before the filesystem under its NVMe tier goes
+
+
+def test_seed_802_old_reader_of_a_file_unlinked_while_written_maps_to_fstat_size(kvfs_mount):
+    """The SIGBUS of ``FSX_SEEDS=802 FSX_OPS=30000`` with passthrough on, cut down to its file
+    (operations 4465 to 4559 of f19): a reader of an empty sealed version, then a writer that
+    writes, unlinks, shrinks and extends the file and closes. The reader is an older version's
+    (the daemon serves it; no passthrough here), told the writer's size: it reads zeros up to
+    it, and a mapping of that size does not fault (it read EOF, and faulted, with passthrough
+    off too: the orphan's seal, docs/design.md "Versions and sizes")."""
+    m = kvfs_mount("--passthrough", ram="4MiB", nvme_size="64MiB")
+    p = m.path / "f19"
+    os.close(os.open(p, os.O_RDONLY | os.O_CREAT, 0o644))
+    rd = os.open(p, os.O_RDONLY)
+    try:
+        wr = os.open(p, os.O_RDWR)
+        os.pwrite(wr, content("a", 5242), 219616)
+        os.unlink(p)
+        os.ftruncate(wr, 150457)
+        os.pwrite(wr, content("b", 10698), 482700)
+        os.close(wr)
+        assert os.fstat(rd).st_size == 493398
+        assert os.pread(rd, 41668, 316859) == bytes(41668)
+        code = ("import mmap, os, sys; fd = int(sys.argv[1]); n = os.fstat(fd).st_size; "
+                "mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ); print(any(mm[:]))")
+        res = subprocess.run([sys.executable, "-c", code, str(rd)], pass_fds=(rd,), capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, f"the mapping faulted inside fstat's size (rc {res.returncode})"
+        assert res.stdout.strip() == "False"
+    finally:
+        os.close(rd)

@@ -15,15 +15,30 @@ RELEASE queued). A read-only open that finds only such closing handles (FLUSH se
 written since) waits a moment (``CLOSING_WAIT``) for their RELEASE before choosing: the usual
 write-then-read of a block is then served by passthrough; a handle that stays open (a dup'd
 descriptor, a mapping) makes the open a cached one, as without passthrough.
+
+A backing file is registered only for the inode's current sealed version, with no writer and
+no size change under way (:meth:`Opens._current`, checked after the open's last wait, in the
+same step as the registration). The kernel keeps one size per inode, the last the daemon told
+it (the current version's), and a passthrough descriptor's ``fstat`` shows that size while its
+reads and faults stop at the backing file's end: a version the open chose before a wait (the
+NVMe copy's check, ``CLOSING_WAIT``) and that a rewrite or truncate replaced meanwhile is an
+older version, whose descriptor must read zeros past its bytes up to that size (docs/design.md,
+"Versions and sizes"), not EOF or SIGBUS (a 6 MiB backing file under a 10 MiB inode). Such an
+open is served by the daemon, which pads it. A change that passed :meth:`Opens.changeable`
+but has not yet begun (it waits for a seal) is marked (:meth:`Opens.changing`) so that no
+registration slips in before it: once registered, every size change of the inode is refused
+(ETXTBSY) until the last passthrough open goes, so the two sizes stay equal.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
 import pyfuse3
 import trio
 
+from kvfs.errors import NamespaceError
 from kvfs.store.backing import open_backing
 
 log = logging.getLogger(__name__)
@@ -69,6 +84,7 @@ class Opens:
         self.cached: dict[int, set[int]] = {}   # inode -> its handles in the kernel's cached mode
         self.closing: set[int] = set()          # cached handles flushed, nothing written since
         self._gone: dict[int, trio.Event] = {}  # inode -> set when its last cached handle goes
+        self._changing: dict[int, int] = {}     # inode -> changes past changeable, not yet begun
         self.waited = self.waits_timed_out = 0
         self.renewing: dict[int, float] = {}    # renewed inode -> until when it declines passthrough
         self.renews = 0
@@ -113,7 +129,7 @@ class Opens:
             return False
         if not await self._may_pass(ino, h.obj, wait=True):
             return False
-        if same_version(pt.mode(ino), h.obj):
+        if same_version(pt.mode(ino), h.obj) and self._current(ino, h.obj):
             # the inode's registration already serves this version: another reader of it
             # shares that backing (nothing to open or check: a copy moving meanwhile does not
             # matter, the kernel holds the registered file)
@@ -122,8 +138,8 @@ class Opens:
         if fd is None:
             pt.declined += 1
             return False
-        if not await self._may_pass(ino, h.obj, wait=False) or ino in self.store.files.writers:
-            os.close(fd)                     # another open or a writer came in meanwhile
+        if not await self._may_pass(ino, h.obj, wait=False) or not self._current(ino, h.obj):
+            os.close(fd)                     # another open, a writer or a new version came in meanwhile
             return False
         return pt.offer(fh, ino, h.obj, fd)
 
@@ -151,6 +167,19 @@ class Opens:
         del self.renewing[ino]
         return False
 
+    def _current(self, ino: int, obj) -> bool:
+        """Whether ``obj`` is the inode's current sealed version, of the size the kernel was
+        told, with no writer and no change of it under way: the only version whose tier file
+        may back the inode (see the module's text; sync, so it holds until the registration
+        made in the same step)."""
+        if ino in self.store.files.writers or self._changing.get(ino):
+            return False
+        try:
+            rec = self.store.files.getattr(ino)
+        except NamespaceError:
+            return False
+        return rec.oid == obj.oid and rec.size == obj.size
+
     async def changeable(self, ino: int, renew: bool = False) -> None:
         """Raise Held unless ``ino`` may get a new version: no passthrough open holds it (one
         just closed is waited for: the kernel sends RELEASE after the close returned).
@@ -171,6 +200,21 @@ class Opens:
         if pt is not None and pt.mode(ino) is not None and not await pt.unheld(ino, HELD_WAIT):
             pt.busy += 1
             raise Held(ino)
+
+    @contextlib.asynccontextmanager
+    async def changing(self, ino: int, renew: bool = False):
+        """:meth:`changeable`, then no passthrough registration of ``ino`` until the change
+        the block makes has begun (a writer's open, a truncate: each may wait for a seal
+        before its write state exists, and a reader registered in that wait would be left
+        with a backing file of another size than the inode's)."""
+        await self.changeable(ino, renew)
+        self._changing[ino] = self._changing.get(ino, 0) + 1
+        try:
+            yield
+        finally:
+            n = self._changing.pop(ino) - 1
+            if n:
+                self._changing[ino] = n
 
     async def _may_pass(self, ino: int, obj, wait: bool) -> bool:
         held = self.passthrough.mode(ino)

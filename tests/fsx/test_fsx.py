@@ -13,7 +13,7 @@ Random tiers (``test_fsx_random_tiers``): each seed mounts with its own tier siz
 (``fsx.tier_sizes``: RAM 4 MiB to 1 GiB), since what a descriptor reads must not depend on
 them; ``FSX_SEEDS=101,102 FSX_OPS=10000`` runs those seeds with 1 and 4 processes instead of
 the short default (``FSX_PHASES=4``: in 4 phases, with a kill -9 and remount between two;
-``FSX_PASSTHROUGH=1``: with FUSE passthrough on).
+``FSX_PASSTHROUGH=1``: with FUSE passthrough on, as the short runs always are).
 
 ``FSX_RESULTS=FILE`` appends one JSON line per run (seed, processes, operations, seconds,
 tiers, counts) for ``tests/fsx/plot_fsx.py``, which draws docs/fsx.png.

@@ -9,6 +9,7 @@ import hashlib
 import json
 import mmap
 import os
+import signal
 import subprocess
 import sys
 
@@ -364,3 +365,101 @@ def test_without_cap_sys_admin_the_kernel_transport_cannot_run():
     assert "CAP_SYS_ADMIN" in res.stdout
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.stdout.strip() == "None"
+
+
+def _blocked_in_open(pid: int) -> bool:
+    """Whether a thread of process ``pid`` is inside openat(2) (syscall 257 on x86-64)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+                if f.read().split(" ", 1)[0] == "257":
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+def test_a_version_replaced_while_its_copy_is_checked_is_not_given(kvfs_mount, tmp_path):
+    """The race behind the SIGBUS hunt (issue of the opt-in): an open chose its version, then
+    waited (here: the NVMe copy's check, on a disk that stops answering); meanwhile an
+    ``O_TRUNC`` writer wrote a longer version and sealed it, so the kernel's size for the inode
+    became the new one. Registering the old copy then would give a descriptor whose ``fstat``
+    says 10 MiB over a 6 MiB backing file: reads past 6 MiB EOF, a mapping SIGBUS. The open is
+    served by the daemon instead: the old version's bytes, then zeros up to the size it is told
+    (docs/design.md, "Versions and sizes" and "How a read travels")."""
+    lower = kvfs_mount(ram="256MiB")                 # the NVMe tier's disk: a mount we can stop
+    (lower.path / "disk").mkdir()
+    cfg = tmp_path / "kvfs.toml"
+    cfg.write_text("read_deadline = 0\n")            # the check waits for the disk, however long
+    m = kvfs_mount("--passthrough", ram="16MiB", nvme=lower.path / "disk" / "nvme", config=cfg)
+    p, old, new = m.path / "f.kv", content("old", 6 * MiB), content("new", 10 * MiB)
+    p.write_bytes(old)
+    pushes = [m.path / f"push{i}.kv" for i in range(3)]
+    for q in pushes:                                 # 21 MiB through 16 MiB of RAM: f.kv goes down
+        q.write_bytes(content(q.name, 5 * MiB))
+    wait_for(lambda: settled(m) and os.getxattr(p, "user.kvfs.tier") == b"nvme", 120, "f.kv on NVMe")
+    for q in pushes:
+        q.unlink()
+    settled(m)
+    before = transport(m)["passthrough"]
+    from concurrent.futures import ThreadPoolExecutor
+    os.kill(lower.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            opening = pool.submit(os.open, p, os.O_RDONLY)
+            wait_for(lambda: _blocked_in_open(m.pid), 60, "the daemon to open the NVMe copy for its check")
+            fd = os.open(p, os.O_WRONLY | os.O_TRUNC)        # a new, longer version, sealed in RAM
+            os.write(fd, new)
+            os.close(fd)
+            wait_for(lambda: m.stats()["open_handles"] == 1, 60, "the writer's RELEASE")
+            os.kill(lower.pid, signal.SIGCONT)
+            rd = opening.result(timeout=120)
+    finally:
+        os.kill(lower.pid, signal.SIGCONT)
+    try:
+        assert os.fstat(rd).st_size == len(new)
+        assert os.pread(rd, 2 * MiB, 0) == old[:2 * MiB]
+        assert os.pread(rd, MiB, 7 * MiB) == bytes(MiB)         # zeros inside fstat's size, not EOF
+        code = ("import mmap, os, sys; fd = int(sys.argv[1]); n = os.fstat(fd).st_size; "
+                "mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ); "
+                "sys.stdout.write('%d %d' % (mm[:6 << 20] == sys.stdin.buffer.read(), any(mm[6 << 20:])))")
+        res = subprocess.run([sys.executable, "-c", code, str(rd)], pass_fds=(rd,), input=old,
+                             capture_output=True, timeout=120)
+        assert res.returncode == 0, f"the mapping faulted inside fstat's size (rc {res.returncode})"
+        assert res.stdout == b"1 0"
+        pt = transport(m)["passthrough"]
+        assert pt["opens"] == before["opens"] and pt["held"] == 0, "the replaced version was registered"
+    finally:
+        os.close(rd)
+    assert read(p) == new
+    m.umount()                                       # before the filesystem under its NVMe tier goes
+
+
+def test_seed_802_old_reader_of_a_file_unlinked_while_written_maps_to_fstat_size(kvfs_mount):
+    """The SIGBUS of ``FSX_SEEDS=802 FSX_OPS=30000`` with passthrough on, cut down to its file
+    (operations 4465 to 4559 of f19): a reader of an empty sealed version, then a writer that
+    writes, unlinks, shrinks and extends the file and closes. The reader is an older version's
+    (the daemon serves it; no passthrough here), told the writer's size: it reads zeros up to
+    it, and a mapping of that size does not fault (it read EOF, and faulted, with passthrough
+    off too: the orphan's seal, docs/design.md "Versions and sizes")."""
+    m = kvfs_mount("--passthrough", ram="4MiB", nvme_size="64MiB")
+    p = m.path / "f19"
+    os.close(os.open(p, os.O_RDONLY | os.O_CREAT, 0o644))
+    rd = os.open(p, os.O_RDONLY)
+    try:
+        wr = os.open(p, os.O_RDWR)
+        os.pwrite(wr, content("a", 5242), 219616)
+        os.unlink(p)
+        os.ftruncate(wr, 150457)
+        os.pwrite(wr, content("b", 10698), 482700)
+        os.close(wr)
+        assert os.fstat(rd).st_size == 493398
+        assert os.pread(rd, 41668, 316859) == bytes(41668)
+        code = ("import mmap, os, sys; fd = int(sys.argv[1]); n = os.fstat(fd).st_size; "
+                "mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ); print(any(mm[:]))")
+        res = subprocess.run([sys.executable, "-c", code, str(rd)], pass_fds=(rd,), capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, f"the mapping faulted inside fstat's size (rc {res.returncode})"
+        assert res.stdout.strip() == "False"
+    finally:
+        os.close(rd)

@@ -441,8 +441,11 @@ class FileHandles:
             await self.store.release_space(h.obj)
 
     def _abandon(self, ws: WriteState) -> None:
-        """The last writer left and the new version could not be sealed."""
+        """The last writer left and the new version could not be sealed: the inode keeps its
+        last sealed version, and the kernel, which was told the writes' size, must forget it
+        (else ``stat`` kept the failed size and reads inside it gave EOF)."""
         ws.dirty = False
+        self.on_content_changed(ws.ino)
         rec = self.index.get_inode(ws.ino)
         if rec is not None and rec.oid is None:
             # never sealed: it must not stay visible as an empty file

@@ -179,7 +179,7 @@ def bench(args) -> dict:
                     "kernel": os.uname().release, "python": sys.version.split()[0], "torch": torch.__version__,
                     "versions": {r: m.version for r, m in mods.items()}, "pages": args.pages, "runs": args.runs,
                     "load": os.getloadavg(), "shm_dir": _shm_desc(args.shm_dir),
-                    "ram_mapped_min": args.ram_mapped_min}}
+                    "ram_mapped_min": args.ram_mapped_min, "passthrough": args.passthrough}}
     try:
         for rt in runtimes:
             res[rt] = {}
@@ -197,6 +197,8 @@ def bench(args) -> dict:
                 extra = {"shm_dir": str(args.shm_dir)} if args.shm_dir else {}
                 if args.ram_mapped_min:
                     extra["ram_mapped_min"] = args.ram_mapped_min
+                if args.passthrough is not None:
+                    extra["passthrough"] = args.passthrough
                 with BenchMount(root / f"m{rt}{layers}", ram=ram, nvme_size="8GiB", promote_hits=None, **extra) as m:
                     res["meta"]["shm_dir"] = _ram_desc(m.path)
                     dirs = {names[0]: plain, names[1]: m.path / f"{rt}-own", names[2]: m.path / f"{rt}-kvfs"}
@@ -266,7 +268,9 @@ def report(res: dict) -> str:
               "only at its first touch and takes it back soon after it is freed, which would make each set row pay "
               "~8x per page on whatever part of its fresh page cache or tmpfs pages is first-touch)" if m.get("warm") else "")
            + ". Plain directory: the host disk (ext4, page cache warm). "
-           f"kvfs: RAM tier large enough for every page, in {m.get('shm_dir', '/dev/shm')}. Regenerate with `python "
+           f"kvfs: RAM tier large enough for every page, in {m.get('shm_dir', '/dev/shm')}"
+           + {True: ", FUSE passthrough on", False: ", FUSE passthrough off"}.get(m.get("passthrough"), "")
+           + ". Regenerate with `python "
            "benchmarks/runtime_adapters.py --write-docs docs/benchmarks.md`.", "",
            "Ratios are against the runtime's own file backend on the plain directory, in the same run "
            "(higher is better: throughput for set/get, 1/latency for exists). Targets: exists ≥ 1.0×, "
@@ -361,6 +365,8 @@ def main(argv=None) -> int:
                     "/dev/shm); e.g. a tmpfs mounted with huge=within_size (docs/operations.md)")
     ap.add_argument("--ram-mapped-min", type=int, default=None, help="the mount's ram_mapped_min (default: kvfs's)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the plain directory and mounts go (default /tmp)")
+    ap.add_argument("--passthrough", action=argparse.BooleanOptionalAction, default=None,
+                    help="the mounts' passthrough setting (default: kvfs's default)")
     ap.add_argument("--no-warm", action="store_true", help="do not touch free memory before each set "
                     "(kvfs.bench.warm_memory: on a lazily backed VM a page's first touch costs ~8x)")
     ap.add_argument("--from-json", type=Path, help="report (and --write-docs) a saved --json result, measure nothing")

@@ -12,6 +12,9 @@ The storage patterns of inference runtimes, run in ONE run on six targets, inter
 - ``kvfs_before`` (only with ``--before DIR``): the ``kvfs`` target run by the code of another
   checkout (e.g. ``git archive`` of the commit before a change), so before and after share one
   run, interleaved;
+- ``kvfs_wb`` (only when ``--targets`` names it): the same with ``writeback_cache = true``
+  instead of passthrough (the kernel allows one or the other): the writeback-cache experiment
+  of docs/design.md "How a read travels" (``--targets kvfs,kvfs_wb,plain``);
 - ``kvfs_pyfuse3``: the same with ``transport = "pyfuse3"``: the path before passthrough,
   every READ answered by the daemon, so kvfs / kvfs on pyfuse3 shows what issue 30 changed;
 - ``floor``: benchmarks/floorfs.py, an in-memory pyfuse3 + trio filesystem with kvfs's
@@ -41,7 +44,8 @@ holds the NVMe tier. Buffered reads on both sides: what a runtime loading a cold
 
 For each kvfs mount the run records, per pattern, ``transport.passthrough.opens`` and
 ``transport.data_reads`` from ``.kvfs/stats`` (summed over the rounds): reads served by
-passthrough never reach the daemon.
+passthrough never reach the daemon; and (``requests`` in the JSON) the requests that reached
+the daemon, by opcode (kvfs's own transport only).
 
 Every figure is a rate (higher is better). Reported: each target's median with min-max
 over the rounds, and kvfs's ratio to kvfs on pyfuse3, to both floors and to the plain
@@ -75,10 +79,12 @@ from kvfs.bench import BenchError, BenchMount, aligned_buffer, code_of, wait_for
 
 log = logging.getLogger("runtime_patterns")
 TARGETS = ("kvfs", "kvfs_pyfuse3", "floor", "floor_kl", "plain", "tmpfs")
+EXPERIMENTS = ("kvfs_wb",)          # run only when --targets names them
 BEFORE = "kvfs_before"        # a target only with --before: kvfs on another checkout's code
-KVFS_TARGETS = ("kvfs", "kvfs_before", "kvfs_pyfuse3")
+KVFS_TARGETS = ("kvfs", "kvfs_before", "kvfs_wb", "kvfs_pyfuse3")
 DISK_TARGETS = ("kvfs", "kvfs_pyfuse3", "plain")        # those that run (j)
-LABELS = {"kvfs": "kvfs", "kvfs_before": "kvfs before", "kvfs_pyfuse3": "kvfs on pyfuse3", "floor": "floor fs",
+LABELS = {"kvfs": "kvfs", "kvfs_before": "kvfs before", "kvfs_wb": "kvfs, writeback cache",
+          "kvfs_pyfuse3": "kvfs on pyfuse3", "floor": "floor fs",
           "floor_kl": "floor fs, kvfs's loop", "plain": "plain dir", "tmpfs": "tmpfs"}
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 KIB, MIB = 1 << 10, 1 << 20
@@ -565,11 +571,13 @@ def _summary(vals: list[float]) -> dict:
 RATIOS = [("vs_before", "kvfs", "kvfs_before"), ("before_vs_plain", "kvfs_before", "plain"),
           ("vs_pyfuse3", "kvfs", "kvfs_pyfuse3"), ("vs_floor", "kvfs", "floor"),
           ("vs_floor_kl", "kvfs", "floor_kl"), ("vs_plain", "kvfs", "plain"),
-          ("floor_vs_plain", "floor", "plain")]
+          ("floor_vs_plain", "floor", "plain"), ("wb_vs_kvfs", "kvfs_wb", "kvfs"),
+          ("wb_vs_plain", "kvfs_wb", "plain")]
 RATIO_LABELS = {"vs_before": "kvfs / kvfs before", "before_vs_plain": "kvfs before / plain",
                 "vs_pyfuse3": "kvfs / kvfs on pyfuse3", "vs_floor": "kvfs / floor",
                 "vs_floor_kl": "kvfs / floor, kvfs's loop", "vs_plain": "kvfs / plain",
-                "floor_vs_plain": "floor / plain"}
+                "floor_vs_plain": "floor / plain", "wb_vs_kvfs": "kvfs writeback / kvfs",
+                "wb_vs_plain": "kvfs writeback / plain"}
 
 
 def _ratios(per_round: list[dict], a: str, b: str, key: str) -> dict | None:
@@ -584,10 +592,16 @@ def _counters(m: BenchMount) -> dict:
     return {"opens": (t.get("passthrough") or {}).get("opens"), "data_reads": t.get("data_reads")}
 
 
-def _add(acc: dict, before: dict, after: dict) -> None:
+def _requests(m: BenchMount) -> dict:
+    """The requests that reached the daemon so far, by opcode, and ``all`` (kvfs's transport)."""
+    t = m.stats().get("transport", {})
+    return dict(t.get("by_opcode") or {}, all=t.get("requests"))
+
+
+def _add(acc: dict, before: dict, after: dict, new_keys: bool = False) -> None:
     for k, v in after.items():
-        if v is not None and before.get(k) is not None:
-            acc[k] = acc.get(k, 0) + v - before[k]
+        if v is not None and (before.get(k) is not None or new_keys):
+            acc[k] = acc.get(k, 0) + v - (before.get(k) or 0)
 
 
 def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: None,
@@ -597,16 +611,20 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     shm = tmpfs / f"kvfs-runtime-{os.getpid()}"
-    unknown = set(targets or ()) - {*TARGETS, BEFORE}
+    unknown = set(targets or ()) - set(TARGETS + EXPERIMENTS + (BEFORE,))
     if unknown:
-        raise BenchError(f"unknown target(s) {', '.join(sorted(unknown))} (targets: {', '.join(TARGETS)})")
-    targets = tuple(t for t in ("kvfs", BEFORE, *TARGETS[1:])
-                    if (not targets or t in targets) and (t != BEFORE or before is not None))
+        raise BenchError(f"unknown target(s) {', '.join(sorted(unknown))} "
+                         f"(targets: {', '.join(TARGETS + EXPERIMENTS + (BEFORE,))})")
+    targets = tuple(t for t in TARGETS[:1] + (BEFORE,) + EXPERIMENTS + TARGETS[1:]
+                    if (t in targets if targets else t in TARGETS or t == BEFORE)
+                    and (t != BEFORE or before is not None))
     if not targets:
         raise BenchError(f"no target chosen (targets: {', '.join(TARGETS)})")
     settings = kvfs_settings()
     mounts = {"kvfs": BenchMount(root / "kvfs", ram=sizes.ram, nvme_size=16 << 30, passthrough=True),
               "kvfs_before": BenchMount(root / "kvfs_before", ram=sizes.ram, nvme_size=16 << 30, passthrough=True),
+              "kvfs_wb": BenchMount(root / "kvfs_wb", ram=sizes.ram, nvme_size=16 << 30,
+                                    writeback_cache=True),
               "kvfs_pyfuse3": BenchMount(root / "kvfs_pyfuse3", ram=sizes.ram, nvme_size=16 << 30,
                                          transport="pyfuse3")}
     mounts = {t: m for t, m in mounts.items() if t in targets}
@@ -618,6 +636,7 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
     names = [n for n in ORDER if not only or n in only]
     per_round: list[dict] = []
     counters = {t: {n: {} for n in names} for t in mounts}
+    requests = {t: {n: {} for n in names} for t in mounts}
     transports: dict = {}
     try:
         for t, m in mounts.items():
@@ -627,6 +646,8 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
             tr = m.stats().get("transport", {})
             transports[t] = {"name": tr.get("name"), "why": tr.get("why"),
                              "passthrough": (tr.get("passthrough") or {}).get("state")}
+            if tr.get("writeback_cache"):
+                transports[t]["writeback_cache"] = True
         for t, f in floors.items():
             progress(f"mounting {t}")
             f.mount()
@@ -648,10 +669,11 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
                 order = targets[j:] + targets[:j]
                 for t in order:
                     progress(f"round {rnd + 1}/{rounds}: {name} on {t}")
-                    before = _counters(mounts[t]) if t in mounts else None
+                    before = (_counters(mounts[t]), _requests(mounts[t])) if t in mounts else None
                     pats.run(name, str(dirs[t]), rnd, res[t])
                     if before is not None:
-                        _add(counters[t][name], before, _counters(mounts[t]))
+                        _add(counters[t][name], before[0], _counters(mounts[t]))
+                        _add(requests[t][name], before[1], _requests(mounts[t]), new_keys=True)
             per_round.append(res)
             for t in targets:              # free the round's files (kvfs's RAM tier stays small)
                 shutil.rmtree(dirs[t] / f"r{rnd}", ignore_errors=True)
@@ -676,7 +698,7 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
                                                 for k in ("opens", "data_reads")
                                                 if any(k in c for c in counters[t].values())})
                                  for t in mounts},
-                 "metrics": [], "notes": pats.notes}
+                 "requests": requests, "metrics": [], "notes": pats.notes}
     for key, what, unit in METRICS:
         row = {"key": key, "what": what, "unit": unit}
         for t in targets:

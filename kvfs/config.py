@@ -54,6 +54,12 @@ class Config:
     # sealed blocks read by the kernel from their tier files (FUSE passthrough): opt-in until the
     # exerciser's long runs pass with it (docs/design.md, "How a read travels")
     passthrough: bool = False
+    # the kernel's writeback cache (FUSE_WRITEBACK_CACHE), kvfs's own transport only: an
+    # experiment, off (docs/design.md, "How a read travels": measured, no gain on a stat after a
+    # write); excludes passthrough (the kernel allows one or the other). KVFS_WRITEBACK_CACHE=1
+    # in the environment sets the default (to run the tests with it on)
+    writeback_cache: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("KVFS_WRITEBACK_CACHE", "") in ("1", "true"))
     debug: bool = False
     foreground: bool = False
 
@@ -144,6 +150,8 @@ class Config:
             raise ConfigError(f"transport must be auto, kernel or pyfuse3, not {self.transport!r}")
         if not isinstance(self.passthrough, bool):
             raise ConfigError("passthrough must be true or false")
+        if not isinstance(self.writeback_cache, bool):
+            raise ConfigError("writeback_cache must be true or false")
         self.check_shm_dir()
 
     def admission(self) -> dict[str, int]:

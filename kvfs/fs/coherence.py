@@ -2,12 +2,14 @@
 mounted: the daemon's own changes become kernel invalidations (kvfs/fs/notifier.py)."""
 from __future__ import annotations
 
+import errno
+
 import pyfuse3
 import trio
 
 from kvfs.fs import notifyproc
 from kvfs.fs.notifier import Notifier
-from kvfs.fs.opens import EMPTY, Opens
+from kvfs.fs.opens import EMPTY, Opens, Renewed
 
 INVALIDATE_WAIT = 10.0     # seconds a commit waits for its names' kernel invalidations
 
@@ -65,6 +67,14 @@ class KernelCaches:
     def name_removed(self, parent: int, name: bytes, ino: int) -> None:
         if self._mounted:
             self.notifier.send(pyfuse3.invalidate_entry, parent, name, ino)
+
+    def renewed(self, r: Renewed) -> pyfuse3.FUSEError:
+        """A change by a name that found its file held and renewed (kvfs/fs/opens.py): the
+        kernel's entry for the name goes (other processes then look up the new inode), and
+        the change is answered ESTALE, which the kernel retries once after a new lookup."""
+        if r.entry is not None and self._mounted:
+            self.notifier.send(pyfuse3.invalidate_entry, *r.entry)
+        return pyfuse3.FUSEError(errno.ESTALE)
 
     def content_changed(self, ino: int) -> None:
         """The store's ``on_content_changed`` (wired by kvfs.build.build_ops)."""

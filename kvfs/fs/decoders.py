@@ -58,8 +58,10 @@ class DirToken:
 class SessionDecoder:
     """INIT and DESTROY: the protocol version and the features (passthrough) agreed on."""
 
-    def __init__(self, passthrough):
+    def __init__(self, passthrough, writeback: bool = False):
         self.passthrough = passthrough
+        self.want_writeback = writeback
+        self.writeback = False  # the kernel's writeback cache, once INIT agreed on it
         self.minor = 0          # the protocol's minor version, once INIT is answered
 
     async def init(self, nodeid, body, ctx) -> list:
@@ -68,11 +70,13 @@ class SessionDecoder:
         if major != wire.MAJOR:
             raise pyfuse3.FUSEError(errno.EPROTO)
         self.minor = min(minor, wire.MAX_MINOR)
-        want = wire.BASE_WANT | (wire.PASSTHROUGH if self.passthrough.wanted else 0)
+        want = wire.BASE_WANT | (wire.PASSTHROUGH if self.passthrough.wanted else 0) \
+            | (wire.WRITEBACK_CACHE if self.want_writeback else 0)
         got = want & offered
+        self.writeback = bool(got & wire.WRITEBACK_CACHE)
         self.passthrough.negotiated(bool(got & wire.PASSTHROUGH), offered)
-        log.info("FUSE protocol 7.%d (kernel 7.%d); passthrough %s", self.minor, minor,
-                 self.passthrough.state())
+        log.info("FUSE protocol 7.%d (kernel 7.%d); passthrough %s; writeback cache %s", self.minor,
+                 minor, self.passthrough.state(), "on" if self.writeback else "off")
         return [wire.INIT_OUT.pack(wire.MAJOR, self.minor, readahead, got & 0xFFFFFFFF, 0, 0,
                                    (1 << 20), 1, (1 << 20) // 4096, 0, got >> 32,
                                    1 if got & wire.PASSTHROUGH else 0, 0)]

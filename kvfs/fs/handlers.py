@@ -34,12 +34,12 @@ REPLY_PARTS = 256
 class Handlers:
     """Decode (by the concern's decoder), call, encode; one instance per session."""
 
-    def __init__(self, ops, fd: int, want_passthrough: bool):
+    def __init__(self, ops, fd: int, want_passthrough: bool, want_writeback: bool = False):
         self.ops = ops
         self.fd = fd
         self.passthrough = passthrough = Passthrough(fd, want_passthrough)
         ops.opens.passthrough = passthrough
-        self.session = SessionDecoder(passthrough)
+        self.session = SessionDecoder(passthrough, want_writeback)
         self.entries = EntryDecoder(ops)
         self.files = FileDecoder(ops, passthrough)
         self.dirs = DirDecoder(ops)

@@ -15,18 +15,37 @@ RELEASE queued). A read-only open that finds only such closing handles (FLUSH se
 written since) waits a moment (``CLOSING_WAIT``) for their RELEASE before choosing: the usual
 write-then-read of a block is then served by passthrough; a handle that stays open (a dup'd
 descriptor, a mapping) makes the open a cached one, as without passthrough.
+
+A backing file is registered only for the inode's current sealed version, with no writer and
+no size change under way (:meth:`Opens._current`, checked after the open's last wait, in the
+same step as the registration). The kernel keeps one size per inode, the last the daemon told
+it (the current version's), and a passthrough descriptor's ``fstat`` shows that size while its
+reads and faults stop at the backing file's end: a version the open chose before a wait (the
+NVMe copy's check, ``CLOSING_WAIT``) and that a rewrite or truncate replaced meanwhile is an
+older version, whose descriptor must read zeros past its bytes up to that size (docs/design.md,
+"Versions and sizes"), not EOF or SIGBUS (a 6 MiB backing file under a 10 MiB inode). Such an
+open is served by the daemon, which pads it. A change that passed :meth:`Opens.changeable`
+but has not yet begun (it waits for a seal) is marked (:meth:`Opens.changing`) so that no
+registration slips in before it: once registered, every size change of the inode is refused
+(ETXTBSY) until the last passthrough open goes, so the two sizes stay equal.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 
 import pyfuse3
 import trio
 
+from kvfs.errors import NamespaceError
 from kvfs.store.backing import open_backing
+
+log = logging.getLogger(__name__)
 
 CLOSING_WAIT = 0.2      # seconds a read-only open waits for closing cached handles' RELEASE
 HELD_WAIT = 0.5         # seconds a change waits for the passthrough opens of its inode to go
+RENEW_HOLD = 1.0        # seconds a renewed inode declines passthrough while its rewrite's retry comes
 EMPTY = ("empty", 0)    # a page_key: the kernel holds no page of the inode (created, only direct I/O since)
 
 
@@ -43,9 +62,21 @@ def write_only(h, flags: int) -> bool:
 
 class Held(Exception):
     """An inode held by passthrough opens of one version: another open of it (a writer, or a
-    reader of another version) or a change of its size fails with ETXTBSY."""
+    reader of another version) or a change of its size fails with ETXTBSY where the file
+    cannot be renewed instead (Renewed)."""
 
 
+class Renewed(Exception):
+    """A change by a name (an open for writing or truncating, a truncate by path) of a file
+    passthrough readers hold: its name was given a new inode with the same version, the
+    readers keep the old one (kvfs/store/namespace.py ``renew``). Answered ESTALE: the kernel
+    looks the name up again (LOOKUP_REVAL) and retries the change once, on the new inode.
+    ``entry``: (parent, name) whose kernel entry goes; None when the inode had been renewed
+    (or evicted) already."""
+
+    def __init__(self, entry: tuple[int, bytes] | None):
+        super().__init__(entry)
+        self.entry = entry
 
 
 class Opens:
@@ -59,7 +90,10 @@ class Opens:
         self.cached: dict[int, set[int]] = {}   # inode -> its handles in the kernel's cached mode
         self.closing: set[int] = set()          # cached handles flushed, nothing written since
         self._gone: dict[int, trio.Event] = {}  # inode -> set when its last cached handle goes
+        self._changing: dict[int, int] = {}     # inode -> changes past changeable, not yet begun
         self.waited = self.waits_timed_out = 0
+        self.renewing: dict[int, float] = {}    # renewed inode -> until when it declines passthrough
+        self.renews = 0
 
     async def file_info(self, fh: int, ino: int, flags: int = 0) -> pyfuse3.FileInfo:
         """keep_cache when the cached pages hold this handle's version (sealed objects never
@@ -102,9 +136,11 @@ class Opens:
         pt = self.passthrough
         if pt is None or not pt.enabled or h.obj is None or h.write or ino in self.store.files.writers:
             return False
+        if self._renewing(ino):
+            return False
         if not await self._may_pass(ino, h.obj, wait=True):
             return False
-        if same_version(pt.mode(ino), h.obj):
+        if same_version(pt.mode(ino), h.obj) and self._current(ino, h.obj):
             # the inode's registration already serves this version: another reader of it
             # shares that backing (nothing to open or check: a copy moving meanwhile does not
             # matter, the kernel holds the registered file)
@@ -113,18 +149,83 @@ class Opens:
         if fd is None:
             pt.declined += 1
             return False
-        if not await self._may_pass(ino, h.obj, wait=False) or ino in self.store.files.writers:
-            os.close(fd)                     # another open or a writer came in meanwhile
+        if not await self._may_pass(ino, h.obj, wait=False) or not self._current(ino, h.obj):
+            os.close(fd)                     # another open, a writer or a new version came in meanwhile
             return False
         return pt.offer(fh, ino, h.obj, fd)
 
-    async def changeable(self, ino: int) -> None:
+    def held(self, ino: int) -> bool:
+        """Whether passthrough opens hold ``ino`` (the kernel then takes no other open of it)."""
+        return self.passthrough is not None and self.passthrough.mode(ino) is not None
+
+    def renewed(self, ino: int) -> None:
+        """``ino`` is the new inode a held file's name was given (``changeable``): the change
+        that asked for it comes back to it once the kernel has looked the name up again, so
+        until then (at most RENEW_HOLD s) a reader of it is not given passthrough, which would
+        hold it again and send that change back a second time."""
+        now = trio.current_time()
+        if len(self.renewing) > 256:
+            self.renewing = {i: t for i, t in self.renewing.items() if t > now}
+        self.renewing[ino] = now + RENEW_HOLD
+        self.renews += 1
+
+    def _renewing(self, ino: int) -> bool:
+        until = self.renewing.get(ino)
+        if until is None:
+            return False
+        if trio.current_time() < until:
+            return True
+        del self.renewing[ino]
+        return False
+
+    def _current(self, ino: int, obj) -> bool:
+        """Whether ``obj`` is the inode's current sealed version, of the size the kernel was
+        told, with no writer and no change of it under way: the only version whose tier file
+        may back the inode (see the module's text; sync, so it holds until the registration
+        made in the same step)."""
+        if ino in self.store.files.writers or self._changing.get(ino):
+            return False
+        try:
+            rec = self.store.files.getattr(ino)
+        except NamespaceError:
+            return False
+        return rec.oid == obj.oid and rec.size == obj.size
+
+    async def changeable(self, ino: int, renew: bool = False) -> None:
         """Raise Held unless ``ino`` may get a new version: no passthrough open holds it (one
-        just closed is waited for: the kernel sends RELEASE after the close returned)."""
+        just closed is waited for: the kernel sends RELEASE after the close returned).
+        ``renew``: the change came by a name (not a descriptor): a held file is renewed
+        instead where it can be (raise Renewed; what cannot, a held inode with no name left,
+        stays Held)."""
+        if renew and self.store.names.evicted(ino):
+            raise Renewed(None)                 # renewed (or evicted) meanwhile: look it up again
+        if renew and self.held(ino):
+            moved = self.store.names.renew(ino)
+            if moved is not None:
+                parent, name, new = moved
+                self.renewed(new)
+                log.debug("renewed %r: inode %d -> %d (held by passthrough readers)", name, ino, new)
+                raise Renewed((parent, name))
+        self.renewing.pop(ino, None)            # the change a renewal waited for has come
         pt = self.passthrough
         if pt is not None and pt.mode(ino) is not None and not await pt.unheld(ino, HELD_WAIT):
             pt.busy += 1
             raise Held(ino)
+
+    @contextlib.asynccontextmanager
+    async def changing(self, ino: int, renew: bool = False):
+        """:meth:`changeable`, then no passthrough registration of ``ino`` until the change
+        the block makes has begun (a writer's open, a truncate: each may wait for a seal
+        before its write state exists, and a reader registered in that wait would be left
+        with a backing file of another size than the inode's)."""
+        await self.changeable(ino, renew)
+        self._changing[ino] = self._changing.get(ino, 0) + 1
+        try:
+            yield
+        finally:
+            n = self._changing.pop(ino) - 1
+            if n:
+                self._changing[ino] = n
 
     async def _may_pass(self, ino: int, obj, wait: bool) -> bool:
         held = self.passthrough.mode(ino)
@@ -191,4 +292,5 @@ class Opens:
                 del self.page_key[ino]
 
     def statistics(self) -> dict:
-        return {"waited_for_release": self.waited, "wait_timed_out": self.waits_timed_out}
+        return {"waited_for_release": self.waited, "wait_timed_out": self.waits_timed_out,
+                "renewed": self.renews}

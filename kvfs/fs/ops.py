@@ -1,6 +1,7 @@
 """pyfuse3 handlers: each translates one request to the store (kvfs.store.store.Store)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -12,7 +13,7 @@ import pyfuse3
 from kvfs.errors import NamespaceError
 from kvfs.fs import control, dirreply
 from kvfs.fs.coherence import KernelCaches
-from kvfs.fs.opens import Held, Opens
+from kvfs.fs.opens import Held, Opens, Renewed
 from kvfs.fs.errmap import translate
 from kvfs.protocol import ALIGN, CONTROL_NAME_B, ROOT_INO
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
@@ -154,20 +155,22 @@ class KvfsOperations(pyfuse3.Operations):
         if fh is None and self.store.names.evicted(inode):     # by a name (see _stale)
             raise pyfuse3.FUSEError(errno.ESTALE)
         try:
-            if fields.update_size:
-                await self.opens.changeable(inode)
-            rec = await self.store.files.setattr(
-                inode,
-                size=attr.st_size if fields.update_size else None,
-                mode=attr.st_mode if fields.update_mode else None,
-                uid=attr.st_uid if fields.update_uid else None,
-                gid=attr.st_gid if fields.update_gid else None,
-                atime=attr.st_atime_ns if fields.update_atime else None,
-                mtime=attr.st_mtime_ns if fields.update_mtime else None)
+            renew = fh is None and self.shared is None          # by a name: a held file renews
+            async with (self.opens.changing(inode, renew) if fields.update_size else contextlib.nullcontext()):
+                rec = await self.store.files.setattr(
+                    inode,
+                    size=attr.st_size if fields.update_size else None,
+                    mode=attr.st_mode if fields.update_mode else None,
+                    uid=attr.st_uid if fields.update_uid else None,
+                    gid=attr.st_gid if fields.update_gid else None,
+                    atime=attr.st_atime_ns if fields.update_atime else None,
+                    mtime=attr.st_mtime_ns if fields.update_mtime else None)
         except NamespaceError as e:
             raise _stale(self.store, inode, e) from None
         except Held:
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
+        except Renewed as r:
+            raise self.kernel.renewed(r) from None
         return _entry(inode, rec)
 
     async def forget(self, inode_list):
@@ -258,12 +261,16 @@ class KvfsOperations(pyfuse3.Operations):
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False, nonseekable=False)
         try:
             if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-                await self.opens.changeable(inode)
-            fh = await self.store.files.open(inode, flags)
+                async with self.opens.changing(inode, renew=self.shared is None):      # until its write state exists
+                    fh = await self.store.files.open(inode, flags)
+            else:
+                fh = await self.store.files.open(inode, flags)
         except NamespaceError as e:
             raise _stale(self.store, inode, e) from None
         except Held:
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
+        except Renewed as r:
+            raise self.kernel.renewed(r) from None
         try:
             return await self.opens.file_info(fh, inode, flags)
         except Held:

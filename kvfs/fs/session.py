@@ -68,12 +68,15 @@ def unavailable() -> str | None:
 class KernelSession:
     """One mount served over ``/dev/fuse`` (see the module's text)."""
 
-    def __init__(self, ops, mountpoint: str, options: set[str], *, passthrough: bool = True):
+    def __init__(self, ops, mountpoint: str, options: set[str], *, passthrough: bool = True,
+                 writeback_cache: bool = False):
         self.ops = ops
         self.mountpoint = mountpoint
         self.options = set(options)
         self.fd = -1
-        self.want_passthrough = passthrough
+        # the kernel takes passthrough or the writeback cache, never both (it drops passthrough)
+        self.want_writeback = writeback_cache
+        self.want_passthrough = passthrough and not writeback_cache
         self.handlers: Handlers | None = None
         self._cancel: trio.CancelScope | None = None
         self._ended = False
@@ -99,7 +102,7 @@ class KernelSession:
             os.close(self.fd)
             self.fd = -1
             raise OSError(err, f"mount {self.mountpoint}: {os.strerror(err)}")
-        self.handlers = Handlers(self.ops, self.fd, self.want_passthrough)
+        self.handlers = Handlers(self.ops, self.fd, self.want_passthrough, self.want_writeback)
         log.info("mounted %s with kvfs's own FUSE transport", self.mountpoint)
 
     def close(self, unmount: bool = True) -> None:
@@ -181,6 +184,7 @@ class KernelSession:
                "protocol": self.negotiated_protocol()}
         if h is not None:
             out["passthrough"] = dict(h.passthrough.statistics(), **self.ops.opens.statistics())
+            out["writeback_cache"] = h.session.writeback
             out["by_opcode"] = h.requests()
             out["us_by_opcode"] = h.request_us()
             out["data_reads"] = self.ops.data_reads     # READs of files, not of .kvfs/ control files

@@ -62,7 +62,8 @@ def choose(cfg, ops, mountpoint: str, options: set[str]):
         return Pyfuse3Transport(ops, mountpoint, options, "chosen: transport = pyfuse3")
     why = unavailable()
     if why is None:
-        return KernelTransport(ops, mountpoint, options, passthrough=cfg.passthrough)
+        return KernelTransport(ops, mountpoint, options, passthrough=cfg.passthrough,
+                               writeback_cache=cfg.writeback_cache)
     if cfg.transport == "kernel":
         raise ConfigError(f"transport = kernel cannot run here: {why}")
     log.warning("FUSE transport: pyfuse3 (kvfs's own cannot run: %s); no passthrough", why)

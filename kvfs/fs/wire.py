@@ -29,7 +29,7 @@ NAMES = {v: k.lower() for k, v in dict(
 
 # ---- INIT flags (flags2 are bits 32..63) --------------------------------------------------------
 ASYNC_READ, ATOMIC_O_TRUNC, BIG_WRITES = 1 << 0, 1 << 3, 1 << 5
-AUTO_INVAL_DATA, DO_READDIRPLUS, ASYNC_DIO = 1 << 12, 1 << 13, 1 << 15
+AUTO_INVAL_DATA, DO_READDIRPLUS, ASYNC_DIO, WRITEBACK_CACHE = 1 << 12, 1 << 13, 1 << 15, 1 << 16
 PARALLEL_DIROPS, HANDLE_KILLPRIV, MAX_PAGES = 1 << 18, 1 << 19, 1 << 22
 INIT_EXT = 1 << 30
 PASSTHROUGH, OVER_IO_URING = 1 << 37, 1 << 41

@@ -441,8 +441,11 @@ class FileHandles:
             await self.store.release_space(h.obj)
 
     def _abandon(self, ws: WriteState) -> None:
-        """The last writer left and the new version could not be sealed."""
+        """The last writer left and the new version could not be sealed: the inode keeps its
+        last sealed version, and the kernel, which was told the writes' size, must forget it
+        (else ``stat`` kept the failed size and reads inside it gave EOF)."""
         ws.dirty = False
+        self.on_content_changed(ws.ino)
         rec = self.index.get_inode(ws.ino)
         if rec is not None and rec.oid is None:
             # never sealed: it must not stay visible as an empty file
@@ -465,6 +468,20 @@ class FileHandles:
                 await self.store.release_space(ws.base)
                 ws.base = None
 
+    def _orphan_version(self, ws: WriteState, size: int, oid: int | None) -> None:
+        """The version a seal made of an inode removed from the namespace while open (an
+        unlink, or a rename over its name): it is the orphan's current content, of ``size``
+        bytes, held by object ``oid`` or only by the write state's buffer (None). Every
+        descriptor of the inode is told this size (POSIX), and the record no longer names the
+        older version's object, so a reader of that version is fitted to it as an older one:
+        zeros past its own end up to this size, never EOF inside it (docs/design.md,
+        "Versions and sizes")."""
+        orphan = self.ns.orphans.get(ws.ino)
+        if orphan is not None:
+            orphan.size = size
+            orphan.mtime = ws.mtime or orphan.mtime
+            orphan.oid = oid
+
     async def _seal(self, ws: WriteState) -> None:
         while ws.sealing is not None:        # one seal of a buffer at a time
             await ws.sealing.wait()
@@ -475,10 +492,7 @@ class FileHandles:
         staging = await self.staging_of(ws)
         rec = self.index.get_inode(ws.ino)
         if rec is None:                      # unlinked while open: nothing to keep
-            orphan = self.ns.orphans.get(ws.ino)
-            if orphan is not None:           # its readers still see its size (POSIX)
-                orphan.size = staging.size
-                orphan.mtime = ws.mtime or orphan.mtime
+            self._orphan_version(ws, staging.size, None)
             ws.dirty = False
             return
         # until the new object is installed, writes and truncates of this file wait (they
@@ -497,11 +511,17 @@ class FileHandles:
                 kvrec = {k: str(kv.get(k, "")) for k in ("namespace", "hash", "parent", "tokens")}
             old, installed = self.ns.install(ws.ino, obj, kvrec, mtime=ws.mtime)
             ws.dirty = False
-            if not installed:
-                await self.store.release_space(obj)
-                return
             obj.refs += 1
             prev, ws.base = ws.base, obj     # before any wait: readers of the state read obj now
+            if not installed:
+                # unlinked or replaced while the buffer was hashed: the object (dropped, kept by
+                # the state's reference) is what its writers and joined readers read on, and
+                # the new base of the writers' next buffer
+                self._orphan_version(ws, obj.size, obj.oid)
+                if prev is not None:
+                    prev.refs -= 1
+                    await self.store.release_space(prev)
+                return
             path = key if self.ns.renames == renames else self.ns.path_of(ws.ino)
             if self.on_renamed is not None and path != key:
                 # renamed while sealing (a rename does not wait for the seal): a copy already on

@@ -51,14 +51,22 @@ class NameOps:
                 yield eid, name, ino, rec
 
     def evicted(self, ino: int) -> bool:
-        """Inode ``ino`` was evicted with its name and is kept only for descriptors opened
-        before (a reader of an older version): a new request by a name cannot mean it."""
+        """Inode ``ino`` lost its name by the daemon's doing (evicted, or renewed: ``renew``)
+        and is kept only for descriptors opened before: a new request by a name cannot mean it."""
         return ino in self.ns.evicted
 
     def dropped(self, ino: int) -> bool:
         """The daemon removed inode ``ino`` (eviction) though the kernel may still name it
         (an evicted inode kept for the descriptors of a reader of an older version too)."""
         return ino in self.ns.evicted or (self.index.get_inode(ino) is None and ino not in self.ns.orphans)
+
+    def renew(self, ino: int) -> tuple[int, bytes, int] | None:
+        """Give open file ``ino``'s name a new inode holding the same sealed version, ``ino``
+        kept as an orphan for its descriptors (Namespace.renew). Returns (parent, name, new
+        inode), or None where that cannot be done (not a sealed file of one name, not open)."""
+        if not self.is_open(ino):
+            return None
+        return self.ns.renew(ino)
 
     def inode_count(self) -> int:
         return self.index.counts()["inodes"]

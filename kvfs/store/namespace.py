@@ -6,6 +6,7 @@ transaction that removes their last name; the caller frees their bytes after.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -434,6 +435,38 @@ class Namespace:
         self.sealed[ino] = obj
         self.unsealed.discard(ino)
         return old, True
+
+    def renew(self, ino: int) -> tuple[int, bytes, int] | None:
+        """Give the name of sealed file ``ino`` a new inode holding the same version, in ONE
+        transaction: the new inode gets ``ino``'s record (attributes, xattrs, pin, KV record)
+        and its object (whose record now names the new inode), the directory entry points at
+        it, and ``ino`` leaves the index: an orphan kept for its open descriptors, as after a
+        rename over the name (``evicted``: a request by a name cannot mean it). After a crash
+        the name is the old inode or the new one, with the same bytes. Returns (parent, name,
+        new inode), or None when ``ino`` is not a named, sealed file of one name."""
+        with self.index.write() as txn:
+            rec = txn.get_inode(ino)
+            if rec is None or not stat.S_ISREG(rec.mode) or rec.nlink != 1 or rec.oid is None:
+                return None
+            if txn.lookup(rec.parent, rec.name) != ino:
+                return None
+            obj = self.store.objs.get(rec.oid)
+            orec = txn.get_object(rec.oid)
+            if obj is None or obj.dead or orec is None:
+                return None
+            new = txn.new_id(b"ino")
+            txn.put_inode(new, rec, new=True)
+            txn.link(rec.parent, rec.name, new)        # the entry re-pointed (a new entry id)
+            txn.del_inode(ino)
+            txn.put_object(obj.oid, dataclasses.replace(orec, ino=new), old=orec)
+        obj.ino = new
+        self.sealed.pop(ino, None)
+        self.sealed[new] = obj
+        orphan = rec.copy()
+        orphan.nlink = 0
+        self.orphans[ino] = orphan
+        self.evicted.add(ino)
+        return rec.parent, rec.name, new
 
     def _lost(self, txn: Txn, obj: Obj) -> None:
         rec = txn.get_inode(obj.ino)

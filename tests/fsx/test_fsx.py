@@ -12,7 +12,8 @@ every file must be exactly its last sealed version or absent.
 Random tiers (``test_fsx_random_tiers``): each seed mounts with its own tier sizes
 (``fsx.tier_sizes``: RAM 4 MiB to 1 GiB), since what a descriptor reads must not depend on
 them; ``FSX_SEEDS=101,102 FSX_OPS=10000`` runs those seeds with 1 and 4 processes instead of
-the short default (``FSX_PHASES=4``: in 4 phases, with a kill -9 and remount between two).
+the short default (``FSX_PHASES=4``: in 4 phases, with a kill -9 and remount between two;
+``FSX_PASSTHROUGH=1``: with FUSE passthrough on, as the short runs always are).
 
 ``FSX_RESULTS=FILE`` appends one JSON line per run (seed, processes, operations, seconds,
 tiers, counts) for ``tests/fsx/plot_fsx.py``, which draws docs/fsx.png.
@@ -49,7 +50,8 @@ def run_fsx(m, ref, *, seed: int, procs: int, ops: int, phases: int = 1, exclude
     """``phases`` runs of ``ops / phases`` operations; between two phases the daemon is killed
     with SIGKILL (workers keep their descriptors open through it), remounted, and every file
     checked against its last sealed version."""
-    pt = m.stats()["transport"].get("passthrough", {}).get("state", "off")
+    transport = m.stats()["transport"]
+    pt = transport.get("passthrough", {}).get("state", "off")
     cfg = fsx.Config(str(m.path), str(ref), seed=seed, procs=procs, ops=ops, exclude=tuple(sorted(exclude)),
                      max_mismatches=max_mismatches, passthrough=pt.startswith("on"))
     ex = fsx.Exerciser(cfg)
@@ -73,7 +75,8 @@ def run_fsx(m, ref, *, seed: int, procs: int, ops: int, phases: int = 1, exclude
     summary = fsx.summarize(ex.reports)
     _record(seed, procs, ops, seconds, summary, phases, bool(exclude), tiers)
     c = summary["counts"]
-    print(f"fsx seed {seed} procs {procs} tiers {tiers or TINY}: {c.get('ops', 0)} ops in {seconds:.1f} s "
+    print(f"fsx seed {seed} procs {procs} tiers {tiers or TINY} transport {transport['name']} "
+          f"passthrough {pt.split()[0]}: {c.get('ops', 0)} ops in {seconds:.1f} s "
           f"({c.get('ops', 0) / seconds:.0f}/s), evicted {c.get('evicted', 0)}, mismatches {c.get('mismatch', 0)}, "
           f"after kill -9: intact {c.get('crash_intact', 0)} absent {c.get('crash_absent', 0)}")
     return summary
@@ -180,9 +183,10 @@ def _seeds() -> list[tuple[int, int]]:
 def test_fsx_random_tiers(kvfs_mount, tmp_path, seed, procs):
     """Tier sizes picked per seed (RAM 4 MiB to 1 GiB); every mmap read goes up to fstat's
     size; no mismatch, no worker killed by a signal (``FSX_OPS``: operations per run;
-    ``FSX_PHASES``: phases, with a kill -9 and remount between two)."""
+    ``FSX_PHASES``: phases, with a kill -9 and remount between two; ``FSX_PASSTHROUGH=1``:
+    mounted with ``--passthrough``; ``KVFS_TRANSPORT=pyfuse3``: on the fallback transport)."""
     tiers = fsx.tier_sizes(seed)
-    m = kvfs_mount(**tiers)
+    m = kvfs_mount(*(("--passthrough",) if os.environ.get("FSX_PASSTHROUGH") == "1" else ()), **tiers)
     s = run_fsx(m, tmp_path / "ref", seed=seed, procs=procs, ops=int(os.environ.get("FSX_OPS", "1500")),
                 phases=int(os.environ.get("FSX_PHASES", "1")), tiers=tiers)
     _no_mismatch(s)

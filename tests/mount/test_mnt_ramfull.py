@@ -4,6 +4,7 @@ final names), and RAM takes writes again once it has room."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import subprocess
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from kvfs.kv.commit import CommitClient
 from support.files import MiB, content, read
+from support.mount import wait_for
 
 pytestmark = pytest.mark.mount
 
@@ -132,3 +134,42 @@ def test_the_name_table_cannot_grow_on_a_full_tmpfs_and_the_daemon_lives(kvfs_mo
         assert read(d / "big") == data
     finally:
         os.unlink(tmpfs / "filler")
+
+
+def test_a_rewrite_that_cannot_be_sealed_leaves_the_old_version_whole(kvfs_mount):
+    """A rewrite grows a file until no tier can hold it (EFBIG, then ENOSPC at close): the
+    file keeps its sealed version, and stat, read and mmap agree on it (the kernel kept the
+    failed writer's size, and reads inside it gave EOF)."""
+    m = kvfs_mount(ram="8MiB", nvme_size="16MiB")
+    p = m.path / "f"
+    old = content("old", 2 * MiB)
+    p.write_bytes(old)
+    for i in range(10):                         # pinned files leave the rewrite no room
+        q = m.path / f"pin{i}"
+        try:
+            q.write_bytes(content(f"pin{i}", 2 * MiB))
+            os.setxattr(q, "user.kvfs.pin", b"1")
+        except OSError:
+            break
+    w = os.open(p, os.O_RDWR)
+    failed = None
+    try:
+        for k in range(40):
+            os.pwrite(w, content(f"new{k}", MiB), 2 * MiB + k * MiB)
+    except OSError as e:
+        failed = e.errno
+    assert failed in (errno.EFBIG, errno.ENOSPC)
+    assert os.fstat(w).st_size > len(old)       # the writer's size, now in the kernel's attributes
+    with pytest.raises(OSError):
+        os.close(w)
+    wait_for(lambda: m.stats()["open_handles"] == 0, 60, "the writer's release")
+    assert os.stat(p).st_size == len(old)
+    assert read(p) == old
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert os.fstat(fd).st_size == len(old)
+        assert os.pread(fd, 4096, len(old) - 4096) == old[-4096:]
+        with mmap.mmap(fd, len(old), prot=mmap.PROT_READ) as mm:
+            assert mm[:] == old
+    finally:
+        os.close(fd)

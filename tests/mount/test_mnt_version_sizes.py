@@ -13,7 +13,6 @@ tmpfs file and spilled to NVMe, and with small and large RAM tiers.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import subprocess
@@ -74,9 +73,10 @@ def expected(old: bytes, size: int) -> bytes:
 
 def check_reader(fd: int, path, old: bytes, *, mapped: bool = True) -> int:
     """fstat, pread, read to EOF and mmap of ``fd`` agree, and hold ``old``'s bytes, then
-    zeros, up to the size fstat gives (the file's current size)."""
+    zeros, up to the size fstat gives (the file's current size; ``path`` None: the file has
+    no name any more)."""
     size = os.fstat(fd).st_size
-    assert os.stat(path).st_size == size
+    assert path is None or os.stat(path).st_size == size
     want = expected(old, size)
     spots = [(0, 4096), (size // 2, 2931), (1_064_312, 2931), (max(0, size - 1), 1),
              (max(0, size - 5000), 10_000), (size, 10)]
@@ -215,27 +215,86 @@ def passthrough_opens(m) -> int:
     return ((m.stats().get("transport") or {}).get("passthrough") or {}).get("opens", 0)
 
 
+def check_held(fd: int, old: bytes) -> None:
+    """fstat, pread, read to EOF and mmap of ``fd`` give exactly ``old`` (its own inode's size)."""
+    assert os.fstat(fd).st_size == len(old)
+    assert os.pread(fd, len(old) + 10, 0) == old
+    os.lseek(fd, 0, os.SEEK_SET)
+    assert b"".join(iter(lambda: os.read(fd, 1 << 20), b"")) == old
+    if old:
+        assert mmap_digest(fd, len(old)) == hashlib.sha256(old).hexdigest()
+
+
 def held_by_passthrough(r: int, p, src, old: bytes, change: str, sizes) -> None:
-    """A reader the kernel serves through FUSE passthrough: no other version of its inode can
-    be made while it is open (the kernel takes one backing file per inode, and only
-    passthrough opens beside it), so the change fails with ETXTBSY and the reader keeps its
-    version; once it is closed, the change goes through (docs/design.md, "How a read travels")."""
+    """A reader the kernel serves through FUSE passthrough holds its inode's one backing file,
+    so a change of the file by its name renews the name (a new inode with the same version:
+    docs/design.md, "How a read travels") and goes on there: the reader keeps its inode,
+    its version and its size, as after a rename over the name; a descriptor opened by the
+    change is on the new inode."""
+    ino = os.fstat(r).st_ino
     try:
-        check_reader(r, p, old)
-        with pytest.raises(OSError) as e:
-            w = CHANGES[change](p, src, old, *sizes)
+        check_held(r, old)
+        w = CHANGES[change](p, src, old, *sizes)
+        try:
+            check_held(r, old)                  # while the new version is written
+            if w is not None:
+                assert os.fstat(w).st_ino == os.stat(p).st_ino != ino
+        finally:
             if w is not None:
                 os.close(w)
-        assert e.value.errno == errno.ETXTBSY
-        check_reader(r, p, old)
-        assert read(p) == old
+        check_held(r, old)                      # and once it is sealed
+        assert os.stat(p).st_ino != ino
     finally:
         os.close(r)
-    w = CHANGES[change](p, src, old, *sizes)      # the close's RELEASE is waited for
-    if w is not None:
-        os.close(w)
     new = read(p)
     assert new != old and os.stat(p).st_size == len(new)
+
+
+@pytest.mark.parametrize("how", ["unlink", "rename_over"])
+def test_reader_of_a_file_removed_while_written(prof, request, how):
+    """fsx seeds 801 and 802 (30,000 operations): a writer grew the file, the name was unlinked
+    or another file renamed over it while the writer and a reader of the older version had it
+    open, then the writer closed. fstat on the reader's descriptor gave the writer's size and
+    pread below it gave EOF (the orphan's record still named the reader's version, so its reads
+    were taken for the current version's and only cut, never padded)."""
+    m, (old_size, big, small) = prof
+    d = m.path / request.node.name.replace("[", "_").replace("]", "_")
+    d.mkdir()
+    p, src = d / "f", d / "src"
+    old = content("old", old_size)
+    put(p, old)
+    before = passthrough_opens(m)
+    r = os.open(p, os.O_RDONLY)
+    try:
+        if passthrough_opens(m) > before:       # a writer renews the name: no shared inode
+            w = os.open(p, os.O_WRONLY)
+            try:
+                assert os.fstat(w).st_ino != os.fstat(r).st_ino
+                assert os.pwrite(w, content("past", 4321), big - 4321) == 4321
+                if how == "unlink":
+                    os.unlink(p)
+            finally:
+                os.close(w)
+            assert check_reader(r, None, old) == len(old)
+            return
+        check_reader(r, p, old)
+        w = os.open(p, os.O_WRONLY)
+        try:
+            assert os.pwrite(w, content("past", 4321), big - 4321) == 4321
+            if how == "unlink":
+                os.unlink(p)
+            else:
+                put(src, content("src", 100_000))
+                os.rename(src, p)
+            assert check_reader(r, None, old) == big
+            os.ftruncate(w, big + 7777)          # the last size the writer gives it
+        finally:
+            os.close(w)                          # its flush seals the orphan's version
+        assert check_reader(r, None, old) == big + 7777
+    finally:
+        os.close(r)
+    if how == "rename_over":
+        assert read(p) == content("src", 100_000)
 
 
 @pytest.mark.parametrize("ram", ["8MiB", "64MiB"])

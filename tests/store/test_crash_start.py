@@ -133,3 +133,42 @@ def test_fsck_checks_the_sets_and_totals_against_the_records(tmp_path):
             assert kvstore.store.table_loaded         # a full recovery
     trio.run(start)
     assert run_fsck(fsck_layout(cfg)).problems == []
+
+
+def test_a_renewed_name_after_a_crash_is_on_the_new_inode(tmp_path):
+    """A held file's renewal (kvfs/store/namespace.py ``renew``) is one index transaction: a
+    start after a crash (the reader never closed) finds the name on the new inode with its
+    bytes and the old inode gone, and a renewed file whose only copy was in RAM gone with its
+    name, by the fast recovery and by a full one alike; fsck agrees."""
+    data, seen = os.urandom(300_000), {}
+
+    async def crash():
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
+            ino = await write(kvstore, ROOT_INO, b"f", data)
+            await kvstore.store.mover.demote(kvstore.ns.sealed[ino], 0)
+            await kvstore.files.open(ino, os.O_RDONLY)       # the passthrough reader
+            seen["old"], seen["new"] = ino, kvstore.names.renew(ino)[2]
+            ram = await write(kvstore, ROOT_INO, b"ram", b"r" * 5000)     # only in RAM: lost
+            await kvstore.files.open(ram, os.O_RDONLY)
+            assert kvstore.names.renew(ram) is not None
+            kvstore.index.commit()
+
+    async def start(full: bool):
+        if full:
+            ix = Index(tmp_path / "state")
+            tally.invalidate(ix)
+            ix.close()
+        async with open_store(tmp_path, ram=1 << 20, nvme=8 << 20) as kvstore:
+            assert kvstore.store.table_loaded == full
+            assert kvstore.ns.lookup(ROOT_INO, b"f") == seen["new"]
+            assert kvstore.index.get_inode(seen["old"]) is None
+            assert await read(kvstore, ROOT_INO, b"f") == data
+            obj = kvstore.ns.sealed[seen["new"]]
+            assert obj.ino == seen["new"] and not obj.dead
+            # the RAM-only file's object record names its new inode: the name goes with it
+            assert kvstore.ns.find(ROOT_INO, b"ram") is None
+    trio.run(crash)
+    trio.run(start, False)
+    trio.run(start, True)
+    cfg = Config(nvme=str(tmp_path / "nvme"), state=str(tmp_path / "state"), nvme_size="8MiB")
+    assert run_fsck(fsck_layout(cfg)).problems == []

@@ -114,7 +114,7 @@ class Config:
     max_mismatches: int = 200    # a worker stops after this many (they cascade once sides diverge)
     history: int = int(os.environ.get("FSX_HISTORY", "0"))  # > 0: each mismatch lists this many earlier checks of its file
     posix: bool = False          # model plain POSIX (no old versions): to check the exerciser on two POSIX dirs
-    passthrough: bool = False    # the mount serves sealed readers by FUSE passthrough (ETXTBSY rule)
+    passthrough: bool = False    # the mount serves sealed readers by FUSE passthrough (renewal rule)
 
 
 @dataclasses.dataclass
@@ -250,12 +250,38 @@ class Worker:
     def readers_bound_to_sealed(self, rino) -> list[Handle]:
         return [h for h in self.handles if h.rino == rino and h.acc == os.O_RDONLY and not h.frozen]
 
-    def may_be_held(self, rino) -> bool:
-        """kvfs may refuse a write open or truncate of this file with ETXTBSY: a reader of its
-        sealed version is open and no writer, so the reader may be served by FUSE passthrough
-        (the kernel's one backing file per inode; docs/design.md, "How a read travels")."""
-        return self.cfg.passthrough and rino is not None and bool(self.readers_bound_to_sealed(rino)) \
-            and not self.writers_on(rino)
+    def renewal(self, n: str, rino: int | None, kino: int | None, same: bool) -> int | None:
+        """After a write open or truncate of ``n`` that kvfs let through: with passthrough, a
+        file a passthrough reader holds has its name given a new inode with the same version
+        (the kernel takes no other open of the held one; docs/design.md, "How a read
+        travels"), so the name's kvfs inode changed. The reference does the same (the file
+        copied and the copy renamed over the name): descriptors open on the old file keep
+        it, as kvfs's readers keep theirs. With no descriptor of its current version open
+        here (a reader's close whose RELEASE had not reached kvfs yet, or an eviction that
+        an O_CREAT open then made a new file for) nothing is open on the old file: renewed
+        when the content is the same either way (``same``), otherwise left to the eviction
+        rule. Returns the name's reference inode."""
+        if not self.cfg.passthrough or rino is None or kino is None or self.kino.get(n) in (None, kino):
+            return rino
+        if not any(not h.frozen for h in self.open_on(rino)):
+            if same:
+                self.kino[n] = kino
+                self.counts["renewed_after_close"] += 1
+            return rino
+        rp, tmp = self.rp(n), self.rp(n) + "~renewed"
+        shutil.copy2(rp, tmp)           # bytes, mode, times and xattrs, as kvfs's new inode has
+        os.replace(tmp, rp)
+        self.kino[n] = kino
+        self.counts["renewed"] += 1
+        if self.cfg.history:
+            self.trace.append(f"#{self.op_no} [{self.cur_kind}] {n} renewed: kvfs inode {kino}")
+        return os.stat(rp).st_ino
+
+    def kino_now(self, n: str, fd: int | None = None) -> int | None:
+        try:
+            return os.fstat(fd).st_ino if fd is not None else os.stat(self.kp(n)).st_ino
+        except OSError:
+            return None
 
     def evicted(self, n: str) -> bool:
         """kvfs lost closed file ``n`` (ENOENT): drop it from the reference. False if its
@@ -376,13 +402,12 @@ class Worker:
         if rino is not None and acc != os.O_RDONLY and self.readers_bound_to_sealed(rino) \
                 and not self.writers_on(rino) and "old_version_reader" in self.cfg.exclude:
             return False
-        held = self.may_be_held(rino) and (writing or trunc)
         kflags = flags | (O_DIRECT if direct else 0)
         rflags = flags | (O_DIRECT if direct and self.ref_direct else 0)
         rk = _call(os.open, self.kp(n), kflags, 0o644)
-        if held and rk == (False, errno.ETXTBSY):
-            self.counts["etxtbsy_passthrough"] += 1     # refused: nothing changed on either side
-            return True
+        if rk[0] and (writing or trunc):
+            same = trunc or _call(lambda: os.fstat(rk[1]).st_size == os.stat(self.rp(n)).st_size) == (True, True)
+            rino = self.renewal(n, rino, self.kino_now(n, rk[1]), same)
         if rino is not None and writing:
             self.begin_session(rino)        # (reads only the reference: after kvfs's open is fine)
         if not rk[0] and rk[1] == errno.ENOENT and self.evicted(n):
@@ -512,11 +537,9 @@ class Worker:
                 and "old_version_reader" in self.cfg.exclude:
             return False
         size = self.rng.randrange(0, self.cfg.max_size)
-        held = self.may_be_held(rino)
         rk = _call(os.truncate, self.kp(n), size)
-        if held and rk == (False, errno.ETXTBSY):
-            self.counts["etxtbsy_passthrough"] += 1     # refused: nothing changed on either side
-            return True
+        if rk[0]:
+            rino = self.renewal(n, rino, self.kino_now(n), same=True)
         if rino is not None:
             self.begin_session(rino)        # (reads only the reference: after kvfs's truncate is fine)
         if not rk[0] and rk[1] == errno.ENOENT and self.evicted(n):

@@ -9,6 +9,9 @@ The storage patterns of inference runtimes, run in ONE run on six targets, inter
 
 - ``kvfs``: a kvfs mount through the CLI with ``passthrough = true`` (kvfs's own FUSE transport
   with FUSE passthrough where the kernel offers it; ``.kvfs/stats`` says which it got);
+- ``kvfs_before`` (only with ``--before DIR``): the ``kvfs`` target run by the code of another
+  checkout (e.g. ``git archive`` of the commit before a change), so before and after share one
+  run, interleaved;
 - ``kvfs_wb`` (only when ``--targets`` names it): the same with ``writeback_cache = true``
   instead of passthrough (the kernel allows one or the other): the writeback-cache experiment
   of docs/design.md "How a read travels" (``--targets kvfs,kvfs_wb,plain``);
@@ -72,14 +75,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from kvfs.bench import BenchError, BenchMount, aligned_buffer, wait_for, xattr  # noqa: E402
+from kvfs.bench import BenchError, BenchMount, aligned_buffer, code_of, wait_for, xattr  # noqa: E402
 
 log = logging.getLogger("runtime_patterns")
 TARGETS = ("kvfs", "kvfs_pyfuse3", "floor", "floor_kl", "plain", "tmpfs")
 EXPERIMENTS = ("kvfs_wb",)          # run only when --targets names them
-KVFS_TARGETS = ("kvfs", "kvfs_wb", "kvfs_pyfuse3")
+BEFORE = "kvfs_before"        # a target only with --before: kvfs on another checkout's code
+KVFS_TARGETS = ("kvfs", "kvfs_before", "kvfs_wb", "kvfs_pyfuse3")
 DISK_TARGETS = ("kvfs", "kvfs_pyfuse3", "plain")        # those that run (j)
-LABELS = {"kvfs": "kvfs", "kvfs_wb": "kvfs, writeback cache", "kvfs_pyfuse3": "kvfs on pyfuse3", "floor": "floor fs",
+LABELS = {"kvfs": "kvfs", "kvfs_before": "kvfs before", "kvfs_wb": "kvfs, writeback cache",
+          "kvfs_pyfuse3": "kvfs on pyfuse3", "floor": "floor fs",
           "floor_kl": "floor fs, kvfs's loop", "plain": "plain dir", "tmpfs": "tmpfs"}
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 KIB, MIB = 1 << 10, 1 << 20
@@ -563,11 +568,13 @@ def _summary(vals: list[float]) -> dict:
 
 
 # (key, numerator, denominator): the ratios of each row, in table order
-RATIOS = [("vs_pyfuse3", "kvfs", "kvfs_pyfuse3"), ("vs_floor", "kvfs", "floor"),
+RATIOS = [("vs_before", "kvfs", "kvfs_before"), ("before_vs_plain", "kvfs_before", "plain"),
+          ("vs_pyfuse3", "kvfs", "kvfs_pyfuse3"), ("vs_floor", "kvfs", "floor"),
           ("vs_floor_kl", "kvfs", "floor_kl"), ("vs_plain", "kvfs", "plain"),
           ("floor_vs_plain", "floor", "plain"), ("wb_vs_kvfs", "kvfs_wb", "kvfs"),
           ("wb_vs_plain", "kvfs_wb", "plain")]
-RATIO_LABELS = {"vs_pyfuse3": "kvfs / kvfs on pyfuse3", "vs_floor": "kvfs / floor",
+RATIO_LABELS = {"vs_before": "kvfs / kvfs before", "before_vs_plain": "kvfs before / plain",
+                "vs_pyfuse3": "kvfs / kvfs on pyfuse3", "vs_floor": "kvfs / floor",
                 "vs_floor_kl": "kvfs / floor, kvfs's loop", "vs_plain": "kvfs / plain",
                 "floor_vs_plain": "floor / plain", "wb_vs_kvfs": "kvfs writeback / kvfs",
                 "wb_vs_plain": "kvfs writeback / plain"}
@@ -598,22 +605,24 @@ def _add(acc: dict, before: dict, after: dict, new_keys: bool = False) -> None:
 
 
 def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: None,
-        only: list[str] | None = None, targets: list[str] | None = None) -> dict:
+        only: list[str] | None = None, targets: list[str] | None = None, before: str | None = None) -> dict:
     base = base.expanduser().resolve()
     root = base / "runtime"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     shm = tmpfs / f"kvfs-runtime-{os.getpid()}"
-    unknown = set(targets or ()) - set(TARGETS + EXPERIMENTS)
+    unknown = set(targets or ()) - set(TARGETS + EXPERIMENTS + (BEFORE,))
     if unknown:
         raise BenchError(f"unknown target(s) {', '.join(sorted(unknown))} "
-                         f"(targets: {', '.join(TARGETS + EXPERIMENTS)})")
-    targets = tuple(t for t in TARGETS[:1] + EXPERIMENTS + TARGETS[1:]
-                    if (t in targets if targets else t in TARGETS))
+                         f"(targets: {', '.join(TARGETS + EXPERIMENTS + (BEFORE,))})")
+    targets = tuple(t for t in TARGETS[:1] + (BEFORE,) + EXPERIMENTS + TARGETS[1:]
+                    if (t in targets if targets else t in TARGETS or t == BEFORE)
+                    and (t != BEFORE or before is not None))
     if not targets:
         raise BenchError(f"no target chosen (targets: {', '.join(TARGETS)})")
     settings = kvfs_settings()
     mounts = {"kvfs": BenchMount(root / "kvfs", ram=sizes.ram, nvme_size=16 << 30, passthrough=True),
+              "kvfs_before": BenchMount(root / "kvfs_before", ram=sizes.ram, nvme_size=16 << 30, passthrough=True),
               "kvfs_wb": BenchMount(root / "kvfs_wb", ram=sizes.ram, nvme_size=16 << 30,
                                     writeback_cache=True),
               "kvfs_pyfuse3": BenchMount(root / "kvfs_pyfuse3", ram=sizes.ram, nvme_size=16 << 30,
@@ -632,7 +641,8 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
     try:
         for t, m in mounts.items():
             progress(f"mounting {t}")
-            m.mount()
+            with code_of(os.path.abspath(before) if t == "kvfs_before" else None):
+                m.mount()
             tr = m.stats().get("transport", {})
             transports[t] = {"name": tr.get("name"), "why": tr.get("why"),
                              "passthrough": (tr.get("passthrough") or {}).get("state")}
@@ -647,7 +657,7 @@ def run(base: Path, tmpfs: Path, rounds: int, sizes: Sizes, progress=lambda s: N
         dirs = {t: dirs[t] for t in targets}
         for t, p in dirs.items():
             os.makedirs(p, exist_ok=True)
-            if "nvme_read" in names and t in DISK_TARGETS:
+            if "nvme_read" in names and (t in DISK_TARGETS or t == BEFORE):
                 progress(f"(j) setup on {t}")
                 pats.setup_nvme(str(p), mounts.get(t), progress)
             progress(f"setup on {t}")
@@ -866,6 +876,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(ORDER)}")
     p.add_argument("--targets", default=None,
                    help=f"comma-separated subset of {','.join(TARGETS)} (default: all)")
+    p.add_argument("--before", default=None, metavar="DIR",
+                   help="a checkout whose code the kvfs_before target runs (that target only with it)")
     p.add_argument("--json", default=None)
     p.add_argument("--steps", nargs="+", metavar="LABEL=JSON", default=None,
                    help="print the per-step ratio tables of earlier runs and exit")
@@ -884,7 +896,7 @@ def main(argv=None) -> int:
         sizes = dataclasses.replace(sizes, many=a.many)
     res = run(Path(a.dir), Path(a.tmpfs), a.rounds, sizes, progress=lambda s: log.info("%s", s),
               only=a.only.split(",") if a.only else None,
-              targets=a.targets.split(",") if a.targets else None)
+              targets=a.targets.split(",") if a.targets else None, before=a.before)
     print(table(res))
     print()
     print(passthrough_table(res))

@@ -14,6 +14,7 @@ Firecracker VM), and is reported as a ratio to the baseline measured a moment be
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -145,6 +146,26 @@ def xattr(path: Path, name: str) -> str | None:
         return os.getxattr(path, name).decode()
     except OSError:
         return None
+
+
+@contextlib.contextmanager
+def code_of(tree: str | None):
+    """A kvfs CLI (and so the daemon it starts) launched meanwhile runs the code of the
+    checkout ``tree`` (None: this one): a before/after comparison in one benchmark run."""
+    if tree is None:
+        yield
+        return
+    cwd, path = os.getcwd(), os.environ.get("PYTHONPATH")
+    os.chdir(tree)                       # ``python -m kvfs.cli`` imports from its directory first
+    os.environ["PYTHONPATH"] = tree
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        if path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = path
 
 
 def wait_for(pred, timeout: float, interval: float = 0.05) -> bool:

@@ -9,7 +9,7 @@ import trio
 
 from kvfs.fs import notifyproc
 from kvfs.fs.notifier import Notifier
-from kvfs.fs.opens import Opens, Renewed
+from kvfs.fs.opens import EMPTY, Opens, Renewed
 
 INVALIDATE_WAIT = 10.0     # seconds a commit waits for its names' kernel invalidations
 
@@ -87,8 +87,15 @@ class KernelCaches:
         object ``oid``. Its writes all went through the kernel's page cache (no O_DIRECT, no
         direct_io handle, no O_APPEND) when the pages still carry its key: then they hold
         exactly the sealed bytes, and the size and mtime the kernel knows are the sealed ones
-        (see WriteState.mtime), so pages and attributes stay; else both go."""
-        if self.opens.page_key.get(ino) == ("ws", serial):
+        (see WriteState.mtime), so pages and attributes stay; else both go. A new file written
+        only by direct_io handles (write-only opens with passthrough on) has no page to drop,
+        and the kernel took its size and mtime from those writes as from cached ones: nothing
+        is notified either."""
+        key = self.opens.page_key.get(ino)
+        if key == ("ws", serial):
             self.opens.page_key[ino] = ("obj", oid)
+            return
+        if key == EMPTY:
+            del self.opens.page_key[ino]
             return
         self.content_changed(ino)

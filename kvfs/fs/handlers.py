@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 
 import pyfuse3
 
@@ -44,6 +45,7 @@ class Handlers:
         self.dirs = DirDecoder(ops)
         self.xattrs = XattrDecoder(ops)
         self.counts: dict[int, int] = {}
+        self.ns: dict[int, int] = {}        # opcode -> nanoseconds its handlers took, replies included
         s, e, f, d, x = self.session, self.entries, self.files, self.dirs, self.xattrs
         self._table = {
             wire.INIT: s.init, wire.DESTROY: s.destroy,
@@ -72,11 +74,23 @@ class Handlers:
         """Requests that reached the daemon, by opcode name."""
         return {wire.NAMES.get(k, str(k)): v for k, v in sorted(self.counts.items())}
 
+    def request_us(self) -> dict[str, float]:
+        """Mean microseconds from reading a request to its reply (waits included), by opcode name."""
+        return {wire.NAMES.get(k, str(k)): round(v / 1e3 / self.counts[k], 1)
+                for k, v in sorted(self.ns.items()) if self.counts.get(k)}
+
     # ---- dispatch -------------------------------------------------------------------------
     async def handle(self, req: memoryview) -> None:
+        t0 = time.perf_counter_ns()
         _, opcode, unique, nodeid, uid, gid, pid, _, _ = wire.IN_HEADER.unpack_from(req)
-        body = req[wire.IN_HEADER.size:]
         self.counts[opcode] = self.counts.get(opcode, 0) + 1
+        try:
+            await self._handle(opcode, unique, nodeid, uid, gid, pid, req[wire.IN_HEADER.size:])
+        finally:
+            self.ns[opcode] = self.ns.get(opcode, 0) + time.perf_counter_ns() - t0
+
+    async def _handle(self, opcode: int, unique: int, nodeid: int, uid: int, gid: int, pid: int,
+                      body: memoryview) -> None:
         if opcode in wire.NO_REPLY:
             if opcode != wire.INTERRUPT:
                 await self._forget(opcode, nodeid, body)

@@ -46,12 +46,18 @@ log = logging.getLogger(__name__)
 CLOSING_WAIT = 0.2      # seconds a read-only open waits for closing cached handles' RELEASE
 HELD_WAIT = 0.5         # seconds a change waits for the passthrough opens of its inode to go
 RENEW_HOLD = 1.0        # seconds a renewed inode declines passthrough while its rewrite's retry comes
+EMPTY = ("empty", 0)    # a page_key: the kernel holds no page of the inode (created, only direct I/O since)
 
 
 def same_version(a, b) -> bool:
     """Whether two objects are the same sealed version (the object table may hold another
     instance of one: compare ids)."""
     return a is not None and b is not None and (a is b or a.oid == b.oid)
+
+
+def write_only(h, flags: int) -> bool:
+    """A handle that can only write (O_WRONLY: it can neither read nor be mapped)."""
+    return h.write and flags & os.O_ACCMODE == os.O_WRONLY
 
 
 class Held(Exception):
@@ -104,10 +110,15 @@ class Opens:
         self.fh_key[fh] = (ino, key)
         if passing:
             return pyfuse3.FileInfo(fh=fh)
-        direct = others or (self.passthrough is not None and self.passthrough.mode(ino) is not None)
+        pt = self.passthrough
+        direct = others or (pt is not None and (pt.mode(ino) is not None or pt.enabled and write_only(h, flags)))
         if direct or flags & (os.O_DIRECT | os.O_APPEND):
             self.uncached_fh.add(fh)
         if direct:
+            if flags & os.O_APPEND and self.page_key.get(ino) == EMPTY:
+                # its offsets are the daemon's (the buffer's end), maybe not the size the
+                # kernel computes: the seal then tells the kernel (kvfs/fs/coherence.py)
+                del self.page_key[ino]
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         # O_APPEND through the page cache: the kernel resolves write(2)'s append offset from
         # its size, and a shared mapping's writeback through this handle carries its page's
@@ -235,6 +246,11 @@ class Opens:
         held = self.passthrough.mode(ino)
         return held is None or same_version(held, obj)
 
+    def created(self, ino: int) -> None:
+        """A new inode (CREATE): no page of it in the kernel until a cached open reads or
+        writes one (its file_info replaces the key; a direct_io writer leaves it)."""
+        self.page_key[ino] = EMPTY
+
     def flushed(self, fh: int) -> None:
         """FLUSH (a close(2) of one of the handle's descriptors)."""
         ino, _ = self.fh_key.get(fh, (None, None))
@@ -272,6 +288,8 @@ class Opens:
             keys.pop(key, None)
         if not keys:
             self.open_keys.pop(ino, None)
+            if self.page_key.get(ino) == EMPTY:
+                del self.page_key[ino]
 
     def statistics(self) -> dict:
         return {"waited_for_release": self.waited, "wait_timed_out": self.waits_timed_out,

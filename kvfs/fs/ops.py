@@ -281,6 +281,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         _parent_ok(parent_inode)
         fh, ino, rec = await self.store.files.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
+        self.opens.created(ino)
         return await self.opens.file_info(fh, ino, flags), _entry(ino, rec)
 
     @translate

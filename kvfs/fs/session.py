@@ -186,6 +186,7 @@ class KernelSession:
             out["passthrough"] = dict(h.passthrough.statistics(), **self.ops.opens.statistics())
             out["writeback_cache"] = h.session.writeback
             out["by_opcode"] = h.requests()
+            out["us_by_opcode"] = h.request_us()
             out["data_reads"] = self.ops.data_reads     # READs of files, not of .kvfs/ control files
         return out
 

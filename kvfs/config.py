@@ -51,9 +51,10 @@ class Config:
     # the FUSE transport: "kernel" (kvfs's own, needs root; passthrough), "pyfuse3", or "auto"
     # (kernel where it can run, else pyfuse3); KVFS_TRANSPORT in the environment sets the default
     transport: str = dataclasses.field(default_factory=lambda: os.environ.get("KVFS_TRANSPORT", "auto"))
-    # sealed blocks read by the kernel from their tier files (FUSE passthrough): opt-in until the
-    # exerciser's long runs pass with it (docs/design.md, "How a read travels")
-    passthrough: bool = False
+    # sealed blocks read by the kernel from their tier files (FUSE passthrough, kernel transport,
+    # docs/design.md "How a read travels"); KVFS_PASSTHROUGH=0 in the environment sets the default off
+    passthrough: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("KVFS_PASSTHROUGH", "1").strip().lower() not in ("0", "false", "no", "off"))
     # the kernel's writeback cache (FUSE_WRITEBACK_CACHE), kvfs's own transport only: an
     # experiment, off (docs/design.md, "How a read travels": measured, no gain on a stat after a
     # write); excludes passthrough (the kernel allows one or the other). KVFS_WRITEBACK_CACHE=1

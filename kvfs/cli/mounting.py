@@ -191,7 +191,7 @@ def size_option(name: str, help: str):
                    "(default: kernel where it can run).")
 @click.option("--passthrough/--no-passthrough", default=None,
               help="Let the kernel read sealed blocks from their tier files (FUSE passthrough; "
-                   "default off: opt-in).")
+                   "default on where the kernel offers it; KVFS_PASSTHROUGH=0 sets it off).")
 @click.option("--debug", is_flag=True, default=None, help="Debug logging in the daemon.")
 @click.option("--foreground", "-f", is_flag=True, default=False,
               help="Stay attached: run the daemon in this process until unmounted.")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import logging
+import os
 import select
 
 import pyfuse3
@@ -129,6 +130,27 @@ class Reader:
         self._streak = 0
         self.waited += 1
         await trio.lowlevel.wait_readable(fd)
+
+    async def readv(self, fd: int, view) -> int:
+        """One request read from ``fd`` (non-blocking) into ``view``: kvfs's own transport
+        (kvfs/fs/session.py). The same turns as :meth:`wait_readable` without its ``poll``:
+        up to ``burst`` reads in a row are tried at once (a queued request costs one
+        ``readv``, an empty queue one EAGAIN), then a wait through trio. BlockingIOError when
+        the request went to another reader meanwhile."""
+        if self._streak < self.burst:
+            await trio.lowlevel.checkpoint_if_cancelled()      # before the read: none is lost
+            try:
+                n = os.readv(fd, [view])
+            except BlockingIOError:
+                pass
+            else:
+                self._streak += 1
+                self.fast += 1
+                return n
+        self._streak = 0
+        self.waited += 1
+        await trio.lowlevel.wait_readable(fd)
+        return os.readv(fd, [view])
 
     def statistics(self) -> dict:
         """What ``.kvfs/stats`` shows as ``request_loop``."""

@@ -165,9 +165,8 @@ class KernelSession:
 
     async def _read(self, fd: int, view: memoryview) -> int | None:
         """One request's length; None to try again; 0 when the connection is gone."""
-        await self._reader.wait_readable(fd)
         try:
-            return os.readv(fd, [view])
+            return await self._reader.readv(fd, view)
         except BlockingIOError:
             return None
         except OSError as e:

@@ -58,6 +58,7 @@ VALID = marker.VALID        # in ``recover``: its running totals are valid (kvfs
 GROUP_OPS = 1024            # operations pending before a commit runs inline
 GROUP_DELAY = 0.02          # seconds the committer waits after the first pending change
 ICACHE_MAX = 1 << 16        # decoded inode records kept (the rest decode from LMDB on use)
+DCACHE_MAX = 1 << 16        # directory entries kept for lookups (the rest are read from LMDB)
 _DEL = object()             # a pending deletion
 _MISS = object()
 _U64 = struct.Struct(">Q")
@@ -122,6 +123,10 @@ class Index:
         self._fresh: set[tuple[int, bytes]] = set()
         self._ops = 0               # operations in _pending
         self._icache: dict[int, InodeRecord] = {}
+        # directory entry key -> inode of names read from LMDB, so that a LOOKUP of a known
+        # name needs no read transaction; every change of an entry passes through _apply,
+        # which drops the key (a Txn is the only writer of names)
+        self._dcache: dict[bytes, int] = {}
         self._wake = None           # the committer's trio.Event while it runs
         self.names = None           # kvfs.store.names.NameTable: sees every change of names
         self.commits = 0            # LMDB write transactions of group commits
@@ -276,13 +281,17 @@ class Index:
         gone = None if names is None else names.enter(changes, DIRENTS, dirs)
         pending, fresh, icache = self._pending, self._fresh, self._icache
         pending.update(changes)
+        dcache = self._dcache
         for k, v in changes.items():
             if k[0] == INODES:
                 if v is _DEL:
                     icache.pop(_U64.unpack(k[1])[0], None)
                 else:
                     icache[_U64.unpack(k[1])[0]] = v
-            elif v is _DEL and k in fresh:      # made and removed within this group
+                continue
+            if k[0] == DIRENTS:
+                dcache.pop(k[1], None)
+            if v is _DEL and k in fresh:      # made and removed within this group
                 del pending[k]
                 fresh.discard(k)
         if gone:
@@ -349,8 +358,19 @@ class Index:
         names = self.names
         if names is not None and names.absent(parent, name):    # no LMDB read for a miss
             return None
-        raw = self._get(DIRENTS, k64(parent) + name)
-        return _U64x2.unpack(raw)[0] if raw is not None else None
+        key = k64(parent) + name
+        dcache = self._dcache
+        ino = dcache.get(key)
+        if ino is not None:
+            return ino
+        raw = self._get(DIRENTS, key)
+        if raw is None:
+            return None
+        ino = dcache[key] = _U64x2.unpack(raw)[0]
+        if len(dcache) > DCACHE_MAX:
+            for k in list(itertools.islice(dcache, DCACHE_MAX // 2)):
+                del dcache[k]
+        return ino
 
     def readdir(self, parent: int, after_eid: int) -> Iterator[tuple[int, bytes, int]]:
         """Yield (eid, name, child ino) in eid order, starting after ``after_eid``."""

@@ -84,7 +84,7 @@ class ReadLock:
         self._lot = trio.lowlevel.ParkingLot()
         self._waking = False        # a waiter was woken and has not run yet
 
-    async def __aenter__(self) -> None:
+    async def acquire(self) -> None:
         while self._held:
             try:
                 await self._lot.park()
@@ -96,7 +96,19 @@ class ReadLock:
             self._waking = False
         self._held = True
 
+    __aenter__ = acquire
+
     async def __aexit__(self, *exc) -> None:
+        self.release()
+
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free, without a checkpoint (as ``__aenter__`` does then)."""
+        if self._held:
+            return False
+        self._held = True
+        return True
+
+    def release(self) -> None:
         self._held = False
         self._wake()
 

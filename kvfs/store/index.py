@@ -47,7 +47,7 @@ import lmdb
 from kvfs.errors import IndexDamaged
 from kvfs.protocol import ROOT_INO
 from kvfs.store import marker, records
-from kvfs.store.lmdbfile import HEADER_NAME, check_header, check_lmdb_file, make_header, read_header  # noqa: F401
+from kvfs.store.lmdbfile import HEADER_NAME, check_header, check_lmdb_file, make_header, open_env, read_header  # noqa: F401
 from kvfs.store.records import FORMAT_VERSION, FSCK_HINT, InodeRecord, ObjectRecord
 from kvfs.store.safedir import DirLock, holder_text, open_private_dir, write_file_atomic
 
@@ -69,6 +69,13 @@ k64 = _U64.pack             # an id as an 8-byte key (big endian: keys sort by i
 _dumps = records.encode
 _load_inode = records.decode_inode
 _load_object = records.decode_object
+
+
+def _trim(cache: dict, limit: int) -> None:
+    """Over ``limit`` entries: the oldest go, down to half of it."""
+    if len(cache) > limit:
+        for k in list(itertools.islice(cache, len(cache) - limit // 2)):
+            del cache[k]
 
 
 class Index:
@@ -106,7 +113,7 @@ class Index:
             check_lmdb_file(data)
         if header is not None:
             check_header(header, f"{self.state_dir}/{HEADER_NAME}")
-        self.env = self._open_env(env_dir, map_size)
+        self.env = open_env(env_dir, map_size, self.state_dir)
         self.meta = self.env.open_db(b"meta")
         self.inodes = self.env.open_db(b"inodes")
         self.dirents = self.env.open_db(b"dirents")
@@ -123,9 +130,8 @@ class Index:
         self._fresh: set[tuple[int, bytes]] = set()
         self._ops = 0               # operations in _pending
         self._icache: dict[int, InodeRecord] = {}
-        # directory entry key -> inode of names read from LMDB, so that a LOOKUP of a known
-        # name needs no read transaction; every change of an entry passes through _apply,
-        # which drops the key (a Txn is the only writer of names)
+        # dirent key -> inode read from LMDB (a known name's LOOKUP needs no read transaction);
+        # every change of an entry passes through _apply, which drops its key
         self._dcache: dict[bytes, int] = {}
         self._wake = None           # the committer's trio.Event while it runs
         self.names = None           # kvfs.store.names.NameTable: sees every change of names
@@ -164,27 +170,6 @@ class Index:
         if header is None:
             self.env.sync(True)
             write_file_atomic(self.dir_fd, HEADER_NAME, records.encode(make_header(self.instance_id)))
-
-    def _open_env(self, env_dir: Path, map_size: int) -> "lmdb.Environment":
-        """The LMDB environment in ``env_dir``, private to the daemon's user."""
-        try:
-            os.mkdir(env_dir, 0o700)
-        except FileExistsError:
-            pass
-        try:
-            # sync=False: commits survive kill -9 (the page cache keeps them); sync() is
-            # called periodically and at unmount for power-loss durability.
-            env = lmdb.open(str(env_dir), map_size=map_size, max_dbs=8, subdir=True, sync=False,
-                            metasync=False, readahead=False, lock=True, mode=0o600)
-        except lmdb.Error as e:
-            raise IndexDamaged(f"LMDB cannot open the index in {self.state_dir}: {e}; {FSCK_HINT}") from None
-        for name in ("data.mdb", "lock.mdb"):
-            try:
-                os.chmod(env_dir / name, 0o600)
-            except OSError:
-                pass
-        os.chmod(env_dir, 0o700)
-        return env
 
     def verify_records(self) -> int:
         """Decode every inode and object record (IndexDamaged at the first that does not
@@ -301,9 +286,7 @@ class Index:
             self.commit()
         elif self._wake is not None and not self._wake.is_set():
             self._wake.set()
-        if len(icache) > ICACHE_MAX:
-            for k in list(itertools.islice(icache, len(icache) - ICACHE_MAX // 2)):
-                del icache[k]
+        _trim(icache, ICACHE_MAX)
 
     def _get(self, db: int, key: bytes):
         """The current value: pending change, else LMDB (decoded for inodes and objects)."""
@@ -349,9 +332,7 @@ class Index:
         if raw is None:
             return None
         rec = self._icache[ino] = _load_inode(raw)
-        if len(self._icache) > ICACHE_MAX:
-            for k in list(itertools.islice(self._icache, ICACHE_MAX // 2)):
-                del self._icache[k]
+        _trim(self._icache, ICACHE_MAX)
         return rec
 
     def lookup(self, parent: int, name: bytes) -> int | None:
@@ -359,17 +340,13 @@ class Index:
         if names is not None and names.absent(parent, name):    # no LMDB read for a miss
             return None
         key = k64(parent) + name
-        dcache = self._dcache
-        ino = dcache.get(key)
-        if ino is not None:
-            return ino
-        raw = self._get(DIRENTS, key)
-        if raw is None:
-            return None
-        ino = dcache[key] = _U64x2.unpack(raw)[0]
-        if len(dcache) > DCACHE_MAX:
-            for k in list(itertools.islice(dcache, DCACHE_MAX // 2)):
-                del dcache[k]
+        ino = self._dcache.get(key)
+        if ino is None:
+            raw = self._get(DIRENTS, key)
+            if raw is None:
+                return None
+            ino = self._dcache[key] = _U64x2.unpack(raw)[0]
+            _trim(self._dcache, DCACHE_MAX)
         return ino
 
     def readdir(self, parent: int, after_eid: int) -> Iterator[tuple[int, bytes, int]]:

@@ -29,6 +29,14 @@ class Context:
 
 # answers of more pieces than this are joined into one before writev (IOV_MAX is 1024)
 REPLY_PARTS = 256
+# an answer of one piece up to this size is copied behind its header and written with write(2)
+# (cheaper than building writev's vector); larger ones (READ's data) are never copied
+SMALL_REPLY = 4096
+perf_ns = time.perf_counter_ns
+_unpack_header = wire.IN_HEADER.unpack_from
+_HEADER_SIZE = wire.IN_HEADER.size
+_pack_out = wire.OUT_HEADER.pack
+_OUT_SIZE = wire.OUT_HEADER.size
 
 
 class Handlers:
@@ -81,53 +89,68 @@ class Handlers:
 
     # ---- dispatch -------------------------------------------------------------------------
     async def handle(self, req: memoryview) -> None:
-        t0 = time.perf_counter_ns()
-        _, opcode, unique, nodeid, uid, gid, pid, _, _ = wire.IN_HEADER.unpack_from(req)
-        self.counts[opcode] = self.counts.get(opcode, 0) + 1
+        """One request, read whole into ``req``: decoded, run and answered. One frame for the
+        dispatch, the errors and the answer (this runs for every request that reaches us)."""
+        t0 = perf_ns()
+        _, opcode, unique, nodeid, uid, gid, pid, _, _ = _unpack_header(req)
+        counts = self.counts
+        counts[opcode] = counts.get(opcode, 0) + 1
         try:
-            await self._handle(opcode, unique, nodeid, uid, gid, pid, req[wire.IN_HEADER.size:])
-        finally:
-            self.ns[opcode] = self.ns.get(opcode, 0) + time.perf_counter_ns() - t0
-
-    async def _handle(self, opcode: int, unique: int, nodeid: int, uid: int, gid: int, pid: int,
-                      body: memoryview) -> None:
-        if opcode in wire.NO_REPLY:
-            if opcode != wire.INTERRUPT:
-                await self._forget(opcode, nodeid, body)
-            return
-        fn = self._table.get(opcode)
-        if fn is None:
-            self.reply_error(unique, errno.ENOSYS)
-            return
-        try:
-            parts = await fn(nodeid, body, Context(uid, gid, pid))
-        except pyfuse3.FUSEError as e:
-            self.reply_error(unique, e.errno)
-            return
-        except Exception:            # noqa: BLE001 - a handler's bug must not wedge the caller
-            log.exception("%s failed", wire.NAMES.get(opcode, opcode))
-            self.reply_error(unique, errno.EIO)
-            return
-        if not self.reply(unique, parts) and opcode in (wire.OPEN, wire.CREATE):
-            # the opener was interrupted: no RELEASE will come for this handle
-            fh = wire.OPEN_OUT.unpack_from(parts[-1])[0]
+            fn = self._table.get(opcode)
+            if fn is None:
+                if opcode in wire.NO_REPLY:
+                    if opcode != wire.INTERRUPT:
+                        await self._forget(opcode, nodeid, req[_HEADER_SIZE:])
+                else:
+                    self.reply_error(unique, errno.ENOSYS)
+                return
             try:
-                await self.ops.release(fh)
-            finally:
-                self.passthrough.release(fh)
+                parts = await fn(nodeid, req[_HEADER_SIZE:], Context(uid, gid, pid))
+            except pyfuse3.FUSEError as e:
+                self.reply_error(unique, e.errno)
+                return
+            except Exception:            # noqa: BLE001 - a handler's bug must not wedge the caller
+                log.exception("%s failed", wire.NAMES.get(opcode, opcode))
+                self.reply_error(unique, errno.EIO)
+                return
+            if not self.reply(unique, parts) and (opcode == wire.OPEN or opcode == wire.CREATE):
+                # the opener was interrupted: no RELEASE will come for this handle
+                fh = wire.OPEN_OUT.unpack_from(parts[-1])[0]
+                try:
+                    await self.ops.release(fh)
+                finally:
+                    self.passthrough.release(fh)
+        finally:
+            ns = self.ns
+            ns[opcode] = ns.get(opcode, 0) + perf_ns() - t0
 
     def reply(self, unique: int, parts: list) -> bool:
-        size = wire.OUT_HEADER.size + sum(len(p) for p in parts)
-        if len(parts) >= REPLY_PARTS:    # writev takes at most IOV_MAX (1024) pieces
-            parts = [b"".join(parts)]
-        err = self._send([wire.OUT_HEADER.pack(size, 0, unique), *parts])
+        if len(parts) == 1 and len(parts[0]) <= SMALL_REPLY:
+            # one short piece (attributes, an entry, an open's answer): one buffer, one write
+            part = parts[0]
+            err = self._write(_pack_out(_OUT_SIZE + len(part), 0, unique) + part)
+        else:
+            size = _OUT_SIZE + sum(len(p) for p in parts)
+            if len(parts) >= REPLY_PARTS:    # writev takes at most IOV_MAX (1024) pieces
+                parts = [b"".join(parts)]
+            err = self._send([_pack_out(size, 0, unique), *parts])
         if err not in (0, errno.ENOENT, errno.ENODEV):
             # the kernel refused the answer (a bug of ours): an error, or the caller waits forever
             self.reply_error(unique, errno.EIO)
         return err == 0
 
     def reply_error(self, unique: int, err: int) -> None:
-        self._send([wire.OUT_HEADER.pack(wire.OUT_HEADER.size, -(err or errno.EIO), unique)])
+        self._write(_pack_out(_OUT_SIZE, -(err or errno.EIO), unique))
+
+    def _write(self, data: bytes) -> int:
+        """:meth:`_send` of one buffer."""
+        try:
+            os.write(self.fd, data)
+        except OSError as e:
+            if e.errno not in (errno.ENOENT, errno.ENODEV):
+                log.error("reply to the kernel failed: %s", e)
+            return e.errno
+        return 0
 
     def _send(self, parts: list) -> int:
         """Write one answer; 0 or the errno (ENOENT: the request was interrupted; ENODEV:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import logging
+import os
 import select
 
 import pyfuse3
@@ -83,7 +84,7 @@ class ReadLock:
         self._lot = trio.lowlevel.ParkingLot()
         self._waking = False        # a waiter was woken and has not run yet
 
-    async def __aenter__(self) -> None:
+    async def acquire(self) -> None:
         while self._held:
             try:
                 await self._lot.park()
@@ -95,7 +96,19 @@ class ReadLock:
             self._waking = False
         self._held = True
 
+    __aenter__ = acquire
+
     async def __aexit__(self, *exc) -> None:
+        self.release()
+
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free, without a checkpoint (as ``__aenter__`` does then)."""
+        if self._held:
+            return False
+        self._held = True
+        return True
+
+    def release(self) -> None:
         self._held = False
         self._wake()
 
@@ -129,6 +142,27 @@ class Reader:
         self._streak = 0
         self.waited += 1
         await trio.lowlevel.wait_readable(fd)
+
+    async def readv(self, fd: int, view) -> int:
+        """One request read from ``fd`` (non-blocking) into ``view``: kvfs's own transport
+        (kvfs/fs/session.py). The same turns as :meth:`wait_readable` without its ``poll``:
+        up to ``burst`` reads in a row are tried at once (a queued request costs one
+        ``readv``, an empty queue one EAGAIN), then a wait through trio. BlockingIOError when
+        the request went to another reader meanwhile."""
+        if self._streak < self.burst:
+            await trio.lowlevel.checkpoint_if_cancelled()      # before the read: none is lost
+            try:
+                n = os.readv(fd, [view])
+            except BlockingIOError:
+                pass
+            else:
+                self._streak += 1
+                self.fast += 1
+                return n
+        self._streak = 0
+        self.waited += 1
+        await trio.lowlevel.wait_readable(fd)
+        return os.readv(fd, [view])
 
     def statistics(self) -> dict:
         """What ``.kvfs/stats`` shows as ``request_loop``."""

@@ -65,6 +65,16 @@ def unavailable() -> str | None:
     return None
 
 
+def _read_failed(e: OSError) -> int | None:
+    """What a failed read of ``/dev/fuse`` means: None to try again (the request went to
+    another reader, or was interrupted); 0 when the connection is gone."""
+    if isinstance(e, BlockingIOError) or e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+        return None
+    if e.errno == errno.ENODEV:          # unmounted, or the connection was aborted
+        return 0
+    raise e
+
+
 class KernelSession:
     """One mount served over ``/dev/fuse`` (see the module's text)."""
 
@@ -145,10 +155,18 @@ class KernelSession:
     async def _worker(self) -> None:
         buf = bytearray(BUFSIZE)
         view = memoryview(buf)
-        fd, handle = self.fd, self.handlers.handle
+        fd, handle, lock, readv = self.fd, self.handlers.handle, self._lock, self._reader.readv
         while True:
-            async with self._lock:
-                n = await self._read(fd, view)
+            # the read lock without a coroutine when it is free (the usual case: one worker
+            # reads at a time and a request's handler rarely waits)
+            if not lock.try_acquire():
+                await lock.acquire()
+            try:
+                n = await readv(fd, view)
+            except OSError as e:
+                n = _read_failed(e)
+            finally:
+                lock.release()
             if n is None:
                 continue
             if n == 0:
@@ -162,20 +180,6 @@ class KernelSession:
                 await handle(view[:n])
             finally:
                 self._idle += 1
-
-    async def _read(self, fd: int, view: memoryview) -> int | None:
-        """One request's length; None to try again; 0 when the connection is gone."""
-        await self._reader.wait_readable(fd)
-        try:
-            return os.readv(fd, [view])
-        except BlockingIOError:
-            return None
-        except OSError as e:
-            if e.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
-                return None
-            if e.errno == errno.ENODEV:          # unmounted, or the connection was aborted
-                return 0
-            raise
 
     def statistics(self) -> dict:
         """What ``.kvfs/stats`` shows as ``transport``."""

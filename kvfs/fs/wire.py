@@ -54,6 +54,9 @@ INIT_OUT = struct.Struct("<IIIIHHIIHHIIH22x")  # ... max_pages map_alignment fla
 ATTR = struct.Struct("<QQQQQQIIIIIIIIII")     # fuse_attr (88 bytes)
 ENTRY_OUT = struct.Struct("<QQQQII")          # nodeid generation entry_valid attr_valid (+ nsec)
 ATTR_OUT = struct.Struct("<QII")              # attr_valid attr_valid_nsec dummy
+# the same followed by fuse_attr, packed in one call (LOOKUP, GETATTR, CREATE answers)
+ENTRY_ATTR = struct.Struct(ENTRY_OUT.format + ATTR.format[1:])
+ATTR_OUT_ATTR = struct.Struct(ATTR_OUT.format + ATTR.format[1:])
 GETATTR_IN = struct.Struct("<IIQ")
 SETATTR_IN = struct.Struct("<IIQQQQQQIIIIIIII")  # valid pad fh size lock atime mtime ctime ...
 MKNOD_IN = struct.Struct("<IIII")             # mode rdev umask pad
@@ -89,34 +92,51 @@ DEV_IOC_BACKING_OPEN = _iow(1, BACKING_MAP.size)
 DEV_IOC_BACKING_CLOSE = _iow(2, 4)
 
 
+_SPLIT: dict = {}        # timeouts already split (the handlers use a few constants)
+
+
 def split_time(seconds: float) -> tuple[int, int]:
     """A timeout in seconds as the kernel's (seconds, nanoseconds)."""
+    hit = _SPLIT.get(seconds)
+    if hit is not None:
+        return hit
     if seconds <= 0:
-        return 0, 0
-    whole = int(seconds)
-    return whole, int((seconds - whole) * 1e9)
+        out = (0, 0)
+    else:
+        whole = int(seconds)
+        out = (whole, int((seconds - whole) * 1e9))
+    if len(_SPLIT) < 64:
+        _SPLIT[seconds] = out
+    return out
+
+
+def _attr_fields(a) -> tuple:
+    at, mt, ct = a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns
+    return (a.st_ino, a.st_size, a.st_blocks, at // 1_000_000_000, mt // 1_000_000_000,
+            ct // 1_000_000_000, at % 1_000_000_000, mt % 1_000_000_000, ct % 1_000_000_000,
+            a.st_mode, a.st_nlink, a.st_uid, a.st_gid, a.st_rdev, a.st_blksize, 0)
 
 
 def attr_bytes(a) -> bytes:
     """``fuse_attr`` of an attributes object (pyfuse3.EntryAttributes' field names)."""
-    at, mt, ct = a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns
-    return ATTR.pack(a.st_ino, a.st_size, a.st_blocks, at // 1_000_000_000, mt // 1_000_000_000,
-                     ct // 1_000_000_000, at % 1_000_000_000, mt % 1_000_000_000, ct % 1_000_000_000,
-                     a.st_mode, a.st_nlink, a.st_uid, a.st_gid, a.st_rdev, a.st_blksize, 0)
+    return ATTR.pack(*_attr_fields(a))
+
+
+_NEGATIVE_ATTR = bytes(ATTR.size)
 
 
 def entry_bytes(a) -> bytes:
     """``fuse_entry_out`` (a negative entry when ``st_ino`` is 0: only its timeout counts)."""
     es, ens = split_time(a.entry_timeout)
     if not a.st_ino:
-        return ENTRY_OUT.pack(0, 0, es, 0, ens, 0) + bytes(ATTR.size)
+        return ENTRY_OUT.pack(0, 0, es, 0, ens, 0) + _NEGATIVE_ATTR
     as_, ans = split_time(a.attr_timeout)
-    return ENTRY_OUT.pack(a.st_ino, a.generation, es, as_, ens, ans) + attr_bytes(a)
+    return ENTRY_ATTR.pack(a.st_ino, a.generation, es, as_, ens, ans, *_attr_fields(a))
 
 
 def attr_out_bytes(a) -> bytes:
     as_, ans = split_time(a.attr_timeout)
-    return ATTR_OUT.pack(as_, ans, 0) + attr_bytes(a)
+    return ATTR_OUT_ATTR.pack(as_, ans, 0, *_attr_fields(a))
 
 
 def dirent_bytes(name: bytes, ino: int, next_off: int, mode: int, plus_entry: bytes | None) -> bytes:
@@ -127,12 +147,10 @@ def dirent_bytes(name: bytes, ino: int, next_off: int, mode: int, plus_entry: by
 
 
 def names_in(body, count: int) -> list[bytes]:
-    """``count`` NUL-terminated names at the start of a request body."""
-    out, pos = [], 0
-    raw = bytes(body)
-    for _ in range(count):
-        end = raw.index(b"\0", pos)
-        out.append(raw[pos:end])
-        pos = end + 1
+    """``count`` NUL-terminated names at the start of a request body (ValueError when the
+    body holds fewer)."""
+    out = bytes(body).split(b"\0", count)
+    if len(out) <= count:
+        raise ValueError(f"{count} names expected in the request")
+    del out[count]
     return out
-

@@ -47,7 +47,7 @@ import lmdb
 from kvfs.errors import IndexDamaged
 from kvfs.protocol import ROOT_INO
 from kvfs.store import marker, records
-from kvfs.store.lmdbfile import HEADER_NAME, check_header, check_lmdb_file, make_header, read_header  # noqa: F401
+from kvfs.store.lmdbfile import HEADER_NAME, check_header, check_lmdb_file, make_header, open_env, read_header  # noqa: F401
 from kvfs.store.records import FORMAT_VERSION, FSCK_HINT, InodeRecord, ObjectRecord
 from kvfs.store.safedir import DirLock, holder_text, open_private_dir, write_file_atomic
 
@@ -58,6 +58,7 @@ VALID = marker.VALID        # in ``recover``: its running totals are valid (kvfs
 GROUP_OPS = 1024            # operations pending before a commit runs inline
 GROUP_DELAY = 0.02          # seconds the committer waits after the first pending change
 ICACHE_MAX = 1 << 16        # decoded inode records kept (the rest decode from LMDB on use)
+DCACHE_MAX = 1 << 16        # directory entries kept for lookups (the rest are read from LMDB)
 _DEL = object()             # a pending deletion
 _MISS = object()
 _U64 = struct.Struct(">Q")
@@ -68,6 +69,13 @@ k64 = _U64.pack             # an id as an 8-byte key (big endian: keys sort by i
 _dumps = records.encode
 _load_inode = records.decode_inode
 _load_object = records.decode_object
+
+
+def _trim(cache: dict, limit: int) -> None:
+    """Over ``limit`` entries: the oldest go, down to half of it."""
+    if len(cache) > limit:
+        for k in list(itertools.islice(cache, len(cache) - limit // 2)):
+            del cache[k]
 
 
 class Index:
@@ -105,7 +113,7 @@ class Index:
             check_lmdb_file(data)
         if header is not None:
             check_header(header, f"{self.state_dir}/{HEADER_NAME}")
-        self.env = self._open_env(env_dir, map_size)
+        self.env = open_env(env_dir, map_size, self.state_dir)
         self.meta = self.env.open_db(b"meta")
         self.inodes = self.env.open_db(b"inodes")
         self.dirents = self.env.open_db(b"dirents")
@@ -122,6 +130,9 @@ class Index:
         self._fresh: set[tuple[int, bytes]] = set()
         self._ops = 0               # operations in _pending
         self._icache: dict[int, InodeRecord] = {}
+        # dirent key -> inode read from LMDB (a known name's LOOKUP needs no read transaction);
+        # every change of an entry passes through _apply, which drops its key
+        self._dcache: dict[bytes, int] = {}
         self._wake = None           # the committer's trio.Event while it runs
         self.names = None           # kvfs.store.names.NameTable: sees every change of names
         self.commits = 0            # LMDB write transactions of group commits
@@ -159,27 +170,6 @@ class Index:
         if header is None:
             self.env.sync(True)
             write_file_atomic(self.dir_fd, HEADER_NAME, records.encode(make_header(self.instance_id)))
-
-    def _open_env(self, env_dir: Path, map_size: int) -> "lmdb.Environment":
-        """The LMDB environment in ``env_dir``, private to the daemon's user."""
-        try:
-            os.mkdir(env_dir, 0o700)
-        except FileExistsError:
-            pass
-        try:
-            # sync=False: commits survive kill -9 (the page cache keeps them); sync() is
-            # called periodically and at unmount for power-loss durability.
-            env = lmdb.open(str(env_dir), map_size=map_size, max_dbs=8, subdir=True, sync=False,
-                            metasync=False, readahead=False, lock=True, mode=0o600)
-        except lmdb.Error as e:
-            raise IndexDamaged(f"LMDB cannot open the index in {self.state_dir}: {e}; {FSCK_HINT}") from None
-        for name in ("data.mdb", "lock.mdb"):
-            try:
-                os.chmod(env_dir / name, 0o600)
-            except OSError:
-                pass
-        os.chmod(env_dir, 0o700)
-        return env
 
     def verify_records(self) -> int:
         """Decode every inode and object record (IndexDamaged at the first that does not
@@ -276,13 +266,17 @@ class Index:
         gone = None if names is None else names.enter(changes, DIRENTS, dirs)
         pending, fresh, icache = self._pending, self._fresh, self._icache
         pending.update(changes)
+        dcache = self._dcache
         for k, v in changes.items():
             if k[0] == INODES:
                 if v is _DEL:
                     icache.pop(_U64.unpack(k[1])[0], None)
                 else:
                     icache[_U64.unpack(k[1])[0]] = v
-            elif v is _DEL and k in fresh:      # made and removed within this group
+                continue
+            if k[0] == DIRENTS:
+                dcache.pop(k[1], None)
+            if v is _DEL and k in fresh:      # made and removed within this group
                 del pending[k]
                 fresh.discard(k)
         if gone:
@@ -292,9 +286,7 @@ class Index:
             self.commit()
         elif self._wake is not None and not self._wake.is_set():
             self._wake.set()
-        if len(icache) > ICACHE_MAX:
-            for k in list(itertools.islice(icache, len(icache) - ICACHE_MAX // 2)):
-                del icache[k]
+        _trim(icache, ICACHE_MAX)
 
     def _get(self, db: int, key: bytes):
         """The current value: pending change, else LMDB (decoded for inodes and objects)."""
@@ -340,17 +332,22 @@ class Index:
         if raw is None:
             return None
         rec = self._icache[ino] = _load_inode(raw)
-        if len(self._icache) > ICACHE_MAX:
-            for k in list(itertools.islice(self._icache, ICACHE_MAX // 2)):
-                del self._icache[k]
+        _trim(self._icache, ICACHE_MAX)
         return rec
 
     def lookup(self, parent: int, name: bytes) -> int | None:
         names = self.names
         if names is not None and names.absent(parent, name):    # no LMDB read for a miss
             return None
-        raw = self._get(DIRENTS, k64(parent) + name)
-        return _U64x2.unpack(raw)[0] if raw is not None else None
+        key = k64(parent) + name
+        ino = self._dcache.get(key)
+        if ino is None:
+            raw = self._get(DIRENTS, key)
+            if raw is None:
+                return None
+            ino = self._dcache[key] = _U64x2.unpack(raw)[0]
+            _trim(self._dcache, DCACHE_MAX)
+        return ino
 
     def readdir(self, parent: int, after_eid: int) -> Iterator[tuple[int, bytes, int]]:
         """Yield (eid, name, child ino) in eid order, starting after ``after_eid``."""

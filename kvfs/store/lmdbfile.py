@@ -1,11 +1,13 @@
 """The files of the index kept beside LMDB's: the header (``index.hdr``: magic, format,
 instance, checksum) and a sanity check of the LMDB data file before it is mapped
-(kvfs.store.index opens the index with both)."""
+(kvfs.store.index opens the index with both); and the opening of the environment."""
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
+import lmdb
 import xxhash
 
 from kvfs.errors import IndexDamaged
@@ -14,6 +16,28 @@ from kvfs.store.records import FORMAT_VERSION, FSCK_HINT
 from kvfs.store.safedir import read_file
 
 HEADER_NAME = "index.hdr"
+
+
+def open_env(env_dir: Path, map_size: int, state_dir: Path) -> "lmdb.Environment":
+    """The LMDB environment in ``env_dir``, private to the daemon's user."""
+    try:
+        os.mkdir(env_dir, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        # sync=False: commits survive kill -9 (the page cache keeps them); sync() is
+        # called periodically and at unmount for power-loss durability.
+        env = lmdb.open(str(env_dir), map_size=map_size, max_dbs=8, subdir=True, sync=False,
+                        metasync=False, readahead=False, lock=True, mode=0o600)
+    except lmdb.Error as e:
+        raise IndexDamaged(f"LMDB cannot open the index in {state_dir}: {e}; {FSCK_HINT}") from None
+    for name in ("data.mdb", "lock.mdb"):
+        try:
+            os.chmod(env_dir / name, 0o600)
+        except OSError:
+            pass
+    os.chmod(env_dir, 0o700)
+    return env
 
 
 def check_lmdb_file(path: Path) -> None:

@@ -134,6 +134,52 @@ async def test_both_waits_are_cancellation_points(pipe):
     assert scope.cancelled_caught
 
 
+@pytest.fixture
+def nonblocking_pipe(pipe):
+    os.set_blocking(pipe[0], False)
+    return pipe
+
+
+async def test_readv_reads_queued_requests_at_once_up_to_the_burst(nonblocking_pipe):
+    r, w = nonblocking_pipe
+    reader, ran, buf = loop.Reader(burst=2), [], bytearray(8)
+
+    async def other():                      # runs only when the reader lets the scheduler in
+        ran.append(True)
+
+    os.write(w, b"abcdefgh")
+    async with trio.open_nursery() as n:
+        n.start_soon(other)
+        assert [await reader.readv(r, memoryview(buf)[:1]) for _ in range(2)] == [1, 1]
+        assert (reader.fast, reader.waited, ran) == (2, 0, [])     # no poll, no pass
+        assert await reader.readv(r, memoryview(buf)[:1]) == 1     # the third goes through trio
+        assert (reader.fast, reader.waited, bytes(buf[:1])) == (2, 1, b"c")
+    assert ran == [True]
+
+
+async def test_readv_of_an_empty_queue_waits_through_trio(nonblocking_pipe):
+    r, w = nonblocking_pipe
+    reader, buf = loop.Reader(), bytearray(4)
+
+    async def later():                      # runs only once the reader waits through trio
+        os.write(w, b"x")
+
+    async with trio.open_nursery() as n:
+        n.start_soon(later)
+        assert await reader.readv(r, memoryview(buf)) == 1
+    assert (reader.fast, reader.waited, bytes(buf[:1])) == (0, 1, b"x")
+    with trio.CancelScope() as scope:       # both ways are cancellation points
+        scope.cancel()
+        await reader.readv(r, memoryview(buf))
+    assert scope.cancelled_caught
+    os.write(w, b"y")
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await reader.readv(r, memoryview(buf))
+    assert scope.cancelled_caught
+    assert os.read(r, 1) == b"y"            # a cancelled read leaves the request queued
+
+
 class _Root(pyfuse3.Operations):
     """A one-directory filesystem whose GETATTR notes what pyfuse3 calls trio meanwhile."""
 

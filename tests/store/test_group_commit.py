@@ -91,6 +91,30 @@ def test_range_reads_and_rmdir_see_the_pending_changes(tmp_path):
     trio.run(main)
 
 
+def test_lookups_of_names_read_from_lmdb_follow_every_later_change(tmp_path):
+    """A name read from LMDB is kept for the next lookups (no read transaction); a rename,
+    unlink or rename over it is seen at once, pending or committed."""
+    async def main():
+        async with open_store(tmp_path) as kvstore:
+            ix, ns = kvstore.index, kvstore.ns
+            d, _ = ns.make(ROOT_INO, b"d", DIR, 0, 0)
+            a, _ = ns.make(d, b"a", FILE, 0, 0, oid=None)
+            b, _ = ns.make(d, b"b", FILE, 0, 0, oid=None)
+            ix.commit()
+            assert (ix.lookup(d, b"a"), ix.lookup(d, b"a"), ix.lookup(d, b"b")) == (a, a, b)
+            ns.rename(d, b"a", d, b"b", 0, kvstore.files.is_open)    # over b, pending
+            assert (ix.lookup(d, b"a"), ix.lookup(d, b"b")) == (None, a)
+            ix.commit()
+            assert (ix.lookup(d, b"a"), ix.lookup(d, b"b")) == (None, a)
+            await kvstore.names.unlink(d, b"b")
+            assert ix.lookup(d, b"b") is None
+            c, _ = ns.make(d, b"b", FILE, 0, 0, oid=None)
+            assert ix.lookup(d, b"b") == c
+            ix.commit()
+            assert ix.lookup(d, b"b") == c and ix.lookup(d, b"a") is None
+    trio.run(main)
+
+
 def test_a_durable_copy_is_freed_only_after_the_commit_that_dropped_it(tmp_path):
     """Unlink and rename over a file whose bytes are on NVMe: when its copy is deleted, LMDB
     no longer has the record (a kill -9 then finds the file absent, never unreadable)."""

@@ -167,9 +167,11 @@ class Opens:
         kept = self.passthrough.kept(ino)
         if kept is None or not same_version(kept.obj, obj) or not self._current(ino, obj):
             return False
-        if obj.dead or obj.corrupt or obj.busy or kept.tier not in obj.place:
+        store = self.store.store
+        if obj.dead or obj.corrupt or obj.busy or kept.tier not in obj.place or store.top_tier(obj) != kept.tier:
             return False
-        return self.store.store.top_tier(obj) == kept.tier
+        tier = next(t for t in store.tiers if t.name == kept.tier)
+        return tier.available and tier.backing(obj.oid, obj.place[kept.tier]) is not None
 
     def copy_dropped(self, oid: int) -> None:
         """The store's ``on_copy_dropped``: a copy of ``oid`` is about to be freed or is no

@@ -100,6 +100,7 @@ class Passthrough:
 
     def kept(self, ino: int):
         """``ino``'s idle registration (its ``obj`` and ``tier``), or None."""
+        self._trim(trio.current_time())
         return self._idle.get(ino)
 
     def offer(self, fh: int, ino: int, obj, backing_fd, tier: str | None = None) -> bool:

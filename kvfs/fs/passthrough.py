@@ -24,7 +24,7 @@ The open keeps its handle in the store (the object's reference count), so evicti
 and replacement never free the tier file under it, and the budgets count it, as for any open.
 
 A registration whose last open went is kept *idle* for a while (at most ``IDLE_MAX`` of them,
-each at most ``IDLE_SECONDS``): a re-read of the same block then skips the file's open, check
+none past ``IDLE_SECONDS`` after it was registered and its copy checked): a re-read of the same block then skips the file's open, check
 (a full read and checksum of an NVMe copy) and registration. An idle one holds no reference
 in the store and no inode in the kernel; it is reused only for the inode's current version,
 the same object, whose registered copy is still its top copy (``Opens._pass``), and it is
@@ -47,18 +47,18 @@ from kvfs.fs import wire
 log = logging.getLogger(__name__)
 
 IDLE_MAX = 64           # idle registrations kept (the oldest closed first)
-IDLE_SECONDS = 30.0     # an idle registration older than this is closed
+IDLE_SECONDS = 30.0     # an idle registration this long after its registration (its check) is closed
 
 
 class _Registration:
     """One inode's backing file: the kernel's id for it, the object and the tier of the copy
-    it is, its passthrough opens, and since when it is idle (no open)."""
+    it is, its passthrough opens, and when it was registered (its copy checked)."""
 
-    __slots__ = ("backing_id", "obj", "ino", "tier", "opens", "since")
+    __slots__ = ("backing_id", "obj", "ino", "tier", "opens", "born")
 
     def __init__(self, backing_id: int, obj, ino: int, tier: str | None):
         self.backing_id, self.obj, self.ino, self.tier = backing_id, obj, ino, tier
-        self.opens, self.since = 0, 0.0
+        self.opens, self.born = 0, trio.current_time()
 
 
 class Passthrough:
@@ -100,8 +100,12 @@ class Passthrough:
 
     def kept(self, ino: int):
         """``ino``'s idle registration (its ``obj`` and ``tier``), or None."""
-        self._trim(trio.current_time())
-        return self._idle.get(ino)
+        reg = self._idle.get(ino)
+        if reg is not None and trio.current_time() - reg.born >= IDLE_SECONDS:
+            del self._idle[ino]
+            self._close_idle(reg)
+            return None
+        return reg
 
     def offer(self, fh: int, ino: int, obj, backing_fd, tier: str | None = None) -> bool:
         """Register ``backing_fd`` (a descriptor of ``obj``'s copy on ``tier``, closed here:
@@ -177,9 +181,8 @@ class Passthrough:
         del self._by_ino[ino]
         obj = reg.obj
         if IDLE_MAX and not obj.dead and not obj.corrupt and reg.tier in obj.place:
-            reg.since = trio.current_time()
             self._idle[ino] = reg
-            self._trim(reg.since)
+            self._trim()
             self._unhold(ino)
         else:
             self._end(reg)
@@ -191,12 +194,15 @@ class Passthrough:
             del self._idle[reg.ino]
             self._close_idle(reg)
 
-    def _trim(self, now: float) -> None:
-        while self._idle:
-            reg = next(iter(self._idle.values()))
-            if len(self._idle) <= IDLE_MAX and now - reg.since < IDLE_SECONDS:
-                break
+    def _trim(self) -> None:
+        """Close the idle registrations past ``IDLE_SECONDS`` since they were registered,
+        then the oldest idle ones past ``IDLE_MAX``."""
+        now = trio.current_time()
+        for reg in [r for r in self._idle.values() if now - r.born >= IDLE_SECONDS]:
             del self._idle[reg.ino]
+            self._close_idle(reg)
+        while len(self._idle) > IDLE_MAX:
+            reg = self._idle.popitem(last=False)[1]
             self._close_idle(reg)
 
     def _close_idle(self, reg: "_Registration") -> None:
@@ -239,7 +245,7 @@ class Passthrough:
         self._fh.clear()
 
     def statistics(self) -> dict:
-        self._trim(trio.current_time())
+        self._trim()
         return {"state": self.why, "opens": self.opens, "registered": self.registered,
                 "reused": self.reused, "held": len(self._by_ino), "idle": len(self._idle),
                 "idle_closed": self.idle_closed, "open_now": len(self._fh), "refused": self.refused,

@@ -115,3 +115,21 @@ def test_an_idle_registration_is_closed_when_its_copy_is_demoted(kvfs_mount):
     assert read(p) == data                               # then the same copy again: reused
     last = passthrough(m)
     assert last["registered"] == nvme["registered"] and last["reused"] == nvme["reused"] + 1
+
+
+def test_idle_registrations_are_bounded(kvfs_mount):
+    from kvfs.fs.passthrough import IDLE_MAX
+    m = kvfs_mount("--passthrough", ram="64MiB")
+    files = {m.path / f"s{i}.kv": content(f"s{i}", 256 * 1024 + i) for i in range(IDLE_MAX + 6)}
+    for p, data in files.items():
+        p.write_bytes(data)
+    before = passthrough(m)
+    for p, data in files.items():
+        assert read(p) == data
+    after = passthrough(m)
+    assert after["registered"] == before["registered"] + len(files)
+    assert after["idle"] == IDLE_MAX and after["idle_closed"] == before["idle_closed"] + 6
+    first, last = list(files)[0], list(files)[-1]
+    assert read(last) == files[last] and read(first) == files[first]     # the newest kept, the oldest gone
+    again = passthrough(m)
+    assert again["reused"] == after["reused"] + 1 and again["registered"] == after["registered"] + 1

@@ -76,6 +76,7 @@ class Passthrough:
         self._unheld: dict[int, trio.Event] = {}  # inode -> set when its registration ends
         self.opens = self.registered = self.refused = self.declined = self.busy = 0
         self.reused = self.idle_closed = 0
+        self._expiry = float("inf")               # when the oldest idle registration expires
         self.failed: str | None = None
 
     def negotiated(self, got: bool, offered: int) -> None:
@@ -182,6 +183,7 @@ class Passthrough:
         obj = reg.obj
         if IDLE_MAX and not obj.dead and not obj.corrupt and reg.tier in obj.place:
             self._idle[ino] = reg
+            self._expiry = min(self._expiry, reg.born + IDLE_SECONDS)
             self._trim()
             self._unhold(ino)
         else:
@@ -198,9 +200,11 @@ class Passthrough:
         """Close the idle registrations past ``IDLE_SECONDS`` since they were registered,
         then the oldest idle ones past ``IDLE_MAX``."""
         now = trio.current_time()
-        for reg in [r for r in self._idle.values() if now - r.born >= IDLE_SECONDS]:
-            del self._idle[reg.ino]
-            self._close_idle(reg)
+        if now >= self._expiry:
+            for reg in [r for r in self._idle.values() if now - r.born >= IDLE_SECONDS]:
+                del self._idle[reg.ino]
+                self._close_idle(reg)
+            self._expiry = min((r.born for r in self._idle.values()), default=float("inf")) + IDLE_SECONDS
         while len(self._idle) > IDLE_MAX:
             reg = self._idle.popitem(last=False)[1]
             self._close_idle(reg)

@@ -19,6 +19,14 @@ def passthrough(m) -> dict:
     return m.stats()["transport"]["passthrough"]
 
 
+def read_released(m, p) -> bytes:
+    """``p``'s bytes, once the daemon has the RELEASE of that open (the kernel sends it after
+    close(2) returns: a next open could come first and share the registration instead)."""
+    got = read(p)
+    wait_for(lambda: passthrough(m)["held"] == 0, 60, "the RELEASE")
+    return got
+
+
 def settled_pt(m) -> dict:
     """The passthrough counters once the store has settled (its moves done)."""
     return wait_for(lambda: (st := m.stats())["settled"] and st["transport"]["passthrough"], 60, "settled")
@@ -29,12 +37,12 @@ def test_a_reread_reuses_the_idle_registration(kvfs_mount):
     p, data = m.path / "b.kv", content("b", 2 * MiB + 4097)
     p.write_bytes(data)
     before = passthrough(m)
-    assert read(p) == data
+    assert read_released(m, p) == data
     first = passthrough(m)
     assert first["registered"] == before["registered"] + 1 and first["idle"] == before["idle"] + 1
     reads = m.stats()["transport"]["data_reads"]
     for _ in range(3):                                   # the same file again: no new registration
-        assert read(p) == data
+        assert read_released(m, p) == data
     again = passthrough(m)
     assert again["registered"] == first["registered"] and again["reused"] == first["reused"] + 3
     assert again["opens"] == first["opens"] + 3 and again["held"] == 0 and again["idle"] == first["idle"]
@@ -49,7 +57,7 @@ def test_a_new_version_never_gets_the_idle_registration(kvfs_mount, how):
     p, old = m.path / "f.kv", content("old", 3 * MiB)
     p.write_bytes(old)
     ino = os.stat(p).st_ino
-    assert read(p) == old
+    assert read_released(m, p) == old
     before = passthrough(m)
     assert before["idle"] == 1
     if how == "o_trunc":
@@ -64,7 +72,7 @@ def test_a_new_version_never_gets_the_idle_registration(kvfs_mount, how):
             os.close(fd)
         new = b"new" + old[3:]
     assert os.stat(p).st_ino == ino, "renewed: the kernel still held the inode"
-    assert read(p) == new and read(p) == new
+    assert read_released(m, p) == new and read_released(m, p) == new
     after = settled_pt(m)
     assert after["renewed"] == before["renewed"] and after["busy"] == before["busy"]
     assert after["registered"] == before["registered"] + 1 and after["reused"] == before["reused"] + 1
@@ -76,7 +84,7 @@ def test_an_idle_registration_goes_with_its_version(kvfs_mount, change):
     m = kvfs_mount("--passthrough", ram="64MiB")
     p, data = m.path / "f.kv", content("f", 3 * MiB)
     p.write_bytes(data)
-    assert read(p) == data
+    assert read_released(m, p) == data
     before = settled_pt(m)
     used = m.stats()["tiers"]["ram"]["used"]
     if change == "replace":
@@ -89,14 +97,14 @@ def test_an_idle_registration_goes_with_its_version(kvfs_mount, change):
     assert after["idle"] == before["idle"] - 1 and after["idle_closed"] == before["idle_closed"] + 1
     assert m.stats()["tiers"]["ram"]["used"] <= used - len(data) + (MiB if change == "replace" else 0)
     if change == "replace":
-        assert read(p) == content("other", MiB)
+        assert read_released(m, p) == content("other", MiB)
 
 
 def test_an_idle_registration_is_closed_when_its_copy_is_demoted(kvfs_mount):
     m = kvfs_mount("--passthrough", ram="16MiB", nvme_size="256MiB")
     p, data = m.path / "held.kv", content("held", 4 * MiB)
     p.write_bytes(data)
-    assert read(p) == data
+    assert read_released(m, p) == data
     before = settled_pt(m)
     assert before["idle"] == 1
     for i in range(12):                                  # 24 MiB through 16 MiB of RAM
@@ -104,15 +112,15 @@ def test_an_idle_registration_is_closed_when_its_copy_is_demoted(kvfs_mount):
     wait_for(lambda: m.stats()["settled"] and os.getxattr(p, "user.kvfs.tier") == b"nvme", 120, "held.kv on NVMe")
     after = settled_pt(m)
     assert after["idle"] == 0 and after["idle_closed"] == before["idle_closed"] + 1
-    assert read(p) == data                               # the NVMe copy, checked and registered
+    assert read_released(m, p) == data                               # the NVMe copy, checked and registered
     nvme = settled_pt(m)
     assert nvme["registered"] == after["registered"] + 1
     if os.getxattr(p, "user.kvfs.tier") == b"ram":       # that read promoted it: the NVMe one went
         assert nvme["idle"] == 0 and nvme["idle_closed"] == after["idle_closed"] + 1
-        assert read(p) == data
+        assert read_released(m, p) == data
         nvme = settled_pt(m)
         assert nvme["registered"] == after["registered"] + 2
-    assert read(p) == data                               # then the same copy again: reused
+    assert read_released(m, p) == data                               # then the same copy again: reused
     last = passthrough(m)
     assert last["registered"] == nvme["registered"] and last["reused"] == nvme["reused"] + 1
 
@@ -125,11 +133,11 @@ def test_idle_registrations_are_bounded(kvfs_mount):
         p.write_bytes(data)
     before = passthrough(m)
     for p, data in files.items():
-        assert read(p) == data
+        assert read_released(m, p) == data
     after = passthrough(m)
     assert after["registered"] == before["registered"] + len(files)
     assert after["idle"] == IDLE_MAX and after["idle_closed"] == before["idle_closed"] + 6
     first, last = list(files)[0], list(files)[-1]
-    assert read(last) == files[last] and read(first) == files[first]     # the newest kept, the oldest gone
+    assert read_released(m, last) == files[last] and read_released(m, first) == files[first]     # the newest kept, the oldest gone
     again = passthrough(m)
     assert again["reused"] == after["reused"] + 1 and again["registered"] == after["registered"] + 1

@@ -4,7 +4,8 @@
 
 Per file (written untimed just before, as in runtime_patterns.py's pattern (e)): the time of
 ``open``, of one ``readv`` of the whole block, of ``close``; and the same for (e-mmap):
-``open``, ``mmap`` + a copy of every page, ``munmap`` + ``close``. For each kvfs mount, the
+``open``, ``mmap`` + a copy of every page, ``munmap`` + ``close``; and with ``--kinds again``
+the same file again (pattern (e)'s later read): one untimed read, then the timed one. For each kvfs mount, the
 FUSE requests that reached the daemon during the reads, by opcode (``transport.by_opcode`` of
 ``.kvfs/stats``, less the requests of reading the stats file itself), and the passthrough
 counters (opens given, backing files registered, opens that waited for a writer's RELEASE).
@@ -87,11 +88,13 @@ def diff(a: dict, b: dict, base: dict) -> dict:
 
 
 def one_round(d: str, files: int, kind: str, w, r) -> list[tuple[int, int, int]]:
-    fn = read_one if kind == "read" else mmap_one
+    fn = mmap_one if kind == "mmap" else read_one
     out = []
     for i in range(files):
         p = os.path.join(d, f"{kind}{i}.bin")
         write(p, w)
+        if kind == "again":         # the same file again: read once untimed, then timed
+            fn(p, r)
         out.append(fn(p, r))
     return out
 
@@ -103,8 +106,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default="/tmp/open-profile")
     ap.add_argument("--targets", default="kvfs,kvfs_nopt,plain")
     ap.add_argument("--before", help="a checkout whose code the kvfs_before target runs")
+    ap.add_argument("--kinds", default="read,mmap",
+                    help="read, mmap, again (a second open + readv of the file just read)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    kinds = a.kinds.split(",")
     base = Path(a.dir)
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
     mounts = {t: BenchMount(base / t, ram=1 << 30, nvme_size=1 << 30, **MOUNTS[t])
               for t in targets if t in MOUNTS}
     w, r = memoryview(aligned_buffer(SIZE, b"k")), memoryview(aligned_buffer(SIZE))
-    res: dict = {t: {k: [] for k in ("read", "mmap")} for t in targets}
+    res: dict = {t: {k: [] for k in kinds} for t in targets}
     counts: dict = {t: {} for t in mounts}
     try:
         for t, m in mounts.items():
@@ -130,7 +136,7 @@ def main(argv=None) -> int:
             sbase[t] = {k: s1["ops"].get(k, 0) - s0["ops"].get(k, 0) for k in s1["ops"]}
         latency = {}
         for rnd in range(a.rounds):
-            for kind in ("read", "mmap"):
+            for kind in kinds:
                 for t in targets[rnd % len(targets):] + targets[:rnd % len(targets)]:
                     d = os.path.join(dirs[t], f"r{rnd}")
                     os.makedirs(d, exist_ok=True)
@@ -156,7 +162,10 @@ def main(argv=None) -> int:
     n = a.files * a.rounds
     print(f"{a.files} files x {a.rounds} rounds; microseconds per file, median (min-max of round medians)")
     summary: dict = {}
-    for kind, phases in (("read", ("open", "readv", "close")), ("mmap", ("open", "mmap+copy", "munmap+close"))):
+    for kind, phases in (("read", ("open", "readv", "close")), ("mmap", ("open", "mmap+copy", "munmap+close")),
+                         ("again", ("open", "readv", "close"))):
+        if kind not in kinds:
+            continue
         print(f"\n{kind}: | target | " + " | ".join(phases) + " | total | GB/s |")
         for t in targets:
             rounds = res[t][kind]
@@ -172,7 +181,7 @@ def main(argv=None) -> int:
             summary.setdefault(t, {})[kind] = row
             print(f"| {t} | " + " | ".join(cells) + f" | {gb:.2f} |")
     for t in mounts:
-        for kind in ("read", "mmap"):
+        for kind in kinds:
             c = counts[t].get(kind, {})
             print(f"{t} {kind}: per file, requests to the daemon "
                   + json.dumps({k: round(v / n, 2) for k, v in sorted(c.get("ops", {}).items())})

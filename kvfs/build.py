@@ -77,6 +77,7 @@ def build_ops(kvstore: Store, describe):
     kvstore.quotas = ops.quotas
     kvstore.files.on_content_changed = ops.kernel.content_changed
     kvstore.files.on_sealed = ops.kernel.sealed
+    kvstore.store.on_copy_dropped = ops.opens.copy_dropped
     return ops
 
 

@@ -145,14 +145,39 @@ class Opens:
             # shares that backing (nothing to open or check: a copy moving meanwhile does not
             # matter, the kernel holds the registered file)
             return pt.offer(fh, ino, h.obj, None)
-        fd = await open_backing(self.store.store, h.obj)
-        if fd is None:
+        if self._may_reuse(ino, h.obj):
+            # the registration the inode's last passthrough open left idle: the same version,
+            # its copy still the top one (nothing to open, check or register)
+            return pt.offer(fh, ino, h.obj, None)
+        found = await open_backing(self.store.store, h.obj)
+        if found is None:
             pt.declined += 1
             return False
+        fd, tier = found
         if not await self._may_pass(ino, h.obj, wait=False) or not self._current(ino, h.obj):
             os.close(fd)                     # another open, a writer or a new version came in meanwhile
             return False
-        return pt.offer(fh, ino, h.obj, fd)
+        return pt.offer(fh, ino, h.obj, fd, tier)
+
+    def _may_reuse(self, ino: int, obj) -> bool:
+        """Whether ``ino``'s idle registration may serve an open of ``obj``: the inode's
+        current version (:meth:`_current`), the object live and not being moved, and the copy
+        it registered still the object's top one (a promotion, a demotion or a drop closes
+        it too, before the copy goes: kvfs/fs/passthrough.py)."""
+        kept = self.passthrough.kept(ino)
+        if kept is None or not same_version(kept.obj, obj) or not self._current(ino, obj):
+            return False
+        store = self.store.store
+        if obj.dead or obj.corrupt or obj.busy or kept.tier not in obj.place or store.top_tier(obj) != kept.tier:
+            return False
+        tier = next(t for t in store.tiers if t.name == kept.tier)
+        return tier.available and tier.backing(obj.oid, obj.place[kept.tier]) is not None
+
+    def copy_dropped(self, oid: int) -> None:
+        """The store's ``on_copy_dropped``: a copy of ``oid`` is about to be freed or is no
+        longer its top copy (wired by kvfs.build.build_ops)."""
+        if self.passthrough is not None:
+            self.passthrough.copy_dropped(oid)
 
     def held(self, ino: int) -> bool:
         """Whether passthrough opens hold ``ino`` (the kernel then takes no other open of it)."""

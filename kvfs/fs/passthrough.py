@@ -8,8 +8,12 @@ tier file in the kernel, with no request to the daemon (docs/design.md, "How a r
 
 The kernel's rules, measured in issue 30's spike (benchmarks/passthrough_spike.py):
 - one backing file per FUSE inode while any passthrough open of it lasts (another: EIO), so a
-  registration is per inode and object, shared by that inode's passthrough opens, and closed
-  at the last one's RELEASE (which comes after the last mapping went);
+  registration is per inode and object, shared by that inode's passthrough opens;
+- the inode lets its backing file go when its last passthrough file is released (before
+  RELEASE is sent: ``fuse_inode_uncached_io_end``), while the id stays valid in the
+  connection until BACKING_CLOSE: a later open of the inode may be answered with the same id
+  (``fuse_passthrough_open`` looks the id up; each open gets its own file over the backing's
+  path), and the inode may then be opened cached or given another id meanwhile;
 - an inode is either in passthrough or in cached I/O mode: while a passthrough open lasts,
   every other open of it must be ``FOPEN_DIRECT_IO`` (a cached one fails with EIO), and a
   passthrough open is only given while the inode has no cached open
@@ -18,6 +22,14 @@ The kernel's rules, measured in issue 30's spike (benchmarks/passthrough_spike.p
 
 The open keeps its handle in the store (the object's reference count), so eviction, demotion
 and replacement never free the tier file under it, and the budgets count it, as for any open.
+
+A registration whose last open went is kept *idle* for a while (at most ``IDLE_MAX`` of them,
+none past ``IDLE_SECONDS`` after it was registered and its copy checked): a re-read of the same block then skips the file's open, check
+(a full read and checksum of an NVMe copy) and registration. An idle one holds no reference
+in the store and no inode in the kernel; it is reused only for the inode's current version,
+the same object, whose registered copy is still its top copy (``Opens._pass``), and it is
+closed before the store frees that copy or promotes the object (``copy_dropped``, the
+store's ``on_copy_dropped``), so it never keeps a file the tier no longer counts.
 """
 from __future__ import annotations
 
@@ -26,6 +38,7 @@ import fcntl
 import logging
 import os
 import struct
+from collections import OrderedDict
 
 import trio
 
@@ -33,14 +46,19 @@ from kvfs.fs import wire
 
 log = logging.getLogger(__name__)
 
+IDLE_MAX = 64           # idle registrations kept (the oldest closed first)
+IDLE_SECONDS = 30.0     # an idle registration this long after its registration (its check) is closed
+
 
 class _Registration:
-    """One inode's backing file: the kernel's id for it, the object, its passthrough opens."""
+    """One inode's backing file: the kernel's id for it, the object and the tier of the copy
+    it is, its passthrough opens, and when it was registered (its copy checked)."""
 
-    __slots__ = ("backing_id", "obj", "ino", "opens")
+    __slots__ = ("backing_id", "obj", "ino", "tier", "opens", "born")
 
-    def __init__(self, backing_id: int, obj, ino: int):
-        self.backing_id, self.obj, self.ino, self.opens = backing_id, obj, ino, 0
+    def __init__(self, backing_id: int, obj, ino: int, tier: str | None):
+        self.backing_id, self.obj, self.ino, self.tier = backing_id, obj, ino, tier
+        self.opens, self.born = 0, trio.current_time()
 
 
 class Passthrough:
@@ -51,11 +69,14 @@ class Passthrough:
         self.wanted = wanted
         self.enabled = False
         self.why = "off (the kernel has not sent INIT yet)" if wanted else "off (turned off: passthrough = false)"
-        self._by_ino: dict[int, list] = {}        # ino -> [backing id, oid, opens]
+        self._by_ino: dict[int, _Registration] = {}     # inodes in passthrough now
+        self._idle: OrderedDict[int, _Registration] = OrderedDict()     # ino -> kept, oldest first
         self._fh: dict[int, int] = {}             # passthrough fh -> ino
         self._answer: dict[int, int] = {}         # fh -> backing id, until OPEN's reply is sent
         self._unheld: dict[int, trio.Event] = {}  # inode -> set when its registration ends
         self.opens = self.registered = self.refused = self.declined = self.busy = 0
+        self.reused = self.idle_closed = 0
+        self._expiry = float("inf")               # when the oldest idle registration expires
         self.failed: str | None = None
 
     def negotiated(self, got: bool, offered: int) -> None:
@@ -78,14 +99,33 @@ class Passthrough:
         reg = self._by_ino.get(ino)
         return None if reg is None else reg.obj
 
-    def offer(self, fh: int, ino: int, obj, backing_fd) -> bool:
-        """Register ``backing_fd`` (a descriptor of ``obj``'s tier file, closed here: the
-        kernel holds the file by its id) for ``ino`` unless it already has ``obj``'s (then
-        ``backing_fd`` may be None); remember the answer for ``fh``'s OPEN reply."""
+    def kept(self, ino: int):
+        """``ino``'s idle registration (its ``obj`` and ``tier``), or None."""
+        reg = self._idle.get(ino)
+        if reg is not None and trio.current_time() - reg.born >= IDLE_SECONDS:
+            del self._idle[ino]
+            self._close_idle(reg)
+            return None
+        return reg
+
+    def offer(self, fh: int, ino: int, obj, backing_fd, tier: str | None = None) -> bool:
+        """Register ``backing_fd`` (a descriptor of ``obj``'s copy on ``tier``, closed here:
+        the kernel holds the file by its id) for ``ino`` unless it already has ``obj``'s, in
+        use or idle (then ``backing_fd`` may be None: the caller checked that the idle one may
+        serve, :meth:`kept`); remember the answer for ``fh``'s OPEN reply."""
         reg = self._by_ino.get(ino)
-        if reg is None:
-            if backing_fd is None:
+        if reg is None and backing_fd is None:
+            reg = self._idle.pop(ino, None)
+            if reg is None or not (reg.obj is obj or reg.obj.oid == obj.oid):
+                if reg is not None:
+                    self._close_idle(reg)
                 return False
+            self._by_ino[ino] = reg
+            self.reused += 1
+        elif reg is None:
+            idle = self._idle.pop(ino, None)
+            if idle is not None:
+                self._close_idle(idle)       # a new copy or version replaces it
             try:
                 backing_id = fcntl.ioctl(self.dev, wire.DEV_IOC_BACKING_OPEN,
                                          bytearray(wire.BACKING_MAP.pack(backing_fd, 0, 0)))
@@ -94,7 +134,7 @@ class Passthrough:
                 return False
             finally:
                 os.close(backing_fd)         # the kernel holds the file by the id
-            reg = self._by_ino[ino] = _Registration(backing_id, obj, ino)
+            reg = self._by_ino[ino] = _Registration(backing_id, obj, ino, tier)
             self.registered += 1
         else:
             if backing_fd is not None:
@@ -128,20 +168,57 @@ class Passthrough:
         return fh in self._fh
 
     def release(self, fh: int) -> None:
-        """RELEASE of ``fh``: the inode's registration goes with its last passthrough open."""
+        """RELEASE of ``fh``: with the inode's last passthrough open its registration is kept
+        idle (its object still live, that copy still placed: any later move of it goes through
+        :meth:`copy_dropped`), else closed."""
         self._answer.pop(fh, None)
         ino = self._fh.pop(fh, None)
         if ino is None:
             return
         reg = self._by_ino[ino]
         reg.opens -= 1
-        if reg.opens == 0:
-            del self._by_ino[ino]
+        if reg.opens:
+            return
+        del self._by_ino[ino]
+        obj = reg.obj
+        if IDLE_MAX and not obj.dead and not obj.corrupt and reg.tier in obj.place:
+            self._idle[ino] = reg
+            self._expiry = min(self._expiry, reg.born + IDLE_SECONDS)
+            self._trim()
+            self._unhold(ino)
+        else:
             self._end(reg)
+
+    def copy_dropped(self, oid: int) -> None:
+        """The store is about to free a copy of object ``oid`` or to promote it: its idle
+        registrations go now (in use ones hold the object: the store keeps their copy)."""
+        for reg in [r for r in self._idle.values() if r.obj.oid == oid]:
+            del self._idle[reg.ino]
+            self._close_idle(reg)
+
+    def _trim(self) -> None:
+        """Close the idle registrations past ``IDLE_SECONDS`` since they were registered,
+        then the oldest idle ones past ``IDLE_MAX``."""
+        now = trio.current_time()
+        if now >= self._expiry:
+            for reg in [r for r in self._idle.values() if now - r.born >= IDLE_SECONDS]:
+                del self._idle[reg.ino]
+                self._close_idle(reg)
+            self._expiry = min((r.born for r in self._idle.values()), default=float("inf")) + IDLE_SECONDS
+        while len(self._idle) > IDLE_MAX:
+            reg = self._idle.popitem(last=False)[1]
+            self._close_idle(reg)
+
+    def _close_idle(self, reg: "_Registration") -> None:
+        self.idle_closed += 1
+        self._close_id(reg.backing_id)
 
     def _end(self, reg: "_Registration") -> None:
         self._close_id(reg.backing_id)
-        gone = self._unheld.pop(reg.ino, None)
+        self._unhold(reg.ino)
+
+    def _unhold(self, ino: int) -> None:
+        gone = self._unheld.pop(ino, None)
         if gone is not None:
             gone.set()
 
@@ -165,10 +242,15 @@ class Passthrough:
     def close(self) -> None:
         for reg in self._by_ino.values():
             self._end(reg)
+        for reg in self._idle.values():
+            self._close_id(reg.backing_id)
         self._by_ino.clear()
+        self._idle.clear()
         self._fh.clear()
 
     def statistics(self) -> dict:
+        self._trim()
         return {"state": self.why, "opens": self.opens, "registered": self.registered,
-                "held": len(self._by_ino), "open_now": len(self._fh), "refused": self.refused,
+                "reused": self.reused, "held": len(self._by_ino), "idle": len(self._idle),
+                "idle_closed": self.idle_closed, "open_now": len(self._fh), "refused": self.refused,
                 "declined": self.declined, "busy": self.busy, "last_error": self.failed}

@@ -63,8 +63,9 @@ async def _verified_within_deadline(store, tier, path: str, obj) -> int | None:
     return None
 
 
-async def open_backing(store, obj) -> int | None:
-    """A read-only descriptor of ``obj``'s top tier file for the kernel, or None."""
+async def open_backing(store, obj) -> tuple[int, str] | None:
+    """A read-only descriptor of ``obj``'s top tier file for the kernel and that tier's
+    name, or None."""
     if obj.corrupt or obj.dead or obj.busy:
         return None
     for tier in store.tiers:
@@ -83,6 +84,7 @@ async def open_backing(store, obj) -> int | None:
             if os.fstat(fd).st_size != obj.size:
                 os.close(fd)
                 return None
-            return fd
-        return await _verified_within_deadline(store, tier, where["path"], obj)
+            return fd, tier.name
+        fd = await _verified_within_deadline(store, tier, where["path"], obj)
+        return None if fd is None else (fd, tier.name)
     return None

@@ -27,14 +27,17 @@ class Mover:
 
     ``read_all``: an object's verified bytes; ``lose``: drop an object and its name;
     ``rekey``: refresh an object's key before it is written to a tier; ``wait_loaded``: wait
-    for the object table's background scan (a durable tier's LRU order is complete after it).
+    for the object table's background scan (a durable tier's LRU order is complete after it);
+    ``dropping``: told an object's id before one of its copies is freed (or, promoted, stops
+    being its top copy).
     """
 
     def __init__(self, tiers: list[Tier], ram: Tier, index: Index, objs: ObjTable, *,
                  lru: dict[str, TierLRU], counters: dict[str, TierCounters], events: EventHub,
                  policy: Policy, read_all: Callable[[Obj], Awaitable[memoryview]],
                  lose: Callable[[Obj], Awaitable[None]], rekey: Callable[[Obj], None],
-                 wait_loaded: Callable[[], Awaitable[None]]):
+                 wait_loaded: Callable[[], Awaitable[None]],
+                 dropping: Callable[[int], None] = lambda oid: None):
         self.tiers = tiers
         self.ram = ram
         self.index = index
@@ -47,6 +50,7 @@ class Mover:
         self.lose = lose
         self.rekey = rekey
         self.wait_loaded = wait_loaded
+        self.dropping = dropping
         self.unkept = 0     # RAM-only objects the last write-down could not keep (kvfs umount's status)
 
     # ---- making room --------------------------------------------------------------
@@ -207,6 +211,7 @@ class Mover:
             self.counters[src.name].demotions += 1
             if not src.volatile:
                 self.index.commit()     # the new placement is in LMDB before this copy goes
+            self.dropping(obj.oid)
             await src.delete(obj.oid, loc)
 
     async def promote(self, obj: Obj) -> None:
@@ -228,6 +233,7 @@ class Mover:
                 return
             obj.place[self.ram.name] = loc
             self.lru[self.ram.name].add(obj)
+            self.dropping(obj.oid)             # the copy below is no longer the one to read
             src = self._top_below_ram(obj)
             self.counters[src].promotions += 1
             self.events.emit("promoted", obj, self.ram.name)

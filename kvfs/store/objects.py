@@ -120,11 +120,16 @@ class ObjectStore:
                              admit_after=admit_after)
         self.mover = Mover(tiers, ram, index, self.objs, lru=self.lru, counters=self.counters,
                            events=self.events, policy=self.policy, read_all=self.reads.read_all, lose=self.lose,
-                           rekey=self.rekey, wait_loaded=self.wait_loaded)
+                           rekey=self.rekey, wait_loaded=self.wait_loaded,
+                           dropping=lambda oid: self.on_copy_dropped(oid))
         # set by the namespace: drop the object's name and record in this txn
         self.on_lost: Callable[[Txn, Obj], None] = lambda txn, obj: None
         self.key_of: Callable[[Obj], str] = lambda obj: obj.key    # current path, for records
         self.on_materialize: Callable[[Obj], None] = lambda obj: None   # set by the namespace
+        # a copy of the object is about to be freed (its file unlinked): whatever still holds
+        # that file open past its readers (an idle passthrough registration) lets it go first,
+        # so the space the tier's budget gives back is free (set by kvfs.build.build_ops)
+        self.on_copy_dropped: Callable[[int], None] = lambda oid: None
         self._loaded = trio.Event()        # set once the table scan is done (or not needed)
         self._loaded.set()
         self._scanning = False
@@ -280,6 +285,8 @@ class ObjectStore:
         if any(not self._tier(name).volatile for name in obj.place):
             self.index.commit()         # the drop is in LMDB before a durable copy goes
         place, obj.place = obj.place, {}
+        if place:
+            self.on_copy_dropped(obj.oid)
         for name, loc in place.items():
             tier = self._tier(name)
             try:

@@ -54,11 +54,12 @@ class _Registration:
     """One inode's backing file: the kernel's id for it, the object and the tier of the copy
     it is, its passthrough opens, and when it was registered (its copy checked)."""
 
-    __slots__ = ("backing_id", "obj", "ino", "tier", "opens", "born")
+    __slots__ = ("backing_id", "obj", "ino", "tier", "opens", "born", "moved")
 
     def __init__(self, backing_id: int, obj, ino: int, tier: str | None):
         self.backing_id, self.obj, self.ino, self.tier = backing_id, obj, ino, tier
         self.opens, self.born = 0, trio.current_time()
+        self.moved = False          # its copy was promoted past or is going: not kept idle
 
 
 class Passthrough:
@@ -181,7 +182,7 @@ class Passthrough:
             return
         del self._by_ino[ino]
         obj = reg.obj
-        if IDLE_MAX and not obj.dead and not obj.corrupt and reg.tier in obj.place:
+        if IDLE_MAX and not reg.moved and not obj.dead and not obj.corrupt and reg.tier in obj.place:
             self._idle[ino] = reg
             self._expiry = min(self._expiry, reg.born + IDLE_SECONDS)
             self._trim()
@@ -191,7 +192,11 @@ class Passthrough:
 
     def copy_dropped(self, oid: int) -> None:
         """The store is about to free a copy of object ``oid`` or to promote it: its idle
-        registrations go now (in use ones hold the object: the store keeps their copy)."""
+        registrations go now (in use ones hold the object: the store keeps their copy, and
+        they are closed, not kept idle, at their last RELEASE)."""
+        for reg in self._by_ino.values():
+            if reg.obj.oid == oid:
+                reg.moved = True
         for reg in [r for r in self._idle.values() if r.obj.oid == oid]:
             del self._idle[reg.ino]
             self._close_idle(reg)

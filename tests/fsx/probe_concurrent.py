@@ -32,7 +32,7 @@ def reader(path, seed, q):
             b = os.pread(fd, sz + 10, 0)
             if len(b) < sz: errs["pread EOF inside fstat size"] += 1
             
-            if sz and rng.random() < 0.5:
+            if sz and rng.random() < float(os.environ.get("MMAP", "0.5")):   # MMAP=0: pread only
                 sz2 = os.fstat(fd).st_size
                 try:
                     mm = mmap.mmap(fd, sz2, prot=mmap.PROT_READ) if sz2 else None
@@ -57,7 +57,7 @@ def writer(path, seed, q):
     end = time.time() + DUR
     while time.time() < end:
         c = rng.randrange(1, 256); L = rng.randrange(1, 64 << 10)
-        k = rng.random()
+        k = rng.random() * float(os.environ.get("KINDS", "1"))   # KINDS=0.8: no O_APPEND writer
         try:
             if k < 0.4:
                 s0 = os.stat(path).st_size

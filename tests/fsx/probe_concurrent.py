@@ -30,7 +30,7 @@ def reader(path, seed, q):
         try:
             sz = os.fstat(fd).st_size
             b = os.pread(fd, sz + 10, 0)
-            if len(b) < sz: errs["pread EOF inside fstat size"] += 1
+            if len(b) < sz: errs[f"pread EOF inside fstat size: fstat {sz} got {len(b)} fstat now {os.fstat(fd).st_size} ino {os.fstat(fd).st_ino}"] += 1
             
             if sz and rng.random() < float(os.environ.get("MMAP", "0.5")):   # MMAP=0: pread only
                 sz2 = os.fstat(fd).st_size

@@ -3,11 +3,10 @@ kvfs mount, where the fsx exerciser never shares a file between workers. Readers
 fstat, pread to the size and mmap it; writers grow the file (truncate by path, O_RDWR pwrite
 at the end, O_APPEND). Prints each process's errno counts and exit code (-7: SIGBUS).
 
-    PYTHONPATH=. python tests/fsx/probe_concurrent.py /tmp/NAME-probe [mount flags]
+    PYTHONPATH=.:tests python tests/fsx/probe_concurrent.py /tmp/NAME-probe [mount flags]
     (DUR=seconds, WRITERS=n; with 2 writers the file may shrink: racing stat + truncate)
 """
 import collections, errno, mmap, multiprocessing as mp, os, random, sys, time
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from pathlib import Path
 MiB = 1 << 20
 DUR = float(os.environ.get("DUR", "20"))

@@ -53,6 +53,25 @@ class WriteState:
     mtime: int | None = None
     created: int = 0
     failed: str | None = None       # a write into the buffer failed: this version is never sealed
+    # writes and truncates of the buffer in flight (a truncate's ftruncate of a spilled buffer
+    # runs in a thread): a seal waits for them (``quiet``), else it hashed a buffer whose file
+    # a truncate had already cut (mmap past the file's end: the flush failed, close gave EIO)
+    # or sealed without a change the kernel was then told had happened
+    changes: int = 0
+    quiet: trio.Event | None = None
+
+    def change_ended(self) -> None:
+        self.changes -= 1
+        if not self.changes and self.quiet is not None:
+            self.quiet.set()
+
+    async def wait_quiet(self) -> None:
+        """Until no write or truncate of the buffer is in flight (new ones wait for
+        ``sealing``, which the caller has set)."""
+        while self.changes:
+            self.quiet = trio.Event()
+            await self.quiet.wait()
+        self.quiet = None
 
     def touch(self) -> None:
         """A write or truncate changed the buffer now."""
@@ -170,7 +189,12 @@ class FileHandles:
             if ws is not None:
                 ws.handles += 1                      # held: its writers may release meanwhile
                 try:
-                    await (await self.staging_of(ws)).truncate(size)
+                    staging = await self.staging_of(ws)
+                    ws.changes += 1                  # (a seal by a writer's flush waits for it)
+                    try:
+                        await staging.truncate(size)
+                    finally:
+                        ws.change_ended()
                     if size == 0:                    # every byte rewritten: a failed write is gone
                         ws.failed = None
                     ws.dirty = True
@@ -241,7 +265,12 @@ class FileHandles:
             ws.handles += 1
             if joined and flags & os.O_TRUNC:
                 try:
-                    await (await self.staging_of(ws)).truncate(0)
+                    staging = await self.staging_of(ws)
+                    ws.changes += 1
+                    try:
+                        await staging.truncate(0)
+                    finally:
+                        ws.change_ended()
                 except BaseException:
                     with trio.CancelScope(shield=True):
                         ws.writers -= 1
@@ -376,14 +405,18 @@ class FileHandles:
             raise NamespaceError(errno.EBADF)
         ws = h.ws
         staging = await self.staging_of(ws)
-        if h.append:
-            offset = staging.size
+        ws.changes += 1                     # (a seal waits for it)
         try:
-            n = await staging.write(offset, data)
-        except Exception as e:              # the buffer may lack bytes: sealing it would keep them lost
-            ws.failed = f"{type(e).__name__}: {e}"
-            raise
-        await self.written(ws, staging)
+            if h.append:
+                offset = staging.size
+            try:
+                n = await staging.write(offset, data)
+            except Exception as e:          # the buffer may lack bytes: sealing it would keep them lost
+                ws.failed = f"{type(e).__name__}: {e}"
+                raise
+            await self.written(ws, staging)
+        finally:
+            ws.change_ended()
         return n
 
     async def written(self, ws: WriteState, staging) -> None:
@@ -490,17 +523,20 @@ class FileHandles:
         if ws.failed:                        # close answers the error; a never-sealed file goes
             raise TierFull(f"a write to this file failed, not sealed ({ws.failed})")
         staging = await self.staging_of(ws)
-        rec = self.index.get_inode(ws.ino)
-        if rec is None:                      # unlinked while open: nothing to keep
-            self._orphan_version(ws, staging.size, None)
-            ws.dirty = False
-            return
         # until the new object is installed, writes and truncates of this file wait (they
         # would change a buffer being hashed, or start over from the old version); reads
-        # keep reading the buffer
+        # keep reading the buffer. Those already in flight end first.
         done = ws.sealing = trio.Event()
         t0 = time.perf_counter()
         try:
+            await ws.wait_quiet()
+            if ws.failed:
+                raise TierFull(f"a write to this file failed, not sealed ({ws.failed})")
+            rec = self.index.get_inode(ws.ino)
+            if rec is None:                  # unlinked while open: nothing to keep
+                self._orphan_version(ws, staging.size, None)
+                ws.dirty = False
+                return
             kv = await peek_block_header(staging)
             key, renames = self.ns.path_of(ws.ino), self.ns.renames
             obj = await self.store.create(ws.ino, staging, key, rec.gen + 1)

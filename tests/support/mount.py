@@ -74,10 +74,16 @@ def lazy_unmount(path: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True, timeout=60)
 
 
+NEGATABLE = {"passthrough"}     # options whose False is a ``--no-`` flag (the others: left out)
+
+
 def _flags(options: dict) -> list[str]:
     out: list[str] = []
     for key, val in options.items():
         flag = "--" + key.replace("_", "-")
+        if val is False and key in NEGATABLE:
+            out.append("--no-" + key.replace("_", "-"))
+            continue
         if val is None or val is False:
             continue
         if val is True:

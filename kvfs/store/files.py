@@ -41,6 +41,13 @@ class WriteState:
     base: Obj | None = None         # the sealed version the buffer started from / became
     writers: int = 0
     handles: int = 0
+    # writers and truncates by path holding the state (each may seal it): the state leaves the
+    # live ones when the last of them ends, never at a reader's release. A reader joins a
+    # state without writers (a truncate's, or one its last writer's release is sealing); its
+    # close during that seal took the state out of the live ones: the daemon reported the
+    # old size and cut reads to it while the kernel had the new one (EOF inside fstat's size),
+    # and a truncate or writer could start a second state on the old version meanwhile
+    owners: int = 0
     dirty: bool = False
     sealing: trio.Event | None = None   # set while the buffer is being sealed: writes wait
     ready: trio.Event = dataclasses.field(default_factory=trio.Event)
@@ -188,6 +195,7 @@ class FileHandles:
             ws = await self._live_writer(ino, writing=True)
             if ws is not None:
                 ws.handles += 1                      # held: its writers may release meanwhile
+                ws.owners += 1
                 try:
                     staging = await self.staging_of(ws)
                     ws.changes += 1                  # (a seal by a writer's flush waits for it)
@@ -207,17 +215,19 @@ class FileHandles:
                         self.ns.update(ino)          # ctime now (the seal sets it later too)
                 finally:
                     with trio.CancelScope(shield=True):
-                        await self._end(ws)
+                        await self._end(ws, owner=True)
             else:
                 ws = await self._begin_write(ino, truncate=size == 0)
                 ws.handles += 1
+                ws.owners += 1
                 try:
                     await (await self.staging_of(ws)).truncate(size)
                     ws.dirty = True
                     ws.mtime = mtime if mtime is not None else time.time_ns()
                     await self._seal(ws)
                 finally:
-                    await self._end(ws)
+                    with trio.CancelScope(shield=True):
+                        await self._end(ws, owner=True)
         return self.getattr(ino)
 
     # ---- opening --------------------------------------------------------------
@@ -235,7 +245,7 @@ class FileHandles:
                         mtime=rec.mtime, created=rec.mtime)
         ws.ready.set()
         self.writers[ino] = ws
-        ws.handles = 1
+        ws.handles = ws.owners = 1
         if flags & os.O_ACCMODE == os.O_RDONLY:
             # O_RDONLY|O_CREAT: an empty file, sealed now; the descriptor only reads
             try:
@@ -244,7 +254,7 @@ class FileHandles:
                 self._abandon(ws)
                 raise
             finally:
-                await self._end(ws)
+                await self._end(ws, owner=True)
             return await self.open(ino, flags), ino, self.getattr(ino)
         ws.writers = 1
         return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws)), ino, rec
@@ -262,6 +272,7 @@ class FileHandles:
             if not joined:
                 ws = await self._begin_write(ino, truncate=bool(flags & os.O_TRUNC))
             ws.writers += 1              # joined before any wait: the state cannot end now
+            ws.owners += 1
             ws.handles += 1
             if joined and flags & os.O_TRUNC:
                 try:
@@ -274,7 +285,7 @@ class FileHandles:
                 except BaseException:
                     with trio.CancelScope(shield=True):
                         ws.writers -= 1
-                        await self._end(ws)
+                        await self._end(ws, owner=True)
                     raise
                 ws.failed = None            # the whole buffer is rewritten (see setattr)
                 ws.dirty = True
@@ -468,7 +479,7 @@ class FileHandles:
                     except Exception as e:
                         log.error("sealing %s failed at release: %s", self.ns.path_of(ws.ino), e)
                         self._abandon(ws)
-            await self._end(ws)
+            await self._end(ws, owner=h.write)
         else:
             h.obj.refs -= 1
             await self.store.release_space(h.obj)
@@ -487,9 +498,13 @@ class FileHandles:
             except NamespaceError:
                 pass
 
-    async def _end(self, ws: WriteState) -> None:
+    async def _end(self, ws: WriteState, owner: bool = False) -> None:
+        """A holder of ``ws`` is done: an ``owner`` (a writer or a truncate, see
+        WriteState.owners) or a reader."""
         ws.handles -= 1
-        if ws.writers == 0 and self.writers.get(ws.ino) is ws:
+        if owner:
+            ws.owners -= 1
+        if ws.owners == 0 and self.writers.get(ws.ino) is ws:
             del self.writers[ws.ino]
             ws.gone.set()
         if ws.handles == 0:

@@ -240,8 +240,6 @@ async def test_a_truncate_in_flight_when_the_only_writer_flushes_is_in_the_seal(
     await ops.release(r.fh)
 
 
-@pytest.mark.xfail(strict=True, reason="open: a reader's release (FileHandles._end) takes a truncate's "
-                   "write state out of the live ones; not keeping it there leaked states (helper fsx2, see its report)")
 async def test_a_reader_that_joined_a_truncate_and_closes_during_it_leaves_it_live(ops):
     """A reader opened while a truncate by path runs joins its write state (which has no
     writer); its close during the truncate's seal took the state out of the live ones: the
@@ -266,4 +264,33 @@ async def test_a_reader_that_joined_a_truncate_and_closes_during_it_leaves_it_li
     assert got["rec"].size == SIZE + 5000 and ino not in ops.store.files.writers
     r = await ops.open(ino, os.O_RDONLY, CTX)
     assert await read_all(ops, r.fh) == data + bytes(5000)
+    await ops.release(r.fh)
+
+
+async def test_a_reader_that_joined_a_last_writers_release_seal_and_closes_during_it_leaves_it_live(ops):
+    """The same with the state's last writer: its release (it never flushed) seals a grown
+    buffer, a reader joins that state and closes during the seal. The state stays live until
+    the release ends (the reader's close took it out: getattr gave the old size while the seal
+    ran, and a writer or truncate arriving meanwhile started a second state on the old
+    version instead of waiting for this one)."""
+    v1, v2 = content(11), content(12, SIZE + 5000)
+    ino = await sealed_file(ops, v1)
+    w = await ops.open(ino, os.O_RDWR, CTX)
+    await ops.write(w.fh, 0, v2)
+    got = {}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as n:
+            await release_sealing(ops, n, ino, w.fh)
+            ws = ops.store.files.writers[ino]
+            r = await ops.open(ino, os.O_RDONLY, CTX)          # joins the sealing state
+            await ops.release(r.fh)
+            assert ops.store.files.writers.get(ino) is ws, "the state left while its release seals"
+            assert (await ops.getattr(ino, CTX)).st_size == SIZE + 5000
+
+            async def grow():                                  # waits for the seal's end
+                got["rec"] = await ops.store.files.setattr(ino, size=SIZE + 9000)
+            n.start_soon(grow)
+    assert got["rec"].size == SIZE + 9000 and ino not in ops.store.files.writers
+    r = await ops.open(ino, os.O_RDONLY, CTX)
+    assert await read_all(ops, r.fh) == v2 + bytes(4000)
     await ops.release(r.fh)

@@ -115,6 +115,8 @@ class FileHandles:
         self.handles: dict[int, Handle] = {}
         self.writers: dict[int, WriteState] = {}
         self.open_count: dict[int, int] = {}
+        # ino -> the sizes it had when each truncate of it in flight began (see live_attrs)
+        self.resizing: dict[int, list[int]] = {}
         self._next_fh = 1
         self._releasing = 0                  # releases in progress (a seal may be running)
         self.on_content_changed: Callable[[int], None] = lambda ino: None
@@ -132,14 +134,23 @@ class FileHandles:
         buffer and the mtime of its last write (the record has them once it is sealed).
         Every path that reports attributes to the kernel goes through here (getattr, lookup,
         readdirplus): the kernel keeps one size per inode and trusts the latest answer. A
-        changed record is a copy: ``rec`` may be the index's shared one."""
+        changed record is a copy: ``rec`` may be the index's shared one.
+
+        While a truncate of the inode is in flight the size is at most the one it had when the
+        truncate began: the kernel keeps that size until the truncate's reply (it ignores
+        attributes that come meanwhile, FUSE_I_SIZE_UNSTABLE) and cuts cached reads at it,
+        but stat(2) shows the size a GETATTR reply gives; a grown buffer's size there was
+        EOF inside fstat's size for a reader (the concurrent probe, one file grown by truncate)."""
         ws = self.writers.get(ino)
-        if ws is not None and (ws.staging is not None or ws.mtime is not None):
+        resizing = self.resizing.get(ino)
+        if ws is not None and (ws.staging is not None or ws.mtime is not None) or resizing:
             rec = rec.copy()
-            if ws.staging is not None:
+            if ws is not None and ws.staging is not None:
                 rec.size = ws.staging.size
-            if ws.mtime is not None:
+            if ws is not None and ws.mtime is not None:
                 rec.mtime = ws.mtime
+            if resizing:
+                rec.size = min(rec.size, *resizing)
         return rec
 
     def live_size(self, ino: int, rec: InodeRecord) -> int:
@@ -192,43 +203,55 @@ class FileHandles:
                 raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec.mode) else errno.EINVAL)
             if size > self.max_file_size():
                 raise NamespaceError(errno.EFBIG, "larger than the largest tier")
-            ws = await self._live_writer(ino, writing=True)
-            if ws is not None:
-                ws.handles += 1                      # held: its writers may release meanwhile
-                ws.owners += 1
-                try:
-                    staging = await self.staging_of(ws)
-                    ws.changes += 1                  # (a seal by a writer's flush waits for it)
-                    try:
-                        await staging.truncate(size)
-                    finally:
-                        ws.change_ended()
-                    if size == 0:                    # every byte rewritten: a failed write is gone
-                        ws.failed = None
-                    ws.dirty = True
-                    ws.touch()
-                    if mtime is not None:
-                        ws.mtime = mtime
-                    if ws.writers == 0:              # they did: nobody else will seal this
-                        await self._seal(ws)
-                    else:
-                        self.ns.update(ino)          # ctime now (the seal sets it later too)
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await self._end(ws, owner=True)
-            else:
-                ws = await self._begin_write(ino, truncate=size == 0)
-                ws.handles += 1
-                ws.owners += 1
-                try:
-                    await (await self.staging_of(ws)).truncate(size)
-                    ws.dirty = True
-                    ws.mtime = mtime if mtime is not None else time.time_ns()
-                    await self._seal(ws)
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await self._end(ws, owner=True)
+            before = self.live_size(ino, rec)
+            sizes = self.resizing.setdefault(ino, [])
+            sizes.append(before)
+            try:
+                await self._resize(ino, size, mtime)
+            finally:
+                sizes.remove(before)
+                if not sizes:
+                    del self.resizing[ino]
         return self.getattr(ino)
+
+    async def _resize(self, ino: int, size: int, mtime: int | None) -> None:
+        """The size change of :meth:`setattr`."""
+        ws = await self._live_writer(ino, writing=True)
+        if ws is not None:
+            ws.handles += 1                      # held: its writers may release meanwhile
+            ws.owners += 1
+            try:
+                staging = await self.staging_of(ws)
+                ws.changes += 1                  # (a seal by a writer's flush waits for it)
+                try:
+                    await staging.truncate(size)
+                finally:
+                    ws.change_ended()
+                if size == 0:                    # every byte rewritten: a failed write is gone
+                    ws.failed = None
+                ws.dirty = True
+                ws.touch()
+                if mtime is not None:
+                    ws.mtime = mtime
+                if ws.writers == 0:              # they did: nobody else will seal this
+                    await self._seal(ws)
+                else:
+                    self.ns.update(ino)          # ctime now (the seal sets it later too)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._end(ws, owner=True)
+        else:
+            ws = await self._begin_write(ino, truncate=size == 0)
+            ws.handles += 1
+            ws.owners += 1
+            try:
+                await (await self.staging_of(ws)).truncate(size)
+                ws.dirty = True
+                ws.mtime = mtime if mtime is not None else time.time_ns()
+                await self._seal(ws)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._end(ws, owner=True)
 
     # ---- opening --------------------------------------------------------------
     def _new_fh(self, h: Handle) -> int:

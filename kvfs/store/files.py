@@ -9,9 +9,7 @@ they opened and keep reading it even after a new version is installed.
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
-import itertools
 import logging
 import os
 import stat
@@ -23,74 +21,14 @@ import trio
 from kvfs.errors import NamespaceError, TierFull
 from kvfs.store.index import Index
 from kvfs.store.namespace import Namespace
-from kvfs.store.objects import Obj, ObjectStore
+from kvfs.store.objects import ObjectStore
 from kvfs.store.ram import Staging
 from kvfs.store.records import InodeRecord
 from kvfs.store.sniff import peek_block_header
 from kvfs.store.versions import fit
+from kvfs.store.writestate import Handle, WriteState
 
 log = logging.getLogger(__name__)
-
-CREATE_MTIME_SLACK = 1_000_000_000   # ns: writes this soon after create() keep its mtime
-
-
-@dataclasses.dataclass(eq=False)
-class WriteState:
-    ino: int
-    staging: Staging | None = None
-    base: Obj | None = None         # the sealed version the buffer started from / became
-    writers: int = 0
-    handles: int = 0
-    dirty: bool = False
-    sealing: trio.Event | None = None   # set while the buffer is being sealed: writes wait
-    ready: trio.Event = dataclasses.field(default_factory=trio.Event)
-    gone: trio.Event = dataclasses.field(default_factory=trio.Event)    # out of FileHandles.writers
-    serial: int = dataclasses.field(default_factory=itertools.count(1).__next__)
-    # the mtime reported while writing and recorded by the seal (None: the seal's time): of the
-    # last write, or one set by utimens after it. A file created and written within
-    # CREATE_MTIME_SLACK keeps its creation time: the kernel got that in the create reply, and
-    # a different mtime later would make it drop the cached pages.
-    mtime: int | None = None
-    created: int = 0
-    failed: str | None = None       # a write into the buffer failed: this version is never sealed
-    # writes and truncates of the buffer in flight (a truncate's ftruncate of a spilled buffer
-    # runs in a thread): a seal waits for them (``quiet``), else it hashed a buffer whose file
-    # a truncate had already cut (mmap past the file's end: the flush failed, close gave EIO)
-    # or sealed without a change the kernel was then told had happened
-    changes: int = 0
-    quiet: trio.Event | None = None
-
-    def change_ended(self) -> None:
-        self.changes -= 1
-        if not self.changes and self.quiet is not None:
-            self.quiet.set()
-
-    async def wait_quiet(self) -> None:
-        """Until no write or truncate of the buffer is in flight (new ones wait for
-        ``sealing``, which the caller has set)."""
-        while self.changes:
-            self.quiet = trio.Event()
-            await self.quiet.wait()
-        self.quiet = None
-
-    def touch(self) -> None:
-        """A write or truncate changed the buffer now."""
-        now = time.time_ns()
-        if now - self.created > CREATE_MTIME_SLACK:
-            self.mtime = now
-
-
-@dataclasses.dataclass(eq=False)
-class Handle:
-    ino: int
-    write: bool = False
-    append: bool = False            # writes go to the end of the buffer (see KvfsOperations)
-    ws: WriteState | None = None    # writers and readers of a file being written
-    obj: Obj | None = None          # readers of a sealed version
-
-    def content_key(self) -> tuple[str, int]:
-        """What this handle reads: a sealed object, or one write state's buffer."""
-        return ("obj", self.obj.oid) if self.obj is not None else ("ws", self.ws.serial)
 
 
 class FileHandles:
@@ -108,6 +46,8 @@ class FileHandles:
         self.handles: dict[int, Handle] = {}
         self.writers: dict[int, WriteState] = {}
         self.open_count: dict[int, int] = {}
+        # ino -> the sizes it had when each truncate of it in flight began (see live_attrs)
+        self.resizing: dict[int, list[int]] = {}
         self._next_fh = 1
         self._releasing = 0                  # releases in progress (a seal may be running)
         self.on_content_changed: Callable[[int], None] = lambda ino: None
@@ -125,14 +65,23 @@ class FileHandles:
         buffer and the mtime of its last write (the record has them once it is sealed).
         Every path that reports attributes to the kernel goes through here (getattr, lookup,
         readdirplus): the kernel keeps one size per inode and trusts the latest answer. A
-        changed record is a copy: ``rec`` may be the index's shared one."""
+        changed record is a copy: ``rec`` may be the index's shared one.
+
+        While a truncate of the inode is in flight the size is at most the one it had when the
+        truncate began: the kernel keeps that size until the truncate's reply (it ignores
+        attributes that come meanwhile, FUSE_I_SIZE_UNSTABLE) and cuts cached reads at it,
+        but stat(2) shows the size a GETATTR reply gives; a grown buffer's size there was
+        EOF inside fstat's size for a reader (the concurrent probe, one file grown by truncate)."""
         ws = self.writers.get(ino)
-        if ws is not None and (ws.staging is not None or ws.mtime is not None):
+        resizing = self.resizing.get(ino)
+        if ws is not None and (ws.staging is not None or ws.mtime is not None) or resizing:
             rec = rec.copy()
-            if ws.staging is not None:
+            if ws is not None and ws.staging is not None:
                 rec.size = ws.staging.size
-            if ws.mtime is not None:
+            if ws is not None and ws.mtime is not None:
                 rec.mtime = ws.mtime
+            if resizing:
+                rec.size = min(rec.size, *resizing)
         return rec
 
     def live_size(self, ino: int, rec: InodeRecord) -> int:
@@ -185,40 +134,55 @@ class FileHandles:
                 raise NamespaceError(errno.EISDIR if stat.S_ISDIR(rec.mode) else errno.EINVAL)
             if size > self.max_file_size():
                 raise NamespaceError(errno.EFBIG, "larger than the largest tier")
-            ws = await self._live_writer(ino, writing=True)
-            if ws is not None:
-                ws.handles += 1                      # held: its writers may release meanwhile
-                try:
-                    staging = await self.staging_of(ws)
-                    ws.changes += 1                  # (a seal by a writer's flush waits for it)
-                    try:
-                        await staging.truncate(size)
-                    finally:
-                        ws.change_ended()
-                    if size == 0:                    # every byte rewritten: a failed write is gone
-                        ws.failed = None
-                    ws.dirty = True
-                    ws.touch()
-                    if mtime is not None:
-                        ws.mtime = mtime
-                    if ws.writers == 0:              # they did: nobody else will seal this
-                        await self._seal(ws)
-                    else:
-                        self.ns.update(ino)          # ctime now (the seal sets it later too)
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await self._end(ws)
-            else:
-                ws = await self._begin_write(ino, truncate=size == 0)
-                ws.handles += 1
-                try:
-                    await (await self.staging_of(ws)).truncate(size)
-                    ws.dirty = True
-                    ws.mtime = mtime if mtime is not None else time.time_ns()
-                    await self._seal(ws)
-                finally:
-                    await self._end(ws)
+            before = self.live_size(ino, rec)
+            sizes = self.resizing.setdefault(ino, [])
+            sizes.append(before)
+            try:
+                await self._resize(ino, size, mtime)
+            finally:
+                sizes.remove(before)
+                if not sizes:
+                    del self.resizing[ino]
         return self.getattr(ino)
+
+    async def _resize(self, ino: int, size: int, mtime: int | None) -> None:
+        """The size change of :meth:`setattr`."""
+        ws = await self._live_writer(ino, writing=True)
+        if ws is not None:
+            ws.handles += 1                      # held: its writers may release meanwhile
+            ws.owners += 1
+            try:
+                staging = await self.staging_of(ws)
+                ws.changes += 1                  # (a seal by a writer's flush waits for it)
+                try:
+                    await staging.truncate(size)
+                finally:
+                    ws.change_ended()
+                if size == 0:                    # every byte rewritten: a failed write is gone
+                    ws.failed = None
+                ws.dirty = True
+                ws.touch()
+                if mtime is not None:
+                    ws.mtime = mtime
+                if ws.writers == 0:              # they did: nobody else will seal this
+                    await self._seal(ws)
+                else:
+                    self.ns.update(ino)          # ctime now (the seal sets it later too)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._end(ws, owner=True)
+        else:
+            ws = await self._begin_write(ino, truncate=size == 0)
+            ws.handles += 1
+            ws.owners += 1
+            try:
+                await (await self.staging_of(ws)).truncate(size)
+                ws.dirty = True
+                ws.mtime = mtime if mtime is not None else time.time_ns()
+                await self._seal(ws)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._end(ws, owner=True)
 
     # ---- opening --------------------------------------------------------------
     def _new_fh(self, h: Handle) -> int:
@@ -235,7 +199,7 @@ class FileHandles:
                         mtime=rec.mtime, created=rec.mtime)
         ws.ready.set()
         self.writers[ino] = ws
-        ws.handles = 1
+        ws.handles = ws.owners = 1
         if flags & os.O_ACCMODE == os.O_RDONLY:
             # O_RDONLY|O_CREAT: an empty file, sealed now; the descriptor only reads
             try:
@@ -244,7 +208,7 @@ class FileHandles:
                 self._abandon(ws)
                 raise
             finally:
-                await self._end(ws)
+                await self._end(ws, owner=True)
             return await self.open(ino, flags), ino, self.getattr(ino)
         ws.writers = 1
         return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws)), ino, rec
@@ -262,6 +226,7 @@ class FileHandles:
             if not joined:
                 ws = await self._begin_write(ino, truncate=bool(flags & os.O_TRUNC))
             ws.writers += 1              # joined before any wait: the state cannot end now
+            ws.owners += 1
             ws.handles += 1
             if joined and flags & os.O_TRUNC:
                 try:
@@ -274,7 +239,7 @@ class FileHandles:
                 except BaseException:
                     with trio.CancelScope(shield=True):
                         ws.writers -= 1
-                        await self._end(ws)
+                        await self._end(ws, owner=True)
                     raise
                 ws.failed = None            # the whole buffer is rewritten (see setattr)
                 ws.dirty = True
@@ -468,7 +433,7 @@ class FileHandles:
                     except Exception as e:
                         log.error("sealing %s failed at release: %s", self.ns.path_of(ws.ino), e)
                         self._abandon(ws)
-            await self._end(ws)
+            await self._end(ws, owner=h.write)
         else:
             h.obj.refs -= 1
             await self.store.release_space(h.obj)
@@ -487,9 +452,13 @@ class FileHandles:
             except NamespaceError:
                 pass
 
-    async def _end(self, ws: WriteState) -> None:
+    async def _end(self, ws: WriteState, owner: bool = False) -> None:
+        """A holder of ``ws`` is done: an ``owner`` (a writer or a truncate, see
+        WriteState.owners) or a reader."""
         ws.handles -= 1
-        if ws.writers == 0 and self.writers.get(ws.ino) is ws:
+        if owner:
+            ws.owners -= 1
+        if ws.owners == 0 and self.writers.get(ws.ino) is ws:
             del self.writers[ws.ino]
             ws.gone.set()
         if ws.handles == 0:

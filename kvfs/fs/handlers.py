@@ -39,6 +39,14 @@ _pack_out = wire.OUT_HEADER.pack
 _OUT_SIZE = wire.OUT_HEADER.size
 
 
+
+def _refused(e: OSError) -> int:
+    """The errno of an answer the kernel refused (logged unless the request was interrupted,
+    ENOENT, or the mount is gone, ENODEV)."""
+    if e.errno not in (errno.ENOENT, errno.ENODEV):
+        log.error("reply to the kernel failed: %s", e)
+    return e.errno
+
 class Handlers:
     """Decode (by the concern's decoder), call, encode; one instance per session."""
 
@@ -147,9 +155,7 @@ class Handlers:
         try:
             os.write(self.fd, data)
         except OSError as e:
-            if e.errno not in (errno.ENOENT, errno.ENODEV):
-                log.error("reply to the kernel failed: %s", e)
-            return e.errno
+            return _refused(e)
         return 0
 
     def _send(self, parts: list) -> int:
@@ -158,9 +164,7 @@ class Handlers:
         try:
             os.writev(self.fd, parts)
         except OSError as e:
-            if e.errno not in (errno.ENOENT, errno.ENODEV):
-                log.error("reply to the kernel failed: %s", e)
-            return e.errno
+            return _refused(e)
         return 0
 
     def notify(self, msg: bytes) -> None:

@@ -39,13 +39,13 @@ _pack_out = wire.OUT_HEADER.pack
 _OUT_SIZE = wire.OUT_HEADER.size
 
 
-
 def _refused(e: OSError) -> int:
     """The errno of an answer the kernel refused (logged unless the request was interrupted,
     ENOENT, or the mount is gone, ENODEV)."""
     if e.errno not in (errno.ENOENT, errno.ENODEV):
         log.error("reply to the kernel failed: %s", e)
     return e.errno
+
 
 class Handlers:
     """Decode (by the concern's decoder), call, encode; one instance per session."""

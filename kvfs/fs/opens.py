@@ -168,6 +168,11 @@ class Opens:
         if kept is None or not same_version(kept.obj, obj) or not self._current(ino, obj):
             return False
         store = self.store.store
+        if kept.tier != store.ram.name:
+            # a lower tier's copy is checked at every registration: bytes that rotted on the
+            # disk since the last check are EIO, never given (a RAM copy was written by the
+            # daemon or checked when promoted)
+            return False
         if obj.dead or obj.corrupt or obj.busy or kept.tier not in obj.place or store.top_tier(obj) != kept.tier:
             return False
         tier = next(t for t in store.tiers if t.name == kept.tier)

@@ -123,6 +123,12 @@ async def test_a_rename_during_the_release_seal_is_the_path_the_stored_event_nam
     assert [e["path"] for e in stored] == ["/d/blk"], events
 
 
+
+async def truncate_sealing(ops, ino: int) -> None:
+    """Until the truncate running in the nursery is sealing ``ino``'s write state."""
+    while ino not in ops.store.files.writers or ops.store.files.writers[ino].sealing is None:
+        await trio.sleep(0)
+
 async def test_a_writer_opening_while_a_truncate_seals_waits_for_it(ops):
     # a truncate of a file nobody has open seals a write state that never had a writer
     data = content(7)
@@ -133,8 +139,7 @@ async def test_a_writer_opening_while_a_truncate_seals_waits_for_it(ops):
             async def grow():
                 got["rec"] = await ops.store.files.setattr(ino, size=SIZE + 4096)
             n.start_soon(grow)
-            while ino not in ops.store.files.writers or ops.store.files.writers[ino].sealing is None:
-                await trio.sleep(0)
+            await truncate_sealing(ops, ino)
             w = await ops.open(ino, os.O_RDWR, CTX)      # waits until the truncate's seal is done
             assert ino in ops.store.files.writers and ops.store.files.writers[ino].writers == 1
     assert got["rec"].size == SIZE + 4096
@@ -254,8 +259,7 @@ async def test_a_reader_that_joined_a_truncate_and_closes_during_it_leaves_it_li
             async def grow():
                 got["rec"] = await ops.store.files.setattr(ino, size=SIZE + 5000)
             n.start_soon(grow)
-            while ino not in ops.store.files.writers or ops.store.files.writers[ino].sealing is None:
-                await trio.sleep(0)
+            await truncate_sealing(ops, ino)
             ws = ops.store.files.writers[ino]
             r = await ops.open(ino, os.O_RDONLY, CTX)          # joins the truncate's state
             await ops.release(r.fh)
@@ -315,8 +319,7 @@ async def test_getattr_during_a_truncate_gives_the_size_the_kernel_keeps_until_i
             async def truncate():
                 got["attr"] = await ops.setattr(ino, _size(new), _size_fields(), None, CTX)
             n.start_soon(truncate)
-            while ino not in ops.store.files.writers or ops.store.files.writers[ino].sealing is None:
-                await trio.sleep(0)
+            await truncate_sealing(ops, ino)
             assert (await ops.getattr(ino, CTX)).st_size == min(SIZE, new)
             assert (await ops.lookup(ROOT_INO, b"f", CTX)).st_size == min(SIZE, new)
     assert got["attr"].st_size == new                      # the reply: the new size

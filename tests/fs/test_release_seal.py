@@ -123,11 +123,11 @@ async def test_a_rename_during_the_release_seal_is_the_path_the_stored_event_nam
     assert [e["path"] for e in stored] == ["/d/blk"], events
 
 
-
 async def truncate_sealing(ops, ino: int) -> None:
     """Until the truncate running in the nursery is sealing ``ino``'s write state."""
     while ino not in ops.store.files.writers or ops.store.files.writers[ino].sealing is None:
         await trio.sleep(0)
+
 
 async def test_a_writer_opening_while_a_truncate_seals_waits_for_it(ops):
     # a truncate of a file nobody has open seals a write state that never had a writer

@@ -18,6 +18,56 @@ from kvfs.fs.passthrough import Passthrough
 log = logging.getLogger(__name__)
 
 
+# KVFS_TRACE_REQUESTS=FILE: one line per answered request appended to FILE (a debugging aid for
+# races between processes, docs/testing.md): monotonic time, unique, opcode, node, caller pid,
+# errno, and what the answer said (an open's flags and backing id, a size, a read's length)
+_TRACE = None
+
+
+def _open_trace() -> None:
+    global _TRACE
+    path = os.environ.get("KVFS_TRACE_REQUESTS")
+    if not path or _TRACE is not None:
+        return
+    try:
+        _TRACE = open(path, "a", buffering=1)
+    except OSError as e:
+        log.error("KVFS_TRACE_REQUESTS=%s: %s; no request trace", path, e.strerror)
+    else:
+        log.warning("tracing every request to %s (KVFS_TRACE_REQUESTS)", path)
+
+
+def _trace(opcode: int, unique: int, nodeid: int, pid: int, body, parts, err: int) -> None:
+    extra = ""
+    try:
+        if opcode in (wire.READ, wire.WRITE):
+            fh, off, size = wire.READ_IN.unpack_from(body)[:3]
+            if not parts:
+                done = 0
+            elif opcode == wire.READ:
+                done = sum(len(p) for p in parts)
+            else:
+                done = wire.WRITE_OUT.unpack_from(parts[-1])[0]
+            extra = f"fh={fh} off={off} size={size} done={done}"
+        elif opcode in (wire.OPEN, wire.CREATE) and parts:
+            fh, flags, backing = wire.OPEN_OUT.unpack_from(parts[-1])
+            extra = f"fh={fh} open_flags={flags:#x} backing={backing} flags={wire.OPEN_IN.unpack_from(body)[0]:#o}"
+        elif opcode in (wire.GETATTR, wire.SETATTR) and parts:
+            extra = f"size={wire.ATTR.unpack_from(b''.join(bytes(p) for p in parts), wire.ATTR_OUT.size)[1]}"
+            if opcode == wire.SETATTR:
+                valid, _, fh, size = wire.SETATTR_IN.unpack_from(body)[:4]
+                extra += f" valid={valid:#x} fh={fh} set_size={size}"
+        elif opcode == wire.LOOKUP and parts:
+            entry = wire.ENTRY_ATTR.unpack_from(b"".join(bytes(p) for p in parts))
+            extra = f"ino={entry[0]} size={entry[7]}"
+        elif opcode in (wire.RELEASE, wire.FLUSH):
+            extra = f"fh={wire.RELEASE_IN.unpack_from(body)[0]}"
+    except Exception as e:      # noqa: BLE001 - a trace line must never fail the request
+        extra = f"(undecoded: {e})"
+    _TRACE.write(f"{time.monotonic():.6f} {unique} {wire.NAMES.get(opcode, opcode)} node={nodeid} "
+                 f"pid={pid} err={err} {extra}\n")
+
+
 class Context:
     """The caller of a request (``pyfuse3.RequestContext``'s fields)."""
 
@@ -77,6 +127,7 @@ class Handlers:
             wire.REMOVEXATTR: x.removexattr, wire.STATFS: x.statfs,
         }
         self._forget = e.forget
+        _open_trace()
 
     @property
     def minor(self) -> int:
@@ -115,12 +166,18 @@ class Handlers:
             try:
                 parts = await fn(nodeid, req[_HEADER_SIZE:], Context(uid, gid, pid))
             except pyfuse3.FUSEError as e:
+                if _TRACE is not None:
+                    _trace(opcode, unique, nodeid, pid, req[_HEADER_SIZE:], None, e.errno)
                 self.reply_error(unique, e.errno)
                 return
             except Exception:            # noqa: BLE001 - a handler's bug must not wedge the caller
                 log.exception("%s failed", wire.NAMES.get(opcode, opcode))
+                if _TRACE is not None:
+                    _trace(opcode, unique, nodeid, pid, req[_HEADER_SIZE:], None, errno.EIO)
                 self.reply_error(unique, errno.EIO)
                 return
+            if _TRACE is not None:
+                _trace(opcode, unique, nodeid, pid, req[_HEADER_SIZE:], parts, 0)
             if not self.reply(unique, parts) and (opcode == wire.OPEN or opcode == wire.CREATE):
                 # the opener was interrupted: no RELEASE will come for this handle
                 fh = wire.OPEN_OUT.unpack_from(parts[-1])[0]

@@ -89,6 +89,9 @@ class Opens:
         self.uncached_fh: set[int] = set()      # writes that may bypass or disagree with the pages
         self.cached: dict[int, set[int]] = {}   # inode -> its handles in the kernel's cached mode
         self.closing: set[int] = set()          # cached handles flushed, nothing written since
+        # direct_io handles whose OPEN answer the kernel may not have applied yet (no request
+        # of theirs seen since): inode -> handles (see _may_pass)
+        self.unseen: dict[int, set[int]] = {}
         self._gone: dict[int, trio.Event] = {}  # inode -> set when its last cached handle goes
         self._changing: dict[int, int] = {}     # inode -> changes past changeable, not yet begun
         self.waited = self.waits_timed_out = 0
@@ -115,6 +118,8 @@ class Opens:
         if direct or flags & (os.O_DIRECT | os.O_APPEND):
             self.uncached_fh.add(fh)
         if direct:
+            if pt is not None and pt.enabled:
+                self.unseen.setdefault(ino, set()).add(fh)
             if flags & os.O_APPEND and self.page_key.get(ino) == EMPTY:
                 # its offsets are the daemon's (the buffer's end), maybe not the size the
                 # kernel computes: the seal then tells the kernel (kvfs/fs/coherence.py)
@@ -261,6 +266,11 @@ class Opens:
         held = self.passthrough.mode(ino)
         if held is not None and not same_version(held, obj):
             return False
+        if held is None and self.unseen.get(ino):
+            # a direct_io open answered but maybe not yet applied by the kernel (its opener
+            # may run after this one's): the kernel refuses any open that is not passthrough
+            # once the inode has a backing file, so that opener would get EIO
+            return False
         handles = self.cached.get(ino)
         if not handles:
             return True
@@ -281,15 +291,32 @@ class Opens:
         writes one (its file_info replaces the key; a direct_io writer leaves it)."""
         self.page_key[ino] = EMPTY
 
+    def seen(self, fh: int) -> None:
+        """A request through ``fh`` (READ, WRITE, FLUSH): the kernel has applied its OPEN."""
+        if self.unseen:
+            ino, _ = self.fh_key.get(fh, (None, None))
+            self._unseen_gone(ino, fh)
+
+    def _unseen_gone(self, ino, fh: int) -> None:
+        handles = self.unseen.get(ino)
+        if handles is not None:
+            handles.discard(fh)
+            if not handles:
+                del self.unseen[ino]
+
     def flushed(self, fh: int) -> None:
         """FLUSH (a close(2) of one of the handle's descriptors)."""
         ino, _ = self.fh_key.get(fh, (None, None))
+        if self.unseen:
+            self._unseen_gone(ino, fh)
         if ino is not None and fh in self.cached.get(ino, ()):
             self.closing.add(fh)
 
     def writing(self, fh: int) -> None:
         """A WRITE through ``fh``: it is not closing, and the pages may not hold what it writes."""
         self.closing.discard(fh)
+        if self.unseen:
+            self.seen(fh)
         if fh in self.uncached_fh:
             ino, key = self.fh_key.get(fh, (None, None))
             if self.page_key.get(ino) == key:
@@ -302,6 +329,8 @@ class Opens:
         ino, key = self.fh_key.pop(fh, (None, None))
         if ino is None:
             return
+        if self.unseen:
+            self._unseen_gone(ino, fh)
         handles = self.cached.get(ino)
         if handles is not None and fh in handles:
             handles.discard(fh)

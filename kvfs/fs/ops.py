@@ -289,6 +289,8 @@ class KvfsOperations(pyfuse3.Operations):
         if fh in self._ctl:
             return await self.control.read(self._ctl[fh], off, size)
         self.data_reads += 1
+        if self.opens.unseen:
+            self.opens.seen(fh)
         t0 = time.perf_counter()
         try:
             return await self.store.files.read(fh, off, size)

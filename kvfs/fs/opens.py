@@ -66,6 +66,13 @@ class Held(Exception):
     cannot be renewed instead (Renewed)."""
 
 
+class Replaced(Exception):
+    """A read-only open chose a version, waited, and meanwhile a newer version became the
+    inode's current one and was registered for passthrough (the kernel then takes only
+    passthrough opens of the inode). The open has not returned to its caller yet, so it is
+    opened again and reads the current version (kvfs/fs/ops.py ``open``), instead of ETXTBSY."""
+
+
 class Renewed(Exception):
     """A change by a name (an open for writing or truncating, a truncate by path) of a file
     passthrough readers hold: its name was given a new inode with the same version, the
@@ -106,6 +113,16 @@ class Opens:
         key = h.content_key()
         passing = await self._pass(fh, ino, h)
         if not passing and self.passthrough is not None and self.passthrough.mode(ino) is not None:
+            held = self.passthrough.mode(ino)
+            if not h.write and not same_version(held, h.obj) and self._current(ino, held):
+                raise Replaced(ino)
+            if not h.write:
+                # a reader refused: rare, and worth knowing why (tests/fsx/probe_concurrent.py)
+                log.warning("read-only open of inode %d refused (ETXTBSY): held by version %s, "
+                            "this one %s, writers %s, renewing %s, changing %s, current %s", ino,
+                            getattr(self.passthrough.mode(ino), "oid", None), getattr(h.obj, "oid", None),
+                            ino in self.store.files.writers, self._renewing(ino),
+                            self._changing.get(ino), h.obj is not None and self._current(ino, h.obj))
             raise Held(ino)         # the kernel takes only passthrough opens of it now
         keys = self.open_keys.setdefault(ino, {})
         others = any(k != key for k in keys)

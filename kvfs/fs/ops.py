@@ -13,7 +13,7 @@ import pyfuse3
 from kvfs.errors import NamespaceError
 from kvfs.fs import control, dirreply
 from kvfs.fs.coherence import KernelCaches
-from kvfs.fs.opens import Held, Opens, Renewed
+from kvfs.fs.opens import Held, Opens, Renewed, Replaced
 from kvfs.fs.errmap import translate
 from kvfs.protocol import ALIGN, CONTROL_NAME_B, ROOT_INO
 from kvfs.quota import XATTR as QUOTA_XATTR, Quotas
@@ -21,6 +21,8 @@ from kvfs.store.records import InodeRecord
 from kvfs.store.store import Cred, Store
 
 log = logging.getLogger(__name__)
+
+REOPENS = 4         # times a read-only open whose version was replaced meanwhile is opened again
 
 # Names and attributes change only through the kernel, or by the daemon, which tells the kernel
 # (eviction and loss: invalidate_entry; a new version: the seal's invalidation), so the kernel may
@@ -271,11 +273,21 @@ class KvfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
         except Renewed as r:
             raise self.kernel.renewed(r) from None
-        try:
-            return await self.opens.file_info(fh, inode, flags)
-        except Held:
-            await self.release(fh)
-            raise pyfuse3.FUSEError(errno.ETXTBSY) from None
+        for _ in range(REOPENS):
+            try:
+                return await self.opens.file_info(fh, inode, flags)
+            except Held:
+                await self.release(fh)
+                raise pyfuse3.FUSEError(errno.ETXTBSY) from None
+            except Replaced:
+                # the version it chose was replaced while it waited: the current one instead
+                await self.release(fh)
+                try:
+                    fh = await self.store.files.open(inode, flags)
+                except NamespaceError as e:
+                    raise _stale(self.store, inode, e) from None
+        await self.release(fh)
+        raise pyfuse3.FUSEError(errno.ETXTBSY)
 
     @translate
     async def create(self, parent_inode, name, mode, flags, ctx):

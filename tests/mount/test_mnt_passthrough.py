@@ -379,20 +379,15 @@ def _blocked_in_open(pid: int) -> bool:
     return False
 
 
-def test_a_version_replaced_while_its_copy_is_checked_is_not_given(kvfs_mount, tmp_path):
-    """The race behind the SIGBUS hunt (issue of the opt-in): an open chose its version, then
-    waited (here: the NVMe copy's check, on a disk that stops answering); meanwhile an
-    ``O_TRUNC`` writer wrote a longer version and sealed it, so the kernel's size for the inode
-    became the new one. Registering the old copy then would give a descriptor whose ``fstat``
-    says 10 MiB over a 6 MiB backing file: reads past 6 MiB EOF, a mapping SIGBUS. The open is
-    served by the daemon instead: the old version's bytes, then zeros up to the size it is told
-    (docs/design.md, "Versions and sizes" and "How a read travels")."""
+def _on_nvme_behind_a_stoppable_disk(kvfs_mount, tmp_path, old: bytes):
+    """A mount whose file ``f.kv`` (``old``) is on the NVMe tier, that tier's disk a mount we
+    can stop (SIGSTOP) so that an open's check of the NVMe copy waits as long as we like."""
     lower = kvfs_mount(ram="256MiB")                 # the NVMe tier's disk: a mount we can stop
     (lower.path / "disk").mkdir()
     cfg = tmp_path / "kvfs.toml"
     cfg.write_text("read_deadline = 0\n")            # the check waits for the disk, however long
     m = kvfs_mount("--passthrough", ram="16MiB", nvme=lower.path / "disk" / "nvme", config=cfg)
-    p, old, new = m.path / "f.kv", content("old", 6 * MiB), content("new", 10 * MiB)
+    p = m.path / "f.kv"
     p.write_bytes(old)
     pushes = [m.path / f"push{i}.kv" for i in range(3)]
     for q in pushes:                                 # 21 MiB through 16 MiB of RAM: f.kv goes down
@@ -401,7 +396,12 @@ def test_a_version_replaced_while_its_copy_is_checked_is_not_given(kvfs_mount, t
     for q in pushes:
         q.unlink()
     settled(m)
-    before = transport(m)["passthrough"]
+    return m, lower, p
+
+
+def _open_while_replaced(m, lower, p, new: bytes, then=None) -> int:
+    """A read-only open of ``p`` that waits for its NVMe copy's check while an ``O_TRUNC``
+    writer writes ``new`` (sealed in RAM) and ``then()`` runs; its descriptor."""
     from concurrent.futures import ThreadPoolExecutor
     os.kill(lower.pid, signal.SIGSTOP)
     try:
@@ -412,10 +412,26 @@ def test_a_version_replaced_while_its_copy_is_checked_is_not_given(kvfs_mount, t
             os.write(fd, new)
             os.close(fd)
             wait_for(lambda: m.stats()["open_handles"] == 1, 60, "the writer's RELEASE")
+            if then is not None:
+                then()
             os.kill(lower.pid, signal.SIGCONT)
-            rd = opening.result(timeout=120)
+            return opening.result(timeout=120)
     finally:
         os.kill(lower.pid, signal.SIGCONT)
+
+
+def test_a_version_replaced_while_its_copy_is_checked_is_not_given(kvfs_mount, tmp_path):
+    """The race behind the SIGBUS hunt (issue of the opt-in): an open chose its version, then
+    waited (here: the NVMe copy's check, on a disk that stops answering); meanwhile an
+    ``O_TRUNC`` writer wrote a longer version and sealed it, so the kernel's size for the inode
+    became the new one. Registering the old copy then would give a descriptor whose ``fstat``
+    says 10 MiB over a 6 MiB backing file: reads past 6 MiB EOF, a mapping SIGBUS. The open is
+    served by the daemon instead: the old version's bytes, then zeros up to the size it is told
+    (docs/design.md, "Versions and sizes" and "How a read travels")."""
+    old, new = content("old", 6 * MiB), content("new", 10 * MiB)
+    m, lower, p = _on_nvme_behind_a_stoppable_disk(kvfs_mount, tmp_path, old)
+    before = transport(m)["passthrough"]
+    rd = _open_while_replaced(m, lower, p, new)
     try:
         assert os.fstat(rd).st_size == len(new)
         assert os.pread(rd, 2 * MiB, 0) == old[:2 * MiB]
@@ -433,6 +449,29 @@ def test_a_version_replaced_while_its_copy_is_checked_is_not_given(kvfs_mount, t
         os.close(rd)
     assert read(p) == new
     m.umount()                                       # before the filesystem under its NVMe tier goes
+
+
+def test_a_read_only_open_whose_version_was_replaced_and_registered_reads_the_new_one(kvfs_mount, tmp_path):
+    """The same wait, and meanwhile a second reader opened the new version and the kernel
+    got it as the inode's backing file: the kernel then takes no other kind of open of the
+    inode, so the first open, still in flight, cannot be served the old version. It was
+    refused with ETXTBSY (tests/fsx/probe_concurrent.py, about one per few minutes); it is
+    opened again instead and reads the current version — its open had not returned, so
+    that is the version it opened."""
+    old, new = content("old", 6 * MiB), content("new", 10 * MiB)
+    m, lower, p = _on_nvme_behind_a_stoppable_disk(kvfs_mount, tmp_path, old)
+    second = []
+    rd = _open_while_replaced(m, lower, p, new, then=lambda: second.append(os.open(p, os.O_RDONLY)))
+    try:
+        assert transport(m)["passthrough"]["held"] == 1      # the second reader's backing
+        assert os.fstat(rd).st_size == len(new)
+        assert os.pread(rd, len(new) + 1, 0) == new
+        assert os.pread(second[0], len(new) + 1, 0) == new
+    finally:
+        os.close(rd)
+        for fd in second:
+            os.close(fd)
+    m.umount()
 
 
 def test_seed_802_old_reader_of_a_file_unlinked_while_written_maps_to_fstat_size(kvfs_mount):

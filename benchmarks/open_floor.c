@@ -1,7 +1,7 @@
 /* The floor of an open's round trip through a FUSE daemon in compiled code (stop 38).
  *
  *   gcc -O2 -o /tmp/open_floor benchmarks/open_floor.c
- *   /tmp/open_floor MOUNTPOINT BACKING_DIR [SPIN_US]
+ *   /tmp/open_floor MOUNTPOINT BACKING_DIR [SPIN_US [yield]]
  *
  * benchmarks/open_floor.py compiles and drives it; nothing here is kvfs. A one-thread server of
  * the kernel protocol (include/uapi/linux/fuse.h, 7.40+) for a flat read-only directory: the
@@ -13,12 +13,14 @@
  *
  * SPIN_US 0 (default): a blocking read(2) of /dev/fuse, as libfuse does. SPIN_US > 0: the
  * device is non-blocking; after each answer the read is retried for up to SPIN_US
- * microseconds before the server sleeps in poll(2).
+ * microseconds before the server sleeps in poll(2); with "yield", each retry that finds
+ * nothing calls sched_yield(2) (a reader runnable on the same CPU gets it).
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -176,6 +178,7 @@ int main(int argc, char **argv) {
     static char buf[(1 << 20) + 65536];
     char data[256];
     long spin_us = argc > 3 ? atol(argv[3]) : 0;
+    int yield = argc > 4 && !strcmp(argv[4], "yield");
     if (argc < 3) { fprintf(stderr, "usage: %s MOUNTPOINT BACKING_DIR [SPIN_US]\n", argv[0]); return 2; }
     dirfd_ = open(argv[2], O_RDONLY | O_DIRECTORY);
     dev = open("/dev/fuse", O_RDWR | O_CLOEXEC | (spin_us ? O_NONBLOCK : 0));
@@ -189,7 +192,8 @@ int main(int argc, char **argv) {
         if (n < 0 && errno == EAGAIN) {              /* spinning: retry for the window, then sleep */
             uint64_t end = now_ns() + (uint64_t)spin_us * 1000;
             while ((n = read(dev, buf, sizeof buf)) < 0 && errno == EAGAIN && now_ns() < end)
-                ;
+                if (yield)
+                    sched_yield();
             if (n < 0 && errno == EAGAIN) {
                 struct pollfd p = { dev, POLLIN, 0 };
                 poll(&p, 1, -1);

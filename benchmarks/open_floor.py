@@ -4,7 +4,8 @@
 
 Compiles benchmarks/open_floor.c with gcc into a temporary directory (never committed as a
 binary) and serves a directory (``--under``, default /tmp) with it twice: ``c`` (a blocking read of /dev/fuse, as
-libfuse does) and ``c_spin`` (the read retried for ``--spin-us`` after each answer); beside
+libfuse does) and ``c_spin`` (the read retried for ``--spin-us`` after each answer; ``c_spinN``: N µs;
+``c_yieldN``: the same with ``sched_yield`` between tries); beside
 them ``spike`` (benchmarks/passthrough_spike.py, Python, the same protocol work: open,
 register, close per OPEN, ``FOPEN_NOFLUSH``, 1 thread) and ``plain`` (the served file itself).
 Per file and target: 2 MiB written into the served directory (untimed), its name looked up
@@ -85,7 +86,9 @@ def main(argv=None) -> int:
                 cmd = [sys.executable, str(REPO / "benchmarks" / "passthrough_spike.py"), str(mnt), str(back),
                        "--noflush", "--threads", "1"]
             else:
-                cmd = [str(exe), str(mnt), str(back), str(a.spin_us if t == "c_spin" else 0)]
+                # c_spin, c_spinN (N µs), c_yieldN (the same, sched_yield between tries)
+                spin = 0 if t == "c" else int(t.lstrip("c_spinyeld") or a.spin_us)
+                cmd = [str(exe), str(mnt), str(back), str(spin)] + ["yield"] * t.startswith("c_yield")
             procs[t] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             wait_mounted(str(mnt), procs[t])
             dirs[t] = (str(mnt), str(back))

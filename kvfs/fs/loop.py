@@ -127,6 +127,7 @@ class Reader:
         self.spin_ns = max(0, int(spin_us)) * 1000
         self._armed = False     # a request was read since the last spin: the next EAGAIN may spin
         self.spins = self.spun = self.spin_missed = 0
+        self.clock = time.perf_counter_ns   # the spin's clock (a test's may stand still)
         self._streak = 0
         self._poll = None
         self._fd = -1
@@ -176,18 +177,16 @@ class Reader:
 
     async def spin(self, fd: int, view) -> int | None:
         """Retry the non-blocking read for up to ``spin_us`` (the request after the one just
-        answered often comes within tens of microseconds: the reader's next call), so that it
-        costs no sleep in epoll and no wake-up. Only right after a request (the window is
-        spent at most once per request: an idle daemon never spins), and never in place of
-        trio's other work: whenever a task is runnable, a thread's result or a timer is due, the
-        loop takes a checkpoint (trio runs them) and goes on until the window ends. None when
-        nothing came (the caller waits through trio)."""
+        answered often comes within tens of microseconds: the caller's next call), so that it
+        costs no sleep in epoll and no wake-up. Only right after a request (at most one window
+        per request: an idle daemon never spins). Between two tries a trio checkpoint: trio's
+        other tasks, threads' results, timers and descriptors go on as before (each pass polls
+        epoll without waiting), and the spin is a cancellation point. None when nothing came
+        (the caller waits through trio)."""
         self._armed = False
         self.spins += 1
-        clock = time.perf_counter_ns
-        stats = trio.lowlevel.current_statistics
+        clock, readv = self.clock, os.readv
         end = clock() + self.spin_ns
-        readv = os.readv
         while True:
             try:
                 n = readv(fd, [view])
@@ -201,9 +200,7 @@ class Reader:
             if clock() >= end:
                 self.spin_missed += 1
                 return None
-            st = stats()
-            if st.tasks_runnable or st.run_sync_soon_queue_size or st.seconds_to_next_deadline <= 0:
-                await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint()
 
     def statistics(self) -> dict:
         """What ``.kvfs/stats`` shows as ``request_loop``."""

@@ -78,10 +78,12 @@ class Config:
         default_factory=lambda: os.environ.get("KVFS_WRITEBACK_CACHE", "") in ("1", "true"))
     # microseconds the kernel transport's reader keeps retrying /dev/fuse right after it answered
     # a request, before it sleeps in epoll: the caller's next request (a RELEASE and the OPEN of
-    # a read right after a write) then costs no wake-up (kvfs/fs/loop.py, Reader.spin; measured:
-    # docs/benchmarks.md "The open's round trip"). At most one window per request: an idle mount
-    # never spins. 0 = off. KVFS_FUSE_SPIN_US in the environment sets the default
-    fuse_spin_us: int = dataclasses.field(default_factory=lambda: _env_int("KVFS_FUSE_SPIN_US", 100))
+    # a read right after a write) then costs no wake-up (kvfs/fs/loop.py, Reader.spin). At most
+    # one window per request: an idle mount never spins. Off (0) by default: measured
+    # (docs/benchmarks.md "The open's round trip"), 100 makes that open ~20% faster but takes
+    # CPU from a caller whose threads fill the cores (LMCache's 4 reader threads on 2 cores:
+    # 0.7-0.9x). KVFS_FUSE_SPIN_US in the environment sets the default
+    fuse_spin_us: int = dataclasses.field(default_factory=lambda: _env_int("KVFS_FUSE_SPIN_US", 0))
     debug: bool = False
     foreground: bool = False
 

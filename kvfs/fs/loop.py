@@ -20,6 +20,10 @@ pointing at a facade that is trio except for two things:
   lets every other task (the index committer, timers, threads' results) run. A request that
   is not queued yet is always waited for through trio.
 
+kvfs's own transport (kvfs/fs/session.py) reads through :meth:`Reader.readv` the same way, and
+can spin (config ``fuse_spin_us``, off): right after a request, up to that many microseconds of
+retried reads, a trio checkpoint between two, before it waits through trio (:meth:`Reader.spin`).
+
 Everything else (nursery, current task, ``notify_closing`` at ``pyfuse3.terminate``, the
 cancellation of the loop at unmount) is trio's own.
 """

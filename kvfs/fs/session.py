@@ -12,7 +12,8 @@ into the arguments pyfuse3 would pass (``pyfuse3.EntryAttributes``, a setattr-fi
 request context) and the handlers' answers (``EntryAttributes``, ``FileInfo``, ``FUSEError``)
 encoded into the kernel's structures (kvfs/fs/wire.py). The worker loop is pyfuse3's shape
 with kvfs's read lock and burst reader (kvfs/fs/loop.py): workers take turns reading one
-request and run its handler; one is added whenever every worker is busy.
+request and run its handler; one is added whenever every worker is busy. With ``fuse_spin_us``
+a worker that has answered looks for the next request for that long before anyone sleeps.
 
 What it asks the kernel for is what pyfuse3 asks (wire.BASE_WANT, max_write 1 MiB), so both
 transports give the same contract; passthrough is added where the kernel offers it and the

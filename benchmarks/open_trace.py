@@ -1,24 +1,24 @@
 """Where the reader's ``open`` of a block just written goes, request by request (stop 38).
 
-    python benchmarks/open_trace.py [--files 60] [--spin-us N] [--mountpoint DIR] [--json OUT]
+    python benchmarks/open_trace.py [--files 60] [--spin-us N] [--json OUT] [--keep TEXT]
 
-Mounts kvfs (kernel transport, passthrough; ``--spin-us`` sets ``fuse_spin_us``) unless
-``--mountpoint`` names a FUSE mount already served (the C floor server of
-benchmarks/open_floor.c, say), then per file: a 2 MiB block written, then ``open`` + ``readv``
-+ ``close`` (as readback_profile.py), all under ``perf record -a`` of the FUSE tracepoints,
+Mounts kvfs (kernel transport, passthrough; ``--spin-us`` sets ``fuse_spin_us``), then per
+file: a 2 MiB block written, then ``open`` + ``readv`` + ``close`` (as readback_profile.py), all
+under ``perf record -a`` of the FUSE tracepoints,
 the scheduler's switches and the syscalls that bound each step. For every reader's OPEN it
 splits the time of ``openat`` into:
 
 - ``before_send``: the reader's ``openat`` up to the OPEN request queued (path walk);
-- ``to_read``: queued until the daemon's ``readv`` of ``/dev/fuse`` returned it (the
-  daemon's wake-up, or the tail of the request it was busy with);
+- ``to_first_read``: queued until the daemon's next ``readv`` of ``/dev/fuse`` returned
+  (its wake-up, or its turn on the CPU); ``queued_behind``: from there until the OPEN itself
+  was read (the writer's RELEASE, queued just before, handled first); ``to_read``: both;
 - ``handler``: that ``readv`` until the reply's write ended the request;
 - ``after_end``: the request ended until the reader's ``openat`` returned (the reader's
   wake-up and the kernel's open of the backing file);
 
-and whether the daemon's trio thread was asleep (off the CPU) when the OPEN was queued, and
-how long before that the daemon had read its previous request (what a busy-poll window of that
-many microseconds would have caught). Needs root (perf's tracepoints).
+and the state of the daemon's thread that read it when the OPEN was queued (``on`` the CPU,
+``R`` preempted, ``S`` asleep), and how long before that the daemon had read its previous
+request. Needs root (perf's tracepoints); perf's own overhead inflates syscall-heavy steps.
 """
 from __future__ import annotations
 
@@ -143,24 +143,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=60)
     ap.add_argument("--spin-us", type=int)
-    ap.add_argument("--mountpoint", help="an already served FUSE mount (its daemon: --daemon-pid)")
-    ap.add_argument("--daemon-pid", type=int)
     ap.add_argument("--dir", default="/tmp/open-trace")
     ap.add_argument("--json")
     ap.add_argument("--keep", help="write perf script's text here too")
     ap.add_argument("--syscalls", action="store_true", help="record every syscall's entry too (for --keep)")
     a = ap.parse_args(argv)
-    m = None
-    if a.mountpoint:
-        d, pids = a.mountpoint, {a.daemon_pid}
-    else:
-        shutil.rmtree(a.dir, ignore_errors=True)
-        cfg = {"passthrough": True}
-        if a.spin_us is not None:
-            cfg["fuse_spin_us"] = a.spin_us
-        m = BenchMount(Path(a.dir), ram=1 << 30, nvme_size=1 << 30, **cfg)
-        m.mount()
-        d, pids = str(m.path), {m.pid}
+    shutil.rmtree(a.dir, ignore_errors=True)
+    cfg = {"passthrough": True}
+    if a.spin_us is not None:
+        cfg["fuse_spin_us"] = a.spin_us
+    m = BenchMount(Path(a.dir), ram=1 << 30, nvme_size=1 << 30, **cfg)
+    m.mount()
+    d, pids = str(m.path), {m.pid}
     try:
         workload(d, 5, "warm")                      # warm: the first files pay imports and the workers
         pids |= {int(t) for t in os.listdir(f"/proc/{next(iter(pids))}/task")}
@@ -180,9 +174,8 @@ def main(argv=None) -> int:
             Path(a.keep).write_text(text)
         rows = parse(text, os.getpid(), pids)
     finally:
-        if m is not None:
-            m.umount()
-            shutil.rmtree(a.dir, ignore_errors=True)
+        m.umount()
+        shutil.rmtree(a.dir, ignore_errors=True)
     s = summary(rows)
     print(json.dumps(s))
     if a.json:

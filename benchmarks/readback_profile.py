@@ -12,7 +12,8 @@ counters (opens given, backing files registered, opens that waited for a writer'
 
 Targets: ``kvfs`` (kernel transport, passthrough on), ``kvfs_nopt`` (kernel transport,
 passthrough off: the page cache), ``kvfs_pyfuse3``, ``plain`` (a directory beside the mounts),
-and ``kvfs_before``: the ``kvfs`` target run by the code of another checkout (``--before DIR``,
+``kvfs_spin`` (the ``kvfs`` target with ``fuse_spin_us`` = ``--spin-us``, the reader's
+busy-poll after a request; ``kvfs_spinN``: N microseconds), and ``kvfs_before``: the ``kvfs`` target run by the code of another checkout (``--before DIR``,
 e.g. a ``git archive`` of the commit before a change), so a before/after comparison shares
 one run, interleaved, on a shared machine.
 Medians per phase in microseconds; the spread is the min-max of the rounds' medians.
@@ -38,7 +39,8 @@ from kvfs.bench import BenchMount, aligned_buffer, code_of  # noqa: E402
 MIB = 1 << 20
 SIZE = 2 * MIB
 MOUNTS = {"kvfs": dict(passthrough=True), "kvfs_nopt": dict(transport="kernel", passthrough=False),
-          "kvfs_pyfuse3": dict(transport="pyfuse3"), "kvfs_before": dict(passthrough=True)}
+          "kvfs_pyfuse3": dict(transport="pyfuse3"), "kvfs_before": dict(passthrough=True),
+          "kvfs_spin": dict(passthrough=True)}
 ns = time.perf_counter_ns
 
 
@@ -76,6 +78,16 @@ def mmap_one(path: str, r) -> tuple[int, int, int]:
     return t1 - t0, t2 - t1, t3 - t2
 
 
+def daemon_cpu(pid: int | None) -> float | None:
+    """The daemon's CPU seconds so far (user + system, all its threads)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, TypeError):
+        return None
+    return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+
+
 def stats(m: BenchMount) -> dict:
     tr = m.stats().get("transport", {})
     return {"ops": dict(tr.get("by_opcode", {})), "pt": dict(tr.get("passthrough") or {})}
@@ -108,8 +120,12 @@ def main(argv=None) -> int:
     ap.add_argument("--before", help="a checkout whose code the kvfs_before target runs")
     ap.add_argument("--kinds", default="read,mmap",
                     help="read, mmap, again (a second open + readv of the file just read)")
+    ap.add_argument("--spin-us", type=int, default=100, help="fuse_spin_us of the kvfs_spin target")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    for t in a.targets.split(","):         # kvfs_spin, or kvfs_spinN: fuse_spin_us = N
+        if t.startswith("kvfs_spin"):
+            MOUNTS[t] = dict(passthrough=True, fuse_spin_us=int(t[9:] or a.spin_us))
     kinds = a.kinds.split(",")
     base = Path(a.dir)
     shutil.rmtree(base, ignore_errors=True)
@@ -134,7 +150,7 @@ def main(argv=None) -> int:
             s0 = stats(m)
             s1 = stats(m)
             sbase[t] = {k: s1["ops"].get(k, 0) - s0["ops"].get(k, 0) for k in s1["ops"]}
-        latency = {}
+        latency, request_loop, cpu, idle = {}, {}, {}, {}
         for rnd in range(a.rounds):
             for kind in kinds:
                 for t in targets[rnd % len(targets):] + targets[:rnd % len(targets)]:
@@ -151,7 +167,13 @@ def main(argv=None) -> int:
             for t in targets:
                 shutil.rmtree(os.path.join(dirs[t], f"r{rnd}"), ignore_errors=True)
         for t, m in mounts.items():
-            latency[t] = m.stats().get("transport", {}).get("us_by_opcode", {})
+            st = m.stats()
+            latency[t] = st.get("transport", {}).get("us_by_opcode", {})
+            request_loop[t] = st.get("request_loop", {})
+            cpu[t] = daemon_cpu(m.pid)
+        idle0 = {t: daemon_cpu(m.pid) for t, m in mounts.items()}
+        time.sleep(2.0)                 # idle: a spinning reader must not burn a core meanwhile
+        idle = {t: round(daemon_cpu(m.pid) - idle0[t], 3) for t, m in mounts.items()}
     finally:
         for m in mounts.values():
             try:
@@ -186,12 +208,19 @@ def main(argv=None) -> int:
             print(f"{t} {kind}: per file, requests to the daemon "
                   + json.dumps({k: round(v / n, 2) for k, v in sorted(c.get("ops", {}).items())})
                   + "; passthrough " + json.dumps(c.get("pt", {})))
+    for t, loop_stats in request_loop.items():
+        print(f"{t}: request loop " + json.dumps(loop_stats))
     for t, lat in latency.items():
         if lat:
             print(f"{t}: mean microseconds in the daemon per request (whole run) " + json.dumps(lat))
+    print("daemon CPU seconds, whole run (user+system): " + json.dumps(cpu)
+          + "; in 2 s idle after it: " + json.dumps(idle))
     if a.json:
-        Path(a.json).write_text(json.dumps({"files": a.files, "rounds": a.rounds, "summary": summary,
-                                            "counts": counts, "us_by_opcode": latency, "raw": res}, indent=1))
+        Path(a.json).write_text(json.dumps({"files": a.files, "rounds": a.rounds, "spin_us": a.spin_us,
+                                            "summary": summary, "counts": counts, "us_by_opcode": latency,
+                                            "request_loop": request_loop, "daemon_cpu_s": cpu, "daemon_cpu_idle_2s": idle,
+                                            "raw": res},
+                                           indent=1))
     return 0
 
 

@@ -10,6 +10,21 @@ from kvfs.errors import ConfigError
 from kvfs.protocol import ALIGN
 from kvfs.units import parse_size
 
+MAX_SPIN_US = 10_000      # a longer window is a core given away per request, not a wake-up saved
+
+
+def _env_int(name: str, default: int):
+    """An integer default from the environment; a value that is not one is kept as text, so
+    that :meth:`Config.validate` names it in its error (not a traceback at import)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        return raw
+
+
 def _total_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -61,6 +76,14 @@ class Config:
     # in the environment sets the default (to run the tests with it on)
     writeback_cache: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("KVFS_WRITEBACK_CACHE", "") in ("1", "true"))
+    # microseconds the kernel transport's reader keeps retrying /dev/fuse right after it answered
+    # a request, before it sleeps in epoll: the caller's next request (a RELEASE and the OPEN of
+    # a read right after a write) then costs no wake-up (kvfs/fs/loop.py, Reader.spin). At most
+    # one window per request: an idle mount never spins. Off (0) by default: measured
+    # (docs/benchmarks.md "The open's round trip"), 100 makes that open ~20% faster but takes
+    # CPU from a caller whose threads fill the cores (LMCache's 4 reader threads on 2 cores:
+    # 0.7-0.9x). KVFS_FUSE_SPIN_US in the environment sets the default
+    fuse_spin_us: int = dataclasses.field(default_factory=lambda: _env_int("KVFS_FUSE_SPIN_US", 0))
     debug: bool = False
     foreground: bool = False
 
@@ -153,6 +176,10 @@ class Config:
             raise ConfigError("passthrough must be true or false")
         if not isinstance(self.writeback_cache, bool):
             raise ConfigError("writeback_cache must be true or false")
+        if (not isinstance(self.fuse_spin_us, int) or isinstance(self.fuse_spin_us, bool)
+                or not 0 <= self.fuse_spin_us <= MAX_SPIN_US):
+            raise ConfigError(f"fuse_spin_us must be a whole number of microseconds from 0 to {MAX_SPIN_US} "
+                              f"(0: off), not {self.fuse_spin_us!r}")
         self.check_shm_dir()
 
     def admission(self) -> dict[str, int]:

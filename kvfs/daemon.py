@@ -132,7 +132,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         store = kvstore.store
         recovered = await kvstore.start()
         names = build_names(cfg, index, tiers[0].dir)
-        served, reader, session = {"metrics": None}, loop.Reader(), []
+        served, reader, session = {"metrics": None}, loop.Reader(spin_us=cfg.fuse_spin_us), []
         describe = lambda: dict(_describe(cfg, mountpoint, tiers, index, names), recovered=recovered,
                                 started=started, request_loop=reader.statistics(), **served,
                                 transport=session[0].statistics() if session else None)

@@ -20,6 +20,10 @@ pointing at a facade that is trio except for two things:
   lets every other task (the index committer, timers, threads' results) run. A request that
   is not queued yet is always waited for through trio.
 
+kvfs's own transport (kvfs/fs/session.py) reads through :meth:`Reader.readv` the same way, and
+can spin (config ``fuse_spin_us``, off): right after a request, up to that many microseconds of
+retried reads, a trio checkpoint between two, before it waits through trio (:meth:`Reader.spin`).
+
 Everything else (nursery, current task, ``notify_closing`` at ``pyfuse3.terminate``, the
 cancellation of the loop at unmount) is trio's own.
 """
@@ -30,6 +34,7 @@ import itertools
 import logging
 import os
 import select
+import time
 
 import pyfuse3
 import trio
@@ -121,8 +126,12 @@ class ReadLock:
 class Reader:
     """``wait_readable`` for pyfuse3's session descriptor (see the module's text)."""
 
-    def __init__(self, burst: int = BURST):
+    def __init__(self, burst: int = BURST, spin_us: int = 0):
         self.burst = burst
+        self.spin_ns = max(0, int(spin_us)) * 1000
+        self._armed = False     # a request was read since the last spin: the next EAGAIN may spin
+        self.spins = self.spun = self.spin_missed = 0
+        self.clock = time.perf_counter_ns   # the spin's clock (a test's may stand still)
         self._streak = 0
         self._poll = None
         self._fd = -1
@@ -147,26 +156,63 @@ class Reader:
         """One request read from ``fd`` (non-blocking) into ``view``: kvfs's own transport
         (kvfs/fs/session.py). The same turns as :meth:`wait_readable` without its ``poll``:
         up to ``burst`` reads in a row are tried at once (a queued request costs one
-        ``readv``, an empty queue one EAGAIN), then a wait through trio. BlockingIOError when
-        the request went to another reader meanwhile."""
+        ``readv``, an empty queue one EAGAIN), then, right after a request only, up to
+        ``spin_us`` of retried reads (:meth:`spin`), then a wait through trio.
+        BlockingIOError when the request went to another reader meanwhile."""
         if self._streak < self.burst:
             await trio.lowlevel.checkpoint_if_cancelled()      # before the read: none is lost
             try:
                 n = os.readv(fd, [view])
             except BlockingIOError:
-                pass
+                if self._armed:
+                    n = await self.spin(fd, view)
+                    if n is not None:
+                        return n
             else:
                 self._streak += 1
                 self.fast += 1
+                self._armed = self.spin_ns > 0
                 return n
         self._streak = 0
         self.waited += 1
         await trio.lowlevel.wait_readable(fd)
+        self._armed = self.spin_ns > 0
         return os.readv(fd, [view])
+
+    async def spin(self, fd: int, view) -> int | None:
+        """Retry the non-blocking read for up to ``spin_us`` (the request after the one just
+        answered often comes within tens of microseconds: the caller's next call), so that it
+        costs no sleep in epoll and no wake-up. Only right after a request (at most one window
+        per request: an idle daemon never spins). Between two tries a trio checkpoint: trio's
+        other tasks, threads' results, timers and descriptors go on as before (each pass polls
+        epoll without waiting), and the spin is a cancellation point. None when nothing came
+        (the caller waits through trio)."""
+        self._armed = False
+        self.spins += 1
+        clock, readv = self.clock, os.readv
+        end = clock() + self.spin_ns
+        while True:
+            try:
+                n = readv(fd, [view])
+            except BlockingIOError:
+                pass
+            else:
+                self._streak += 1
+                self.spun += 1
+                self._armed = True
+                return n
+            if clock() >= end:
+                self.spin_missed += 1
+                return None
+            await trio.lowlevel.checkpoint()
 
     def statistics(self) -> dict:
         """What ``.kvfs/stats`` shows as ``request_loop``."""
-        return {"burst": self.burst, "read_at_once": self.fast, "waited": self.waited}
+        out = {"burst": self.burst, "read_at_once": self.fast, "waited": self.waited}
+        if self.spin_ns:
+            out.update(spin_us=self.spin_ns // 1000, spins=self.spins, read_spinning=self.spun,
+                       spin_missed=self.spin_missed)
+        return out
 
 
 class _Over:

@@ -12,7 +12,8 @@ into the arguments pyfuse3 would pass (``pyfuse3.EntryAttributes``, a setattr-fi
 request context) and the handlers' answers (``EntryAttributes``, ``FileInfo``, ``FUSEError``)
 encoded into the kernel's structures (kvfs/fs/wire.py). The worker loop is pyfuse3's shape
 with kvfs's read lock and burst reader (kvfs/fs/loop.py): workers take turns reading one
-request and run its handler; one is added whenever every worker is busy.
+request and run its handler; one is added whenever every worker is busy. With ``fuse_spin_us``
+a worker that has answered looks for the next request for that long before anyone sleeps.
 
 What it asks the kernel for is what pyfuse3 asks (wire.BASE_WANT, max_write 1 MiB), so both
 transports give the same contract; passthrough is added where the kernel offers it and the
@@ -155,18 +156,39 @@ class KernelSession:
     async def _worker(self) -> None:
         buf = bytearray(BUFSIZE)
         view = memoryview(buf)
-        fd, handle, lock, readv = self.fd, self.handlers.handle, self._lock, self._reader.readv
+        reader = self._reader
+        fd, handle, lock, readv = self.fd, self.handlers.handle, self._lock, reader.readv
+        answered = False        # this worker just answered a request
         while True:
             # the read lock without a coroutine when it is free (the usual case: one worker
             # reads at a time and a request's handler rarely waits)
-            if not lock.try_acquire():
+            if lock.try_acquire():
+                try:
+                    n = await readv(fd, view)
+                except OSError as e:
+                    n = _read_failed(e)
+                finally:
+                    lock.release()
+            elif answered and reader.spin_ns:
+                # our handler waited (a seal's thread, say) and another worker holds the read
+                # lock, asleep in trio's wait: the next request (the caller's, right after
+                # our answer) is looked for here, without the lock, for the spin's window
+                answered = False
+                try:
+                    n = await reader.spin(fd, view)
+                except OSError as e:
+                    n = _read_failed(e)
+                if n is None:
+                    continue
+            else:
                 await lock.acquire()
-            try:
-                n = await readv(fd, view)
-            except OSError as e:
-                n = _read_failed(e)
-            finally:
-                lock.release()
+                try:
+                    n = await readv(fd, view)
+                except OSError as e:
+                    n = _read_failed(e)
+                finally:
+                    lock.release()
+            answered = False
             if n is None:
                 continue
             if n == 0:
@@ -180,6 +202,7 @@ class KernelSession:
                 await handle(view[:n])
             finally:
                 self._idle += 1
+            answered = True
 
     def statistics(self) -> dict:
         """What ``.kvfs/stats`` shows as ``transport``."""

@@ -259,3 +259,64 @@ def test_a_mount_with_another_pyfuse3_is_refused_with_one_line(tmp_path):
     assert res.returncode != 0 and not os.path.ismount(mnt)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "3.6.0" in lines[0] and "pyfuse3>=3.5,<3.6" in lines[0], res.stderr
+
+
+class _Clock:
+    """The spin's clock: stands still until a test moves it (no test waits on real time)."""
+
+    def __init__(self, step: int = 0):
+        self.now, self.step = 0, step
+
+    def __call__(self) -> int:
+        self.now += self.step
+        return self.now
+
+
+async def test_an_idle_reader_never_spins_and_spins_once_per_request(nonblocking_pipe):
+    r, w = nonblocking_pipe
+    reader, buf = loop.Reader(spin_us=50), bytearray(4)
+    reader.clock = _Clock(step=10_000)      # each look at the clock: 10 µs later
+
+    async def later(data):                  # runs only once the reader sleeps in trio's wait
+        await trio.testing.wait_all_tasks_blocked()
+        os.write(w, data)
+
+    async with trio.open_nursery() as n:    # no request read yet: an empty queue is waited for
+        n.start_soon(later, b"a")
+        assert await reader.readv(r, memoryview(buf)) == 1
+    assert (reader.spins, reader.waited) == (0, 1)
+    async with trio.open_nursery() as n:    # right after a request: one window, then trio
+        n.start_soon(later, b"b")
+        assert await reader.readv(r, memoryview(buf)) == 1
+    assert (reader.spins, reader.spin_missed, reader.waited, bytes(buf[:1])) == (1, 1, 2, b"b")
+    async with trio.open_nursery() as n:    # one window per request, never two in a row
+        n.start_soon(later, b"c")
+        assert await reader.readv(r, memoryview(buf)) == 1
+    assert (reader.spins, reader.waited) == (2, 3)
+    assert loop.Reader().spin_ns == 0 and "spins" not in loop.Reader().statistics()   # off by default
+
+
+async def test_a_spin_lets_trio_run_and_takes_the_request_that_came_meanwhile(nonblocking_pipe):
+    r, w = nonblocking_pipe
+    reader, buf, ran = loop.Reader(spin_us=50), bytearray(4), []
+    reader.clock = _Clock()                 # the window never ends on its own
+    os.write(w, b"a")
+    assert await reader.readv(r, memoryview(buf)) == 1          # a request: the spin is armed
+
+    async def other():                      # a task runnable during the spin (a committer, say)
+        ran.append(True)
+        os.write(w, b"b")                   # the caller's next request
+
+    async with trio.open_nursery() as n:
+        n.start_soon(other)
+        assert await reader.readv(r, memoryview(buf)) == 1
+    assert ran == [True] and bytes(buf[:1]) == b"b"
+    assert (reader.spins, reader.spun, reader.spin_missed, reader.waited) == (1, 1, 0, 0)
+    st = reader.statistics()
+    assert (st["spin_us"], st["read_spinning"]) == (50, 1)
+    with trio.CancelScope() as scope:       # a cancellation point: an endless window still ends
+        scope.cancel()
+        await reader.spin(r, memoryview(buf))
+    assert scope.cancelled_caught
+    os.write(w, b"c")                       # and nothing queued meanwhile was lost
+    assert await reader.readv(r, memoryview(buf)) == 1 and bytes(buf[:1]) == b"c"

@@ -28,10 +28,9 @@ import logging
 import os
 import stat
 
-import pyfuse3
 import trio
 
-from kvfs.fs import loop, wire
+from kvfs.fs import loop
 from kvfs.fs.handlers import Handlers
 
 log = logging.getLogger(__name__)
@@ -74,6 +73,16 @@ def _read_failed(e: OSError) -> int | None:
     if e.errno == errno.ENODEV:          # unmounted, or the connection was aborted
         return 0
     raise e
+
+
+async def _locked_read(lock, readv, fd: int, view) -> int | None:
+    """One read of a request by the worker holding the read lock, which it then gives up."""
+    try:
+        return await readv(fd, view)
+    except OSError as e:
+        return _read_failed(e)
+    finally:
+        lock.release()
 
 
 class KernelSession:
@@ -163,12 +172,7 @@ class KernelSession:
             # the read lock without a coroutine when it is free (the usual case: one worker
             # reads at a time and a request's handler rarely waits)
             if lock.try_acquire():
-                try:
-                    n = await readv(fd, view)
-                except OSError as e:
-                    n = _read_failed(e)
-                finally:
-                    lock.release()
+                n = await _locked_read(lock, readv, fd, view)
             elif answered and reader.spin_ns:
                 # our handler waited (a seal's thread, say) and another worker holds the read
                 # lock, asleep in trio's wait: the next request (the caller's, right after
@@ -182,12 +186,7 @@ class KernelSession:
                     continue
             else:
                 await lock.acquire()
-                try:
-                    n = await readv(fd, view)
-                except OSError as e:
-                    n = _read_failed(e)
-                finally:
-                    lock.release()
+                n = await _locked_read(lock, readv, fd, view)
             answered = False
             if n is None:
                 continue

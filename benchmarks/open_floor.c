@@ -104,6 +104,7 @@ static int ninos = 2;
 static uint64_t attr_ttl = TTL;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static __thread struct ent *cur;             /* the ring entry being answered; NULL: /dev/fuse */
+static unsigned long served_dev, served_ring;   /* requests per path, printed on stderr at unmount */
 
 static void reply(uint64_t unique, int err, const void *p, size_t n) {
     struct out_header h = { (uint32_t)(sizeof h + n), -err, unique };
@@ -366,6 +367,7 @@ static void *ring_main(void *arg) {
             cur = e;
             pthread_mutex_lock(&lock);
             handle(&h, e->hdr.op_in, e->payload);   /* FORGET and INTERRUPT come over /dev/fuse */
+            served_ring++;
             pthread_mutex_unlock(&lock);
             cur = 0;
             if (ring_cmd(&r, e, URING_CMD_COMMIT_AND_FETCH, e->hdr.ent.commit_id) == -EBUSY) {
@@ -446,12 +448,17 @@ int main(int argc, char **argv) {
         }
         if (n < 0) {
             if (errno == EINTR || errno == ENOENT || errno == EAGAIN) continue;
-            if (errno == ENODEV) return 0;
+            if (errno == ENODEV) {
+                pthread_mutex_lock(&lock);
+                fprintf(stderr, "served: dev %lu ring %lu\n", served_dev, served_ring);
+                return 0;
+            }
             perror("read");
             return 1;
         }
         pthread_mutex_lock(&lock);
         handle((struct in_header *)buf, buf + sizeof(struct in_header), buf + sizeof(struct in_header));
+        served_dev++;
         pthread_mutex_unlock(&lock);
         if (uring && ((struct in_header *)buf)->opcode == INIT) {
             if (!uring_on) { printf("URING_FAIL INIT not_offered 0 (enable_uring off?)\n"); fflush(stdout); return 1; }

@@ -93,6 +93,26 @@ def wait_mounted(path: str, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{path} not mounted")
 
 
+def stat_threads(paths: list[str], threads: int, stats: int) -> int:
+    """ns of wall time per stat with `threads` callers at once, each stat-ing its share of paths."""
+    import threading
+    go = threading.Barrier(threads + 1)
+
+    def run(mine: list[str]) -> None:
+        go.wait()
+        for p in mine:
+            for _ in range(stats):
+                os.stat(p)
+    ts = [threading.Thread(target=run, args=(paths[i::threads],)) for i in range(threads)]
+    for th in ts:
+        th.start()
+    go.wait()
+    t0 = ns()
+    for th in ts:
+        th.join()
+    return (ns() - t0) // (len(paths) * stats)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--files", type=int, default=40)
@@ -104,6 +124,9 @@ def main(argv=None) -> int:
                          "plain target; a 4 KiB-page tmpfs such as /dev/shm reads 2 MiB ~3x slower here)")
     ap.add_argument("--mode", choices=("open", "stat"), default="open")
     ap.add_argument("--stats", type=int, default=10, help="timed stat calls per file (--mode stat)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="--mode stat: callers at once, each on its share of the files; the round's wall "
+                         "time per stat is recorded (throughput), not each call")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     targets = a.targets.split(",")
@@ -115,6 +138,7 @@ def main(argv=None) -> int:
     exe = work / "open_floor"
     subprocess.run(["gcc", "-O2", "-Wall", "-pthread", "-o", str(exe), str(REPO / "benchmarks" / "open_floor.c")], check=True)
     procs: dict[str, subprocess.Popen] = {}
+    served: dict[str, list] = {}                   # C servers: requests answered over /dev/fuse and over the ring
     dirs: dict[str, tuple[str, str]] = {}          # target -> (where the reader opens, where the file is written)
     try:
         # io_uring servers first: enable_uring is on only while they mount and register
@@ -164,6 +188,8 @@ def main(argv=None) -> int:
                     os.close(fd)
                     p = os.path.join(rd, name)
                     os.stat(p)
+                    if a.mode == "stat" and a.threads > 1:
+                        continue
                     if a.mode == "stat":
                         for _ in range(a.stats):
                             t0 = ns()
@@ -179,6 +205,9 @@ def main(argv=None) -> int:
                     t3 = ns()
                     assert n == SIZE, (t, n)
                     out.append((t1 - t0, t2 - t1, t3 - t2))
+                if a.mode == "stat" and a.threads > 1:
+                    out.append((stat_threads([os.path.join(rd, f"r{rnd}-{i}.bin") for i in range(a.files)],
+                                             a.threads, a.stats),))
                 res[t].append(out)
                 for i in range(a.files):
                     os.unlink(os.path.join(wd, f"r{rnd}-{i}.bin"))
@@ -196,10 +225,14 @@ def main(argv=None) -> int:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 p.kill()
+            if t.startswith("c") and p.stderr:
+                served[t] = [ln for ln in p.stderr.read().splitlines() if ln.startswith("served")]
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     phases = ("open", "readv", "close") if a.mode == "open" else ("stat",)
     what = "2 MiB each" if a.mode == "open" else f"{a.stats} stats each, attribute timeout 0"
+    if a.mode == "stat" and a.threads > 1:
+        what += f", {a.threads} threads: wall time per stat, one value a round"
     print(f"{a.files} files x {a.rounds} rounds, {what}; spin {a.spin_us} µs; µs per file, median (min-max of round medians)")
     print("| target | " + " | ".join(phases) + " | total | total / plain's, per round |")
     summary: dict = {}
@@ -221,9 +254,10 @@ def main(argv=None) -> int:
     print("server CPU seconds during the run: " + json.dumps(cpu_run) + "; in 2 s idle after it: " + json.dumps(cpu_idle))
     if uring_targets:
         print("io_uring: " + json.dumps(uring_log))
+    print("requests served: " + json.dumps(served))
     if a.json:
         Path(a.json).write_text(json.dumps({"files": a.files, "rounds": a.rounds, "spin_us": a.spin_us,
-                                            "mode": a.mode, "stats": a.stats, "uring": uring_log,
+                                            "mode": a.mode, "stats": a.stats, "threads": a.threads, "uring": uring_log, "served": served,
                                             "loadavg_end": os.getloadavg(),
                                             "summary": summary, "cpu_run_s": cpu_run, "cpu_idle_2s": cpu_idle,
                                             "raw": res}, indent=1))

@@ -206,6 +206,20 @@ class Opens:
         if self.passthrough is not None:
             self.passthrough.copy_dropped(oid)
 
+    def _read(self, ino: int) -> bool:
+        """Whether descriptors of ``ino``'s sealed, non-empty version are open, and no writer:
+        a new version on the same inode would share the kernel's one page cache with them (a
+        ``direct_io`` reader's ``MAP_PRIVATE`` mapping fills it with the new version's pages,
+        which an older reader's cached reads then return: docs/design.md, "Versions and
+        sizes"), so a change by a name renews it, as for passthrough readers. An empty
+        version's readers (an ``O_RDONLY|O_CREAT`` of a new name) follow the file instead."""
+        if not self.open_keys.get(ino) or ino in self.store.files.writers:
+            return False
+        try:
+            return self.store.files.getattr(ino).size > 0
+        except NamespaceError:
+            return False
+
     def held(self, ino: int) -> bool:
         """Whether passthrough opens hold ``ino`` (the kernel then takes no other open of it)."""
         return self.passthrough is not None and self.passthrough.mode(ino) is not None
@@ -251,7 +265,7 @@ class Opens:
         stays Held)."""
         if renew and self.store.names.evicted(ino):
             raise Renewed(None)                 # renewed (or evicted) meanwhile: look it up again
-        if renew and self.held(ino):
+        if renew and (self.held(ino) or self._read(ino)):
             moved = self.store.names.renew(ino)
             if moved is not None:
                 parent, name, new = moved

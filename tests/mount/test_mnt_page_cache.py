@@ -2,10 +2,13 @@
 
 Issue 2 section 2: "readers that opened the old version keep reading it"; "a replaced name
 must not serve stale bytes". kvfs/fs/ops.py tracks which version the cached pages hold and
-gives direct_io to a handle opened while another version is open. With FUSE passthrough a
-reader of a sealed block holds its inode's one backing file: the rewrite renews the name (a new
-inode with the same version, kvfs/fs/opens.py ``Opens.changeable``) and goes on there, the reader keeps
-the old inode and its version; with passthrough off the rewrite goes on beside the reader.
+gives direct_io to a handle opened while another version is open. A reader of a sealed,
+non-empty version holds its inode (through FUSE passthrough, its one backing file; without,
+its page cache): a rewrite by the name renews the name (a new inode with the same version,
+kvfs/fs/opens.py ``Opens.changeable``) and goes on there, and the reader keeps the old inode
+and its version, passthrough or not (stop 38: a ``MAP_PRIVATE`` mapping of the new version,
+``direct_io`` beside an older cached reader on one inode, filled the shared page cache with
+new bytes that the older reader then read).
 """
 from __future__ import annotations
 
@@ -39,10 +42,9 @@ def open_reader(mnt, p) -> tuple[int, bool]:
     return r, passthrough_opens(mnt) > before
 
 
-def renewed_if_held(p, held: bool, ino: int) -> None:
-    """A rewrite of a file a passthrough reader held gave its name a new inode; otherwise the
-    inode stays."""
-    assert (os.stat(p).st_ino != ino) == held
+def renewed(p, ino: int) -> None:
+    """A rewrite of a file a reader of its sealed version held gave its name a new inode."""
+    assert os.stat(p).st_ino != ino
 
 
 @pytest.mark.parametrize("how", ["rewrite", "trunc"])
@@ -50,7 +52,7 @@ def test_old_reader_keeps_old_version(mnt, d, how):
     size = 3 * MiB
     v1, v2 = content("v1", size), content("v2", size)
     put(d / "f", v1)
-    r, held = open_reader(mnt, d / "f")
+    r, _ = open_reader(mnt, d / "f")
     try:
         assert os.pread(r, 4096, 0) == v1[:4096]          # the page cache holds v1 now
         flags = os.O_WRONLY | (os.O_TRUNC if how == "trunc" else 0)
@@ -60,7 +62,7 @@ def test_old_reader_keeps_old_version(mnt, d, how):
             os.pwrite(w, v2, 0)
         finally:
             os.close(w)                                   # v2 installed here
-        renewed_if_held(d / "f", held, ino)
+        renewed(d / "f", ino)
         old = os.pread(r, size + 1, 0)
         if old != v1:
             same_as_v2 = old == v2
@@ -80,7 +82,7 @@ def test_old_reader_during_rewrite_keeps_old_version(mnt, d):
     size = 2 * MiB
     v1, v2 = content("w1", size), content("w2", size)
     put(d / "f", v1)
-    r, held = open_reader(mnt, d / "f")
+    r, _ = open_reader(mnt, d / "f")
     try:
         assert os.pread(r, size, 0) == v1
         ino = os.fstat(r).st_ino
@@ -93,8 +95,41 @@ def test_old_reader_during_rewrite_keeps_old_version(mnt, d):
         finally:
             os.close(w)
         assert os.pread(r, size, 0) == v1
-        renewed_if_held(d / "f", held, ino)
+        renewed(d / "f", ino)
     finally:
         if r >= 0:
             os.close(r)
+    assert read(d / "f") == v2
+
+
+def test_a_private_mapping_of_the_new_version_does_not_reach_an_older_reader(mnt, d):
+    """The hole renewal closes (stop 38): a reader of v1 in the kernel's cached mode, a rewrite
+    of the name to v2, then a second reader that maps v2 ``MAP_PRIVATE``. On one inode that
+    reader was ``direct_io`` (another version open), but the kernel serves a private mapping
+    of a ``direct_io`` descriptor from the inode's page cache, which its faults filled with v2:
+    the v1 reader's next reads returned v2's bytes. With the name renewed, each version has
+    its own inode and page cache."""
+    import mmap
+    size = MiB
+    v1, v2 = content("pv1", size), content("pv2", size)
+    put(d / "f", v1)
+    r1, _ = open_reader(mnt, d / "f")
+    try:
+        assert os.pread(r1, size, 0) == v1
+        w = os.open(d / "f", os.O_RDWR)
+        try:
+            os.pwrite(w, v2, 0)
+        finally:
+            os.close(w)
+        r2 = os.open(d / "f", os.O_RDONLY)
+        try:
+            with mmap.mmap(r2, size, mmap.MAP_PRIVATE, mmap.PROT_READ) as mm:
+                assert mm[:] == v2
+        finally:
+            os.close(r2)
+        assert os.pread(r1, size, 0) == v1, "the older reader read the newer version's pages"
+        with mmap.mmap(r1, size, mmap.MAP_SHARED, mmap.PROT_READ) as mm:
+            assert mm[:] == v1
+    finally:
+        os.close(r1)
     assert read(d / "f") == v2

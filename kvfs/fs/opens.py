@@ -131,7 +131,11 @@ class Opens:
         if passing:
             return pyfuse3.FileInfo(fh=fh)
         pt = self.passthrough
-        direct = others or (pt is not None and (pt.mode(ino) is not None or pt.enabled and write_only(h, flags)))
+        # a reader of a renewed inode before the change that renewed it came back: that
+        # change goes on beside it (not renewed twice), so it reads uncached, where another
+        # version's pages cannot reach it
+        direct = (others or (self.renewing and not h.write and self._renewing(ino))
+                  or (pt is not None and (pt.mode(ino) is not None or pt.enabled and write_only(h, flags))))
         if direct or flags & (os.O_DIRECT | os.O_APPEND):
             self.uncached_fh.add(fh)
         if direct:
@@ -265,7 +269,7 @@ class Opens:
         stays Held)."""
         if renew and self.store.names.evicted(ino):
             raise Renewed(None)                 # renewed (or evicted) meanwhile: look it up again
-        if renew and (self.held(ino) or self._read(ino)):
+        if renew and (self.held(ino) or (self._read(ino) and not self._renewing(ino))):
             moved = self.store.names.renew(ino)
             if moved is not None:
                 parent, name, new = moved

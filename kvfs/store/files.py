@@ -214,9 +214,13 @@ class FileHandles:
         return self._new_fh(Handle(ino, write=True, append=bool(flags & os.O_APPEND), ws=ws)), ino, rec
 
     async def open(self, ino: int, flags: int) -> int:
-        if ino in self.ns.evicted:      # kept for the descriptors opened before it went
-            raise NamespaceError(errno.ENOENT)
         acc = flags & os.O_ACCMODE
+        if ino in self.ns.evicted and (acc != os.O_RDONLY or flags & os.O_TRUNC):
+            # kept for the descriptors opened before it went: a change must reach the name's
+            # inode (ESTALE: the kernel looks the name up again). A read-only open of it came
+            # through a dentry looked up before a rename over the name or a renewal: it reads
+            # the version that name had then, as an open racing a rename does on any filesystem
+            raise NamespaceError(errno.ENOENT)
         ws = await self._live_writer(ino, writing=acc != os.O_RDONLY)
         rec = self.ns.inode(ino)         # after any wait: a seal may have installed a new version
         if stat.S_ISDIR(rec.mode):
@@ -249,6 +253,11 @@ class FileHandles:
             ws.handles += 1
             return self._new_fh(Handle(ino, ws=ws))
         obj = self.store.objs.get(rec.oid)
+        if obj is None and ino in self.ns.orphans:
+            # an orphan's version that no name holds any more is only in its readers' handles
+            # (an open through a name the kernel looked up before the name moved: rare)
+            obj = next((h.obj for h in self.handles.values()
+                        if h.ino == ino and h.obj is not None and h.obj.oid == rec.oid), None)
         if obj is None:
             raise NamespaceError(errno.ENOENT)
         obj.refs += 1

@@ -56,9 +56,13 @@ class NameOps:
         return ino in self.ns.evicted
 
     def dropped(self, ino: int) -> bool:
-        """The daemon removed inode ``ino`` (eviction) though the kernel may still name it
-        (an evicted inode kept for the descriptors of a reader of an older version too)."""
-        return ino in self.ns.evicted or (self.index.get_inode(ino) is None and ino not in self.ns.orphans)
+        """Inode ``ino`` has no name any more though the kernel may still name it: the daemon
+        removed it (eviction), or it lives on only for open descriptors (an orphan: unlinked,
+        renamed over or renewed). A request by a name for it then came through a dentry the
+        kernel looked up before the change (an open racing a ``rename`` over the name): ESTALE
+        makes the kernel look the name up again, where ENOENT would fail an open of a name
+        that existed throughout."""
+        return ino in self.ns.evicted or ino in self.ns.orphans or self.index.get_inode(ino) is None
 
     def renew(self, ino: int) -> tuple[int, bytes, int] | None:
         """Give open file ``ino``'s name a new inode holding the same sealed version, ``ino``

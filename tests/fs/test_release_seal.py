@@ -152,27 +152,35 @@ async def test_a_writer_opening_while_a_truncate_seals_waits_for_it(ops):
 
 
 async def test_a_reader_of_an_old_version_keeps_its_inode_when_the_current_version_is_evicted(ops):
-    # the eviction of a name's current version (no handle on it) while a reader still holds
-    # an older version of the same inode: the reader's descriptor goes on like after an
-    # unlink (fstat answers, reads give its version), the name is gone
+    # a reader holds v1; a write open by the name renews the name (its own inode, with v1: the
+    # reader's inode an orphan, docs/design.md "Versions and sizes"); v2 is written on the new
+    # inode and evicted. The reader's descriptor goes on like after an unlink (fstat answers,
+    # reads give its version)
     v1, v2 = content(8), content(9)
     ino = await sealed_file(ops, v1)
     r = await ops.open(ino, os.O_RDONLY, CTX)             # v1
-    w = await ops.open(ino, os.O_RDWR, CTX)
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.open(ino, os.O_RDWR, CTX)               # renewed: the kernel looks the name up again
+    assert e.value.errno == errno.ESTALE
+    new = (await ops.lookup(ROOT_INO, b"f", CTX)).st_ino
+    assert new != ino
+    w = await ops.open(new, os.O_RDWR, CTX)
     await ops.write(w.fh, 0, v2)
     await ops.flush(w.fh)
-    await ops.release(w.fh)                               # v2 installed; r keeps v1
-    current = ops.store.ns.sealed.get(ino)
+    await ops.release(w.fh)                               # v2 installed on the new inode
+    current = ops.store.ns.sealed.get(new)
     assert current is not None and current.refs == 0
     await ops.store.store.mover.evict(current)
     assert (await ops.getattr(ino, CTX)).st_ino == ino   # not ENOENT
     assert await read_all(ops, r.fh) == v1
-    # the name's file is gone: an open (or a truncate by path) can only come through a name
-    # the kernel still holds until the daemon's notification lands. ESTALE makes the kernel
-    # look the name up again (ENOENT; open(O_CREAT) makes a new file). A write open used to
-    # start an empty buffer on the orphan: the writer's bytes went to an unlinked inode
-    # (fsx long, seed 11 x 4: "after open: fstat size of f13: kvfs 0").
-    for flags in (os.O_RDONLY, os.O_RDWR, os.O_WRONLY | os.O_TRUNC):
+    # the old inode has no name: an open through a name the kernel looked up before the
+    # renewal reads the version it had then (as an open racing a rename over the name); a
+    # change through it is ESTALE (the kernel looks the name up again: a write open used to
+    # start an empty buffer on an orphan, fsx long, seed 11 x 4)
+    again = await ops.open(ino, os.O_RDONLY, CTX)
+    assert await read_all(ops, again.fh) == v1
+    await ops.release(again.fh)
+    for flags in (os.O_RDWR, os.O_WRONLY | os.O_TRUNC):
         with pytest.raises(pyfuse3.FUSEError) as e:
             await ops.open(ino, flags, CTX)
         assert e.value.errno == errno.ESTALE
@@ -180,6 +188,11 @@ async def test_a_reader_of_an_old_version_keeps_its_inode_when_the_current_versi
         await ops.setattr(ino, pyfuse3.EntryAttributes(), pyfuse3.SetattrFields(), None, CTX)
     assert e.value.errno == errno.ESTALE
     assert (await ops.setattr(ino, pyfuse3.EntryAttributes(), pyfuse3.SetattrFields(), r.fh, CTX)).st_ino == ino
+    # the name's evicted inode: every request by the name is ESTALE
+    for flags in (os.O_RDONLY, os.O_RDWR):
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.open(new, flags, CTX)
+        assert e.value.errno == errno.ESTALE
     assert ino not in ops.store.files.writers
     await ops.release(r.fh)
     assert ino not in ops.store.ns.orphans and ino not in ops.store.ns.evicted
@@ -312,7 +325,6 @@ async def test_getattr_during_a_truncate_gives_the_size_the_kernel_keeps_until_i
     data = content(13)
     new = SIZE + 5000 if grow else SIZE - 5000
     ino = await sealed_file(ops, data)
-    r = await ops.open(ino, os.O_RDONLY, CTX)
     got = {}
     with trio.fail_after(60):
         async with trio.open_nursery() as n:
@@ -325,7 +337,6 @@ async def test_getattr_during_a_truncate_gives_the_size_the_kernel_keeps_until_i
     assert got["attr"].st_size == new                      # the reply: the new size
     assert (await ops.getattr(ino, CTX)).st_size == new
     assert ino not in ops.store.files.resizing
-    await ops.release(r.fh)
     r = await ops.open(ino, os.O_RDONLY, CTX)
     assert await read_all(ops, r.fh) == (data + bytes(5000) if grow else data[:new])
     await ops.release(r.fh)

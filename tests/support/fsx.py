@@ -114,7 +114,7 @@ class Config:
     max_mismatches: int = 200    # a worker stops after this many (they cascade once sides diverge)
     history: int = int(os.environ.get("FSX_HISTORY", "0"))  # > 0: each mismatch lists this many earlier checks of its file
     posix: bool = False          # model plain POSIX (no old versions): to check the exerciser on two POSIX dirs
-    passthrough: bool = False    # the mount serves sealed readers by FUSE passthrough (renewal rule)
+    passthrough: bool = False    # the mount serves sealed readers by FUSE passthrough (reported)
 
 
 @dataclasses.dataclass
@@ -251,19 +251,20 @@ class Worker:
         return [h for h in self.handles if h.rino == rino and h.acc == os.O_RDONLY and not h.frozen]
 
     def renewal(self, n: str, rino: int | None, kino: int | None, same: bool) -> int | None:
-        """After a write open or truncate of ``n`` that kvfs let through: with passthrough, a
-        file a passthrough reader holds has its name given a new inode with the same version
-        (the kernel takes no other open of the held one; docs/design.md, "How a read
-        travels"), so the name's kvfs inode changed. The reference does the same (the file
-        copied and the copy renamed over the name): descriptors open on the old file keep
-        it, as kvfs's readers keep theirs. With no descriptor of its current version open
-        here (a reader's close whose RELEASE had not reached kvfs yet, or an eviction that
-        an O_CREAT open then made a new file for) nothing is open on the old file: renewed
-        when the content is the same either way (``same``), otherwise left to the eviction
-        rule. Returns the name's reference inode."""
-        if not self.cfg.passthrough or rino is None or kino is None or self.kino.get(n) in (None, kino):
+        """After a write open or truncate of ``n`` that kvfs let through: a file whose sealed
+        version readers hold (passthrough or not, since stop 38; readers of an older version
+        sharing its inode too) has its name given a new inode with the same version
+        (docs/design.md, "Versions and sizes", "How a read travels"), so the name's kvfs
+        inode changed. The reference does the same (the file copied and the copy renamed
+        over the name): descriptors open on the old file keep it, and its size, as kvfs's
+        readers keep theirs. With no descriptor of it open here (a reader's close whose
+        RELEASE had not reached kvfs yet, or an eviction that an O_CREAT open then made a new
+        file for) nothing is open on the old file: renewed when the content is the same
+        either way (``same``), otherwise left to the eviction rule. Returns the name's
+        reference inode."""
+        if rino is None or kino is None or self.kino.get(n) in (None, kino):
             return rino
-        if not any(not h.frozen for h in self.open_on(rino)):
+        if not self.open_on(rino):
             if same:
                 self.kino[n] = kino
                 self.counts["renewed_after_close"] += 1

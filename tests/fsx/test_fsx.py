@@ -129,19 +129,21 @@ def test_fsx_crash_model_counts_the_seal_by_an_mmap_close(kvfs_mount, tmp_path):
 
 
 def test_fsx_old_version_reader_with_o_direct_reads_only_old_bytes(kvfs_mount, tmp_path):
-    """An O_DIRECT reader of the old version of a file shrunk in place reads old bytes up to
-    the new size, then nothing (seeds 11 and 12 x 1 process: the model compared such reads as
-    if POSIX; 7 mismatches in 250k operations, all of this kind); the model now compares them
-    exactly (docs/design.md, "Versions and sizes")."""
+    """An O_DIRECT reader of the old version of a file rewritten and shrunk (seeds 11 and 12
+    x 1 process: the model compared such reads as if POSIX; 7 mismatches in 250k operations,
+    all of this kind). Since stop 38 the rewrite by the name renews it (docs/design.md,
+    "Versions and sizes"): the reader keeps its inode, old bytes and size, and the model
+    follows (the reference's file copied and renamed over the name)."""
     m = kvfs_mount()
     w = fsx.Worker(fsx.Config(str(m.path), str(tmp_path / "ref"), seed=5, max_size=192 << 10), 0)
     w._open("f00", os.O_RDWR, True, False, False, False)
     w._write(w.handles[-1], w.data(192 << 10), 0, "bulk_write")
     w.op_close(w.handles[-1])
     w._open("f00", os.O_RDONLY, False, False, False, True)      # the O_DIRECT reader
-    w._open("f00", os.O_RDWR, False, False, False, False)       # a new version under it
+    w._open("f00", os.O_RDWR, False, False, False, False)       # a new version, by the name
     wr = w.handles[-1]
-    assert w.handles[0].frozen
+    assert not w.handles[0].frozen and w.counts["renewed"] == 1
+    assert os.fstat(wr.kfd).st_ino != os.fstat(w.handles[0].kfd).st_ino
     for fd in (wr.kfd, wr.rfd):
         os.ftruncate(fd, 8192)
     w.op_close(wr)

@@ -46,7 +46,9 @@ if str(REPO) not in sys.path:
 
 from kvfs.bench import aligned_buffer  # noqa: E402
 
-SIZE = 2 << 20
+sys.path.insert(0, str(REPO / "benchmarks"))
+from readback_profile import SIZE, read_one  # noqa: E402  (the same timed read, 2 MiB)
+
 ns = time.perf_counter_ns
 URING = Path("/sys/module/fuse/parameters/enable_uring")
 
@@ -196,15 +198,7 @@ def main(argv=None) -> int:
                             os.stat(p)
                             out.append((ns() - t0,))
                         continue
-                    t0 = ns()
-                    fd = os.open(p, os.O_RDONLY)
-                    t1 = ns()
-                    n = os.readv(fd, [r])
-                    t2 = ns()
-                    os.close(fd)
-                    t3 = ns()
-                    assert n == SIZE, (t, n)
-                    out.append((t1 - t0, t2 - t1, t3 - t2))
+                    out.append(read_one(p, r))          # open, readv, close: µs apiece
                 if a.mode == "stat" and a.threads > 1:
                     out.append((stat_threads([os.path.join(rd, f"r{rnd}-{i}.bin") for i in range(a.files)],
                                              a.threads, a.stats),))

@@ -75,8 +75,10 @@ class Replaced(Exception):
 
 class Renewed(Exception):
     """A change by a name (an open for writing or truncating, a truncate by path) of a file
-    passthrough readers hold: its name was given a new inode with the same version, the
-    readers keep the old one (kvfs/store/namespace.py ``renew``). Answered ESTALE: the kernel
+    whose sealed version readers hold (through passthrough or, since stop 38, the daemon: one
+    inode, one page cache, one backing file per version): its name was given a new inode
+    with the same version, the readers keep the old one (kvfs/store/namespace.py
+    ``renew``). Answered ESTALE: the kernel
     looks the name up again (LOOKUP_REVAL) and retries the change once, on the new inode.
     ``entry``: (parent, name) whose kernel entry goes; None when the inode had been renewed
     (or evicted) already."""

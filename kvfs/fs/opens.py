@@ -177,11 +177,22 @@ class Opens:
             # the registration the inode's last passthrough open left idle: the same version,
             # its copy still the top one (nothing to open, check or register)
             return pt.offer(fh, ino, h.obj, None)
-        found = await open_backing(self.store.store, h.obj)
-        if found is None:
+        store = self.store.store
+        for _ in range(2):
+            found = await open_backing(store, h.obj)
+            if found is None:
+                pt.declined += 1
+                return False
+            fd, tier = found
+            if store.top_tier(h.obj) == tier:
+                break
+            # promoted (this open queued it) or moved while its copy was checked: that copy
+            # is no longer the top one, and its drop or promotion hook ran before there was a
+            # registration to close; the top copy instead (a RAM copy needs no check)
+            os.close(fd)
+        else:
             pt.declined += 1
             return False
-        fd, tier = found
         if not await self._may_pass(ino, h.obj, wait=False) or not self._current(ino, h.obj):
             os.close(fd)                     # another open, a writer or a new version came in meanwhile
             return False

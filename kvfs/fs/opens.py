@@ -122,7 +122,7 @@ class Opens:
                 # a reader refused: rare, and worth knowing why (tests/fsx/probe_concurrent.py)
                 log.warning("read-only open of inode %d refused (ETXTBSY): held by version %s, "
                             "this one %s, writers %s, renewing %s, changing %s, current %s", ino,
-                            getattr(self.passthrough.mode(ino), "oid", None), getattr(h.obj, "oid", None),
+                            getattr(held, "oid", None), getattr(h.obj, "oid", None),
                             ino in self.store.files.writers, self._renewing(ino),
                             self._changing.get(ino), h.obj is not None and self._current(ino, h.obj))
             raise Held(ino)         # the kernel takes only passthrough opens of it now

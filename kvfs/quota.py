@@ -8,8 +8,9 @@ leased, not pinned) gone; otherwise it goes on, and when the file is closed the 
 least-recently-used idle files are evicted down to QUOTA_LOW of the quota (a write(2) reaches
 the daemon in 1 MiB requests: evicting at the first one lost files for writes that then failed).
 A file whose write got EDQUOT is itself evicted at close if its namespace is still over. Usage is the namespace's sealed bytes
-(kvfs.telemetry) plus the buffer of the file being written: other files being written at the
-same moment are counted once they are sealed.
+(kvfs.telemetry), the bytes of its removed files still held open or leased (they stay in the
+tiers until released: ``ObjectStore.held``), plus the buffer of the file being written: other
+files being written at the same moment are counted once they are sealed.
 """
 from __future__ import annotations
 
@@ -97,8 +98,7 @@ class Quotas:
         growth = max(0, off + length - current)
         if not growth:
             return
-        counters = self.store.telemetry.namespaces.get(ns)
-        used = (counters.bytes if counters else 0) + current
+        used = self._ns_bytes(ns) + current
         if used + growth <= limit:
             return
         victims = self.store.policy.namespace_victims(ns, keep=ws.base if ws else None)
@@ -150,11 +150,13 @@ class Quotas:
             self.evicted += 1
 
     def _ns_bytes(self, ns: str) -> int:
+        """What ``ns`` is charged: its sealed bytes, and the bytes of its removed files that
+        a reader still holds (open or leased: they stay in the tiers until released)."""
         counters = self.store.telemetry.namespaces.get(ns)
-        return counters.bytes if counters else 0
+        return (counters.bytes if counters else 0) + self.store.held.get(ns, 0)
 
     def statistics(self) -> dict:
-        nss = self.store.telemetry.namespaces
-        return {"limits": {ns: {"limit": lim, "used": nss[ns].bytes if ns in nss else 0}
+        held = self.store.held
+        return {"limits": {ns: {"limit": lim, "used": self._ns_bytes(ns), "held": held.get(ns, 0)}
                            for ns, lim in sorted(self.limits.items())},
                 "evicted": self.evicted, "refused": self.refused}

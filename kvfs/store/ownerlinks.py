@@ -66,6 +66,7 @@ class OwnerLinks:
         self.links: dict[int, set[int]] = {}    # oid -> uids holding a link
         self.exposed: set[int] = set()          # oids whose file was made 0644 (scrubbed when freed)
         self.scrubbed = 0                       # object files whose bytes were punched out when freed
+        self.no_acl = False                     # the filesystem has no POSIX ACLs: no grants
 
     @property
     def active(self) -> bool:
@@ -104,6 +105,17 @@ class OwnerLinks:
                 raise OSError(errno.EPERM, f"grants directory of uid {uid} is not the daemon's")
             os.fchmod(top, 0o700)
             os.setxattr(top, ACL_XATTR, search_acl(uid))
+        except OSError as e:
+            os.close(top)
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP):
+                self.no_acl = True
+                log.warning("%s has no POSIX ACLs: namespace owners get no backing-file paths "
+                            "there (they read through the mount)", self.path)
+                try:
+                    os.rmdir(name, dir_fd=self.fd)
+                except OSError:
+                    pass
+            raise
         except BaseException:
             os.close(top)
             raise
@@ -113,7 +125,7 @@ class OwnerLinks:
     def grant(self, src_dir_fd: int, name: str, oid: int, uid: int) -> str | None:
         """A path under ``uid``'s directory naming the file ``name`` of ``src_dir_fd`` (the
         object ``oid``), or None when it cannot be made (the error is logged)."""
-        if not self.active:
+        if not self.active or self.no_acl:
             return None
         try:
             if uid not in self.links.get(oid, ()):

@@ -140,3 +140,26 @@ def test_a_tenant_can_add_nothing_under_the_daemons_storage(kvfs_mount, tenant):
         assert used(root) <= b + MiB, f"{root}: {(used(root) - b) / MiB:.1f} MiB more after the attack"
     for n, size in zip(names, (MiB, 6 * MiB, MiB)):
         assert (m.path / n).read_bytes() == content(n, size)
+
+
+def test_umount_removes_a_planted_tree_in_the_ram_grants_and_its_tmpfs(kvfs_mount, tenant, tmp_path):
+    """Issue 40, item 2: a 1,600-level tree, symlinks out and a fifo in the RAM tier's grants
+    directory (planted by root, as a tenant of an earlier version could) leave neither the
+    daemon's tmpfs mounted nor ``kvfs umount`` failing."""
+    from support.planted import plant
+    m = kvfs_mount(ram="8MiB", allow_other=True)
+    ns = m.path / "team"
+    ns.mkdir(mode=0o700)
+    os.chown(ns, tenant.uid, tenant.gid)
+    (ns / "b0").write_bytes(content("b0", MiB))
+    os.chown(ns / "b0", tenant.uid, tenant.gid)
+    with reachable(m.path):
+        ans = json.loads(tenant.run(LEASE, m.path, "team/b0").stdout)
+    assert ans["blocks"][0] and ans["blocks"][0][0] == "ram", ans
+    udir = os.path.dirname(ans["blocks"][0][1])
+    outside = plant(__import__("pathlib").Path(udir) / "deep", outside=tmp_path / "out")
+    ram_fs = os.path.dirname(m.stats()["ram_dir"])
+    m.umount()
+    assert not os.path.lexists(os.path.dirname(udir))
+    assert not any(ram_fs in line for line in open("/proc/self/mounts"))
+    assert (outside / "precious").read_bytes() == b"keep me"

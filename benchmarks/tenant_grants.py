@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,7 +106,7 @@ def main() -> None:
             for k, v in one(pkg, a.blocks, a.size, user).items():
                 rows[label].setdefault(k, []).append(v / a.blocks * 1e6)
     print(f"{a.blocks} blocks of {a.size >> 10} KiB, medians of {a.runs} runs, µs per block")
-    print(f"| row | before | after |\n|---|---:|---:|")
+    print("| row | before | after |\n|---|---:|---:|")
     for k in rows["after"]:
         print(f"| {k} | {statistics.median(rows['before'][k]):.1f} | {statistics.median(rows['after'][k]):.1f} |")
 

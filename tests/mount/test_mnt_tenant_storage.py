@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -157,7 +157,7 @@ def test_umount_removes_a_planted_tree_in_the_ram_grants_and_its_tmpfs(kvfs_moun
         ans = json.loads(tenant.run(LEASE, m.path, "team/b0").stdout)
     assert ans["blocks"][0] and ans["blocks"][0][0] == "ram", ans
     udir = os.path.dirname(ans["blocks"][0][1])
-    outside = plant(__import__("pathlib").Path(udir) / "deep", outside=tmp_path / "out")
+    outside = plant(Path(udir) / "deep", outside=tmp_path / "out")
     ram_fs = os.path.dirname(m.stats()["ram_dir"])
     m.umount()
     assert not os.path.lexists(os.path.dirname(udir))

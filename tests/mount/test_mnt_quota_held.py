@@ -94,3 +94,62 @@ def test_removed_but_held_files_count_against_the_quota(kvfs_mount, tenant, how)
     assert after == 0
     wait_for(lambda: m.stats()["quotas"]["limits"]["team"]["held"] == 0, 60, "the held bytes to be freed")
     assert m.stats()["quotas"]["limits"]["team"]["used"] == MiB
+
+
+# as the tenant: open ROUNDS files and write 1 MiB to each, keeping every one open (nothing is
+# sealed); report each write's errno; wait for a line; close them all
+WRITING = r"""
+import json, os, sys
+d, rounds = sys.argv[1], int(sys.argv[2])
+kept, out = [], []
+for i in range(rounds):
+    fd = os.open(os.path.join(d, f"w{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    kept.append(fd)
+    try:
+        os.write(fd, os.urandom(1 << 20))
+        out.append(0)
+    except OSError as e:
+        out.append(e.errno)
+print(json.dumps(out), flush=True)
+sys.stdin.readline()
+errs = []
+for fd in kept:
+    try:
+        os.close(fd)
+        errs.append(0)
+    except OSError as e:
+        errs.append(e.errno)
+print(json.dumps(errs), flush=True)
+"""
+
+
+def test_files_being_written_count_against_the_quota_while_open(kvfs_mount, tenant):
+    """Buffers of files held open for writing are what the tenant holds too: with 4 of 1 MiB
+    open and unsealed in a 4 MiB namespace, a fifth gets EDQUOT (at the quota, then past)."""
+    m = kvfs_mount(ram="64MiB", nvme_size="128MiB", allow_other=True)
+    ns = m.path / "team"
+    ns.mkdir(mode=0o700)
+    os.chown(ns, tenant.uid, tenant.gid)
+    assert run_kvfs("quota", "set", m.path, "team", "4MiB").returncode == 0
+    base = m.stats()["tiers"]["ram"]["used"]
+    with reachable(m.path):
+        p = subprocess.Popen([tenant.python, "-c", WRITING, str(ns), "8"],
+                             user=tenant.uid, group=tenant.gid, extra_groups=[], cwd="/", text=True,
+                             env={"PATH": "/usr/bin:/bin", "HOME": str(tenant.home)},
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            line = p.stdout.readline()
+            assert line, p.stderr.read()
+            rounds = json.loads(line)
+            staged = m.stats()["tiers"]["ram"]["used"] - base
+            p.stdin.write("\n")
+            p.stdin.flush()
+            closed = json.loads(p.stdout.readline())
+        finally:
+            p.kill()
+            p.wait()
+    assert rounds == [0] * 4 + [errno.EDQUOT] * 4, rounds
+    assert staged <= 4 * MiB + 64 * 1024, f"{staged / MiB:.1f} MiB staged in RAM for a 4 MiB quota"
+    assert closed[:4] == [0] * 4, closed
+    wait_for(lambda: m.stats()["settled"], 60, "the store to settle")
+    assert m.stats()["quotas"]["limits"]["team"]["used"] <= 4 * MiB

@@ -122,6 +122,36 @@ class Quotas:
         # grow past the quota: evict them when the file is closed, not for a write that fails
         self._owed[fh] = ns
 
+    async def admit_resize(self, ino: int, size: int) -> None:
+        """Admit a truncate of ``ino`` to ``size``, or EDQUOT: growing a file adds its new bytes
+        to the namespace as a write would (the sealed version is stored at its full size).
+        The size is known, so room is made now (idle files evicted, as for a commit entry)."""
+        if not self.limits:
+            return
+        ns = namespace_of(self.cache.ns.path_of(ino))
+        limit = self.limits.get(ns)
+        if limit is None:
+            return
+        files = self.cache.files
+        growth = size - files.live_size(ino, self.cache.ns.inode(ino))
+        if growth <= 0:
+            return
+        ws = files.writers.get(ino)
+        used = self._ns_bytes(ns) + self._buffered(ns, None)
+        if used + growth <= limit:
+            return
+        keep = self.cache.ns.sealed.get(ino)
+        victims = self.store.policy.namespace_victims(ns, keep=keep)
+        if used - sum(o.size for o in victims) + growth > limit:
+            self.refused += 1
+            raise NamespaceError(errno.EDQUOT, f"quota of {ns} ({format_size(limit)}) exceeded")
+        await self._evict_down(ns, used + growth - int(limit * QUOTA_LOW), keep=keep)
+        if self._ns_bytes(ns) + self._buffered(ns, None) + growth > limit:
+            self.refused += 1
+            raise NamespaceError(errno.EDQUOT, f"quota of {ns} ({format_size(limit)}) exceeded")
+        if ws is not None:
+            self._writing.setdefault(ns, set()).add(ws)
+
     async def settle(self, fh: int, ino: int | None) -> None:
         """At release of ``fh`` (after its seal): a file written on credit evicts its
         namespace's LRU idle files down to QUOTA_LOW of the quota; a file whose write was

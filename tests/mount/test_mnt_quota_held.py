@@ -153,3 +153,26 @@ def test_files_being_written_count_against_the_quota_while_open(kvfs_mount, tena
     assert closed[:4] == [0] * 4, closed
     wait_for(lambda: m.stats()["settled"], 60, "the store to settle")
     assert m.stats()["quotas"]["limits"]["team"]["used"] <= 4 * MiB
+
+
+def test_a_truncate_up_past_the_quota_is_refused(kvfs_mount):
+    """A truncate that grows a file adds bytes to its namespace like a write (a sealed file is
+    stored at its full size): at the quota it is allowed, past it EDQUOT, and nothing grows."""
+    m = kvfs_mount(ram="64MiB", nvme_size="128MiB")
+    ns = m.path / "team"
+    ns.mkdir()
+    assert run_kvfs("quota", "set", m.path, "team", "4MiB").returncode == 0
+    with open(ns / "a", "wb") as f:
+        f.write(b"x" * MiB)
+    os.truncate(ns / "a", 4 * MiB)                     # at the quota
+    with pytest.raises(OSError) as e:
+        os.truncate(ns / "a", 4 * MiB + 1)             # past it
+    assert e.value.errno == errno.EDQUOT
+    with open(ns / "b", "wb") as f:
+        with pytest.raises(OSError) as e:
+            os.ftruncate(f.fileno(), 64 * MiB)
+        assert e.value.errno == errno.EDQUOT
+    assert os.path.getsize(ns / "a") == 4 * MiB and os.path.getsize(ns / "b") == 0
+    wait_for(lambda: m.stats()["settled"], 60, "the store to settle")
+    assert m.stats()["quotas"]["limits"]["team"]["used"] <= 4 * MiB
+    assert m.stats()["tiers"]["ram"]["used"] + m.stats()["tiers"]["nvme"]["used"] <= 8 * MiB

@@ -183,6 +183,9 @@ def state_families(doc: dict):
 def quota_families(q: dict):
     yield _gauge("kvfs_namespace_quota_bytes", "Byte quota of a namespace (kvfs quota set).",
                  ["namespace"], [((n,), row["limit"]) for n, row in q["limits"].items()])
+    yield _gauge("kvfs_namespace_held_bytes",
+                 "Bytes of a namespace's removed files still held open or leased (charged to its quota).",
+                 ["namespace"], [((n,), row.get("held", 0)) for n, row in q["limits"].items()])
     yield _counter("kvfs_quota_evictions", "Files evicted to keep a namespace within its quota.",
                    samples=[((), q["evicted"])])
     yield _counter("kvfs_quota_refused_writes", "Writes refused with EDQUOT.", samples=[((), q["refused"])])

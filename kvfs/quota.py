@@ -8,8 +8,10 @@ leased, not pinned) gone; otherwise it goes on, and when the file is closed the 
 least-recently-used idle files are evicted down to QUOTA_LOW of the quota (a write(2) reaches
 the daemon in 1 MiB requests: evicting at the first one lost files for writes that then failed).
 A file whose write got EDQUOT is itself evicted at close if its namespace is still over. Usage is the namespace's sealed bytes
-(kvfs.telemetry) plus the buffer of the file being written: other files being written at the
-same moment are counted once they are sealed.
+(kvfs.telemetry), the bytes of its removed files still held open or leased (they stay in the
+tiers until released: ``ObjectStore.held``), and the buffers of its files being written (every
+one written through a handle in the namespace, until it is sealed: a tenant holding many files
+open for writing is charged for all of them).
 """
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ class Quotas:
         self._fh_ns: dict[int, str] = {}
         self._owed: dict[int, str] = {}         # handles written past the quota on credit
         self._refused_fh: dict[int, str] = {}   # handles a write of which got EDQUOT
+        # per namespace, the write states written through a handle there: their buffers
+        # (unsealed bytes) are charged until sealed, however long their files stay open
+        self._writing: dict[str, set] = {}
 
     # ---- setting ----------------------------------------------------------------
     def namespace_dir(self, ino: int) -> str:
@@ -95,10 +100,11 @@ class Quotas:
         ws = h.ws
         current = ws.staging.size if ws is not None and ws.staging is not None else 0
         growth = max(0, off + length - current)
+        if ws is not None:
+            self._writing.setdefault(ns, set()).add(ws)
         if not growth:
             return
-        counters = self.store.telemetry.namespaces.get(ns)
-        used = (counters.bytes if counters else 0) + current
+        used = self._ns_bytes(ns) + self._buffered(ns, ws) + current
         if used + growth <= limit:
             return
         victims = self.store.policy.namespace_victims(ns, keep=ws.base if ws else None)
@@ -108,7 +114,7 @@ class Quotas:
             raise NamespaceError(errno.EDQUOT, f"quota of {ns} ({format_size(limit)}) exceeded")
         if whole:           # the whole write is known (a commit entry): make room now
             await self._evict_down(ns, used + growth - int(limit * QUOTA_LOW), keep=ws.base if ws else None)
-            if self._ns_bytes(ns) + current + growth > limit:
+            if self._ns_bytes(ns) + self._buffered(ns, ws) + current + growth > limit:
                 self.refused += 1
                 raise NamespaceError(errno.EDQUOT, f"quota of {ns} ({format_size(limit)}) exceeded")
             return
@@ -116,12 +122,44 @@ class Quotas:
         # grow past the quota: evict them when the file is closed, not for a write that fails
         self._owed[fh] = ns
 
+    async def admit_resize(self, ino: int, size: int) -> None:
+        """Admit a truncate of ``ino`` to ``size``, or EDQUOT: growing a file adds its new bytes
+        to the namespace as a write would (the sealed version is stored at its full size).
+        The size is known, so room is made now (idle files evicted, as for a commit entry)."""
+        if not self.limits:
+            return
+        ns = namespace_of(self.cache.ns.path_of(ino))
+        limit = self.limits.get(ns)
+        if limit is None:
+            return
+        files = self.cache.files
+        growth = size - files.live_size(ino, self.cache.ns.inode(ino))
+        if growth <= 0:
+            return
+        ws = files.writers.get(ino)
+        used = self._ns_bytes(ns) + self._buffered(ns, None)
+        if used + growth <= limit:
+            return
+        keep = self.cache.ns.sealed.get(ino)
+        victims = self.store.policy.namespace_victims(ns, keep=keep)
+        if used - sum(o.size for o in victims) + growth > limit:
+            self.refused += 1
+            raise NamespaceError(errno.EDQUOT, f"quota of {ns} ({format_size(limit)}) exceeded")
+        await self._evict_down(ns, used + growth - int(limit * QUOTA_LOW), keep=keep)
+        if self._ns_bytes(ns) + self._buffered(ns, None) + growth > limit:
+            self.refused += 1
+            raise NamespaceError(errno.EDQUOT, f"quota of {ns} ({format_size(limit)}) exceeded")
+        if ws is not None:
+            self._writing.setdefault(ns, set()).add(ws)
+
     async def settle(self, fh: int, ino: int | None) -> None:
         """At release of ``fh`` (after its seal): a file written on credit evicts its
         namespace's LRU idle files down to QUOTA_LOW of the quota; a file whose write was
         refused is evicted itself if its namespace is still over the quota (its partial
         bytes are not kept at the expense of idle files)."""
-        self._fh_ns.pop(fh, None)
+        ns = self._fh_ns.pop(fh, None)
+        if ns is not None:
+            self._buffered(ns, None)         # forget the write states sealed or gone
         owed, refused = self._owed.pop(fh, None), self._refused_fh.pop(fh, None)
         ns = refused or owed
         limit = self.limits.get(ns) if ns is not None else None
@@ -149,12 +187,31 @@ class Quotas:
             freed += obj.size
             self.evicted += 1
 
+    def _buffered(self, ns: str, mine) -> int:
+        """The buffers of ``ns``'s files being written other than ``mine`` (a write state):
+        what its open, unsealed files hold in the tiers. A state whose buffer was sealed or
+        discarded leaves the set; its next write through a handle adds it again."""
+        states = self._writing.get(ns)
+        if not states:
+            return 0
+        n = 0
+        for ws in list(states):
+            if ws.staging is None:
+                states.discard(ws)
+            elif ws is not mine:
+                n += ws.staging.size
+        if not states:
+            del self._writing[ns]
+        return n
+
     def _ns_bytes(self, ns: str) -> int:
+        """What ``ns`` is charged: its sealed bytes, and the bytes of its removed files that
+        a reader still holds (open or leased: they stay in the tiers until released)."""
         counters = self.store.telemetry.namespaces.get(ns)
-        return counters.bytes if counters else 0
+        return (counters.bytes if counters else 0) + self.store.held.get(ns, 0)
 
     def statistics(self) -> dict:
-        nss = self.store.telemetry.namespaces
-        return {"limits": {ns: {"limit": lim, "used": nss[ns].bytes if ns in nss else 0}
+        held = self.store.held
+        return {"limits": {ns: {"limit": lim, "used": self._ns_bytes(ns), "held": held.get(ns, 0)}
                            for ns, lim in sorted(self.limits.items())},
                 "evicted": self.evicted, "refused": self.refused}

@@ -58,6 +58,6 @@ def fsck_cmd(config_file, nvme, state, remote, repair, rebuild_remote):
     click.echo(f"{len(problems)} problem(s), {repaired} repaired")
     if repair and repaired >= len(problems):
         return
-    if not repair:
+    if not repair and repaired < len(problems):      # some are fixed by any run (foreign entries)
         click.echo("run again with --repair to fix them", err=True)
     raise SystemExit(1)

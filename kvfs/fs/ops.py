@@ -158,6 +158,8 @@ class KvfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ESTALE)
         try:
             renew = fh is None and self.shared is None          # by a name: a held file renews
+            if fields.update_size and self.quotas.limits:
+                await self.quotas.admit_resize(inode, attr.st_size)
             async with (self.opens.changing(inode, renew) if fields.update_size else contextlib.nullcontext()):
                 rec = await self.store.files.setattr(
                     inode,

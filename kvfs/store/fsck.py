@@ -88,6 +88,7 @@ async def _fsck(layout: Layout, repair: bool, rebuild_remote: bool, progress: Pr
         await _check_objects(index, by_name, report, repair, progress)
         await _check_orphans(index, tiers, report, repair, progress)
         await _check_leftovers(tiers, report, repair)
+        _check_foreign(tiers, report)
         _check_totals(index, by_name, report, repair)
     finally:
         for t in opened:
@@ -233,6 +234,15 @@ async def _check_leftovers(tiers: list, report: FsckReport, repair: bool) -> Non
             if repair:
                 nvmerecord.remove_side(shard, name)
                 report.repaired += 1
+
+
+def _check_foreign(tiers: list, report: FsckReport) -> None:
+    """Nothing the daemon does not make was in its directories (opening a tier empties its
+    staging and grants directories, without recursion: kvfs.store.safedir.clear_dir)."""
+    for tier in tiers:
+        for msg in getattr(tier, "foreign", ()):
+            _problem(report, msg)
+            report.repaired += 1
 
 
 async def _rebuild_index(layout: Layout, report: FsckReport, progress: Progress) -> Index:

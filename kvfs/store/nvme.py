@@ -88,6 +88,7 @@ class NvmeTier(Tier):
         self._bufs = _Buffers()
         self.grants = OwnerLinks()          # namespace owners' links, in <root>/grants/
         self._xattrs = True
+        self.foreign: list[str] = []        # what open() removed that was not the daemon's
 
     @property
     def staging_dir(self) -> Dir | None:
@@ -116,7 +117,7 @@ class NvmeTier(Tier):
             finally:
                 os.close(objs)
             self.staging = Dir(self.root / "staging", safedir.open_subdir(home, "staging", "NVMe staging"))
-            safedir.clear_dir(self.staging.fd)          # leftovers of a crashed writer
+            self._report("staging", safedir.clear_dir(self.staging.fd, safedir.staging_entry))
             self._clear_grants(home)
             try:
                 fd = os.open(".direct-probe", safedir.CREATE_FLAGS | os.O_DIRECT, 0o600, dir_fd=home)
@@ -162,17 +163,24 @@ class NvmeTier(Tier):
         self.grants.close()
         self._close_fds()
 
-    @staticmethod
-    def _clear_grants(home: int) -> None:
+    def _clear_grants(self, home: int) -> None:
         """No grant outlives the daemon that made it: empty ``grants/`` (an earlier mount's)."""
         try:
             fd = os.open("grants", safedir.DIR_FLAGS, dir_fd=home)
         except FileNotFoundError:
             return
         try:
-            safedir.clear_dir(fd)
+            self._report("grants", safedir.clear_dir(fd, safedir.grants_entry))
         finally:
             os.close(fd)
+
+    def _report(self, sub: str, cleared: safedir.Cleared) -> None:
+        """Say what was removed from ``<root>/<sub>/`` that the daemon never makes there (what a
+        tenant of an earlier version could leave in its grants directory, or someone else)."""
+        if cleared.foreign:
+            msg = f"removed foreign entries from {self.root}/{sub}: {cleared.describe()}"
+            log.warning("%s", msg)
+            self.foreign.append(msg)
 
     def grant_read(self, oid: int, loc: bytes, uid: int) -> dict | None:
         if not can_grant():

@@ -59,6 +59,7 @@ class Obj:
     busy: bool = False         # being moved between tiers
     win_start: float = 0.0
     win_count: int = 0
+    held_in: str | None = None  # dropped while held: the namespace its bytes are charged to
 
     def info(self) -> ObjectInfo:
         return ObjectInfo(self.oid, self.size, self.checksum, self.chunk_size, self.sums, self.key, self.gen)
@@ -111,6 +112,9 @@ class ObjectStore:
         self.lru: dict[str, TierLRU] = {t.name: TierLRU(self.shares) for t in tiers}
         self.counters = {t.name: TierCounters() for t in tiers}
         self.telemetry = Telemetry()     # histograms, namespaces, events (kvfs.telemetry)
+        # bytes of dropped objects a reader still holds (open, leased), by namespace: they
+        # stay in their tiers until released, and count against the namespace's quota
+        self.held: dict[str, int] = {}
         self.events = self.telemetry.events
         # verified reads, by chunk from the tiers below RAM (reads.py)
         self.reads = Reads(ram, self.durable, counters=self.counters, telemetry=self.telemetry, events=self.events,
@@ -274,6 +278,9 @@ class ObjectStore:
         obj.dead = True
         if self.objs.forget(obj.oid):
             self.telemetry.forget(obj.size, obj.key)
+            if obj.refs > 0 and obj.held_in is None and obj.place:
+                ns = obj.held_in = namespace_of(obj.key)
+                self.held[ns] = self.held.get(ns, 0) + obj.size
         self._dirty.discard(obj.oid)
         for name in obj.place:
             self.lru[name].discard(obj)
@@ -282,6 +289,13 @@ class ObjectStore:
         """Free the copies of a dropped object unless a reader still holds it."""
         if not obj.dead or obj.refs > 0:
             return
+        if obj.held_in is not None:         # no longer held: its charge goes with its copies
+            left = self.held.get(obj.held_in, 0) - obj.size
+            if left > 0:
+                self.held[obj.held_in] = left
+            else:
+                self.held.pop(obj.held_in, None)
+            obj.held_in = None
         if any(not self._tier(name).volatile for name in obj.place):
             self.index.commit()         # the drop is in LMDB before a durable copy goes
         place, obj.place = obj.place, {}

@@ -3,24 +3,28 @@
 A tier's object files live in a directory only the daemon's user can enter (0700). For a
 namespace whose top-level directory is owned by another user, the lease and
 ``user.kvfs.backing`` hand that owner (and only that owner) a second name of the file in
-``<grants>/<uid>/links/``: ``<uid>/`` is owned by that user with mode 0500 (so nobody else can
-pass it), inside a grants directory of the daemon's that others may traverse but not list
-(0711); ``links/`` is the daemon's (mode 0555), so the owner can neither rename, unlink nor
-add a name there, even after a ``chmod`` of its own ``<uid>/``. The object file itself is made
-0644 then, which exposes it to nobody else: its only names are in the daemon's 0700 directory
-and in the daemon's ``links/`` behind the owner's 0500 one. Revoking a grant (the namespace
-changed owner, the file moved to another namespace or changed mode, the object was deleted)
-unlinks that name through the descriptor the daemon holds of ``links/`` (found wherever the
-owner moved it); the grants directory is emptied at every mount.
+``<grants>/<uid>/``: a directory of the daemon's (owned by it, mode 0700) with a POSIX ACL that
+grants that one user search (``--x``) and nothing else, inside a grants directory of the
+daemon's that others may traverse but not list (0711). So the owner can open a name it was
+handed, and cannot list, create, rename, unlink, chmod or fill anything there: no entry under
+the daemon's storage is a user's (a tenant that owned its ``<uid>/`` in earlier versions could
+chmod it writable, fill the RAM tier's tmpfs or the NVMe disk outside its quota, and plant a
+tree the daemon's cleanup recursed into: issue 40). The object file itself is made 0644 then,
+which exposes it to nobody else: its only names are in the daemon's 0700 directory and in
+``<uid>/``, which only that user may pass. Revoking a grant (the namespace changed owner, the
+file moved to another namespace or changed mode, the object was deleted) unlinks that name
+through the descriptor the daemon holds of ``<uid>/``; the grants directory is emptied at every
+mount (without recursion: kvfs.store.safedir.clear_dir).
 
 No grant is kept past its object: when the daemon frees an object file that was ever shared
 (mode 0644) or that has a name it did not make (a hard link elsewhere, possible where
 ``fs.protected_hardlinks`` is 0), it punches the file's bytes out first (:meth:`OwnerLinks.scrub`),
 so a name or an open descriptor a grantee kept holds no space once the object is gone.
 
-The owner can chmod its own ``<uid>/`` and add names beside ``links/``, and move ``links/``
-within it: that only touches its own access (the daemon then answers ``null``). The daemon
-needs root for this (chown); a daemon that is not root hands out no grants (``null``).
+The daemon needs root to grant (an ACL naming another user is the daemon's to set, but only
+root's daemon serves other users' namespaces), and a filesystem with POSIX ACLs (tmpfs, ext4,
+xfs, btrfs): where either is missing it hands out no grants (``null``: the owner reads through
+the mount).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import errno
 import logging
 import os
 import stat
+import struct
 from pathlib import Path
 
 import trio
@@ -37,11 +42,12 @@ from kvfs.store import safedir
 
 log = logging.getLogger(__name__)
 
-OWNER_DIR_MODE = 0o500
 GRANTS_DIR_MODE = 0o711
 SHARED_FILE_MODE = 0o644
-LINKS_DIR = "links"             # the daemon's directory of an owner's links, in <grants>/<uid>/
-LINKS_DIR_MODE = 0o555
+ACL_XATTR = "system.posix_acl_access"
+# the ACL's tags and the "no id" of entries that name none (linux/posix_acl_xattr.h)
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_NO_ID = 0xFFFFFFFF
 _PUNCH = 0x01 | 0x02            # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _libc: ctypes.CDLL | None = None
 
@@ -56,10 +62,11 @@ class OwnerLinks:
     def __init__(self):
         self.path: Path | None = None
         self.fd = -1
-        self._users: dict[int, tuple[int, int]] = {}    # uid -> descriptors of <uid>/, <uid>/links/
+        self._users: dict[int, int] = {}        # uid -> descriptor of <grants>/<uid>/
         self.links: dict[int, set[int]] = {}    # oid -> uids holding a link
         self.exposed: set[int] = set()          # oids whose file was made 0644 (scrubbed when freed)
         self.scrubbed = 0                       # object files whose bytes were punched out when freed
+        self.no_acl = False                     # the filesystem has no POSIX ACLs: no grants
 
     @property
     def active(self) -> bool:
@@ -71,9 +78,8 @@ class OwnerLinks:
         self.path, self.fd = path, fd
 
     def close(self) -> None:
-        for fds in self._users.values():
-            for fd in fds:
-                os.close(fd)
+        for fd in self._users.values():
+            os.close(fd)
         self._users.clear()
         self.links.clear()
         self.exposed.clear()
@@ -82,20 +88,11 @@ class OwnerLinks:
         self.fd, self.path = -1, None
 
     def _user_dir(self, uid: int) -> int:
-        """The descriptor of ``<grants>/<uid>/links/``, made when first needed. The owner may
-        have moved it within its ``<uid>/`` (the held descriptor still revokes what is in it,
-        but the answered path would not name it: EPERM, the lease answers ``null``) or removed
-        it once empty (made again)."""
+        """The descriptor of ``<grants>/<uid>/``, made when first needed: the daemon's, mode
+        0700, with an ACL granting ``uid`` search only (kvfs.store.ownerlinks: search_acl)."""
         held = self._users.get(uid)
         if held is not None:
-            top, links = held
-            if _names(top, LINKS_DIR, links):
-                return links
-            if os.fstat(links).st_nlink:
-                raise OSError(errno.EPERM, f"{self.path}/{uid}/{LINKS_DIR} was moved by its owner")
-            del self._users[uid]            # removed by its owner (it was empty): made again
-            os.close(top)
-            os.close(links)
+            return held
         name = str(uid)
         try:
             os.mkdir(name, 0o700, dir_fd=self.fd)
@@ -104,25 +101,31 @@ class OwnerLinks:
         top = os.open(name, safedir.DIR_FLAGS, dir_fd=self.fd)
         try:
             st = os.fstat(top)
-            if st.st_uid not in (uid, os.geteuid()):
-                raise OSError(errno.EPERM, f"grants directory of uid {uid} has another owner")
-            links = _links_dir(top)
-            try:
-                os.fchown(top, uid, -1)
-                os.fchmod(top, OWNER_DIR_MODE)
-            except BaseException:
-                os.close(links)
-                raise
+            if st.st_uid != os.geteuid():
+                raise OSError(errno.EPERM, f"grants directory of uid {uid} is not the daemon's")
+            os.fchmod(top, 0o700)
+            os.setxattr(top, ACL_XATTR, search_acl(uid))
+        except OSError as e:
+            os.close(top)
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP):
+                self.no_acl = True
+                log.warning("%s has no POSIX ACLs: namespace owners get no backing-file paths "
+                            "there (they read through the mount)", self.path)
+                try:
+                    os.rmdir(name, dir_fd=self.fd)
+                except OSError:
+                    pass
+            raise
         except BaseException:
             os.close(top)
             raise
-        self._users[uid] = (top, links)
-        return links
+        self._users[uid] = top
+        return top
 
     def grant(self, src_dir_fd: int, name: str, oid: int, uid: int) -> str | None:
         """A path under ``uid``'s directory naming the file ``name`` of ``src_dir_fd`` (the
         object ``oid``), or None when it cannot be made (the error is logged)."""
-        if not self.active:
+        if not self.active or self.no_acl:
             return None
         try:
             if uid not in self.links.get(oid, ()):
@@ -144,7 +147,7 @@ class OwnerLinks:
         except OSError as e:
             log.warning("cannot grant uid %d its backing file %s: %s", uid, name, e)
             return None
-        return f"{self.path}/{uid}/{LINKS_DIR}/{name}"
+        return f"{self.path}/{uid}/{name}"
 
     def revoke(self, oid: int, name: str, uid: int | None = None) -> None:
         """Unlink ``uid``'s name of the object (every owner's when ``uid`` is None)."""
@@ -155,10 +158,10 @@ class OwnerLinks:
             if u not in uids:
                 continue
             uids.discard(u)
-            fds = self._users.get(u)
-            if fds is not None:
+            fd = self._users.get(u)
+            if fd is not None:
                 try:
-                    os.unlink(name, dir_fd=fds[1])
+                    os.unlink(name, dir_fd=fd)
                 except FileNotFoundError:
                     pass
                 except OSError as e:
@@ -225,32 +228,14 @@ class OwnerLinks:
         return True
 
 
-def _names(dir_fd: int, name: str, fd: int) -> bool:
-    """Whether ``name`` in ``dir_fd`` is still the directory ``fd``."""
-    try:
-        a = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    b = os.fstat(fd)
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def _links_dir(top: int) -> int:
-    """``links/`` in an owner's directory ``top``: the daemon's (a directory the owner made
-    there is refused: EPERM), mode LINKS_DIR_MODE."""
-    try:
-        os.mkdir(LINKS_DIR, 0o700, dir_fd=top)
-    except FileExistsError:
-        pass
-    fd = os.open(LINKS_DIR, safedir.DIR_FLAGS, dir_fd=top)
-    try:
-        if os.fstat(fd).st_uid != os.geteuid():
-            raise OSError(errno.EPERM, "an owner's links directory is not the daemon's")
-        os.fchmod(fd, LINKS_DIR_MODE)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+def search_acl(uid: int) -> bytes:
+    """The ``system.posix_acl_access`` value of a directory the daemon's user may do anything
+    in and ``uid`` may only search (pass through to a name it knows): ``u::rwx,u:uid:--x,
+    g::---,m::--x,o::---`` (mode 0710), in the kernel's xattr format (a version, then
+    (tag, permissions, id) entries in tag order)."""
+    entries = [(_ACL_USER_OBJ, 7, _ACL_NO_ID), (_ACL_USER, 1, uid), (_ACL_GROUP_OBJ, 0, _ACL_NO_ID),
+               (_ACL_MASK, 1, _ACL_NO_ID), (_ACL_OTHER, 0, _ACL_NO_ID)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
 
 
 def punch(fd: int, size: int) -> None:

@@ -92,22 +92,110 @@ def create_file(dir_fd: int, name: str, mode: int = 0o600) -> int:
         return os.open(name, CREATE_FLAGS, mode, dir_fd=dir_fd)
 
 
-def clear_dir(dir_fd: int) -> int:
-    """Remove every entry of the directory ``dir_fd`` without following links."""
+class Cleared(int):
+    """How many entries :func:`clear_dir` removed, with what it found that was not the
+    daemon's: ``foreign`` (kind -> count) and ``deepest`` (the deepest entry's nesting)."""
+
+    foreign: dict
+    deepest: int
+
+    def describe(self) -> str:
+        """``1600 directories, 1 file, 3 symlinks, 1 fifo (nested 1602 deep)``."""
+        parts = [f"{n} {kind if n == 1 else _PLURAL.get(kind, kind + 's')}"
+                 for kind, n in sorted(self.foreign.items(), key=lambda kv: (-kv[1], kv[0]))]
+        return ", ".join(parts) + f" (nested {self.deepest} deep)"
+
+
+_PLURAL = {"directory": "directories"}
+_KINDS = {stat.S_IFDIR: "directory", stat.S_IFREG: "file", stat.S_IFLNK: "symlink", stat.S_IFIFO: "fifo",
+          stat.S_IFSOCK: "socket", stat.S_IFCHR: "device", stat.S_IFBLK: "device"}
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "other")
+
+
+def clear_dir(dir_fd: int, ours=None) -> Cleared:
+    """Remove every entry of the directory ``dir_fd`` without recursion and without following
+    links, whatever depth of tree someone left in it: each subdirectory met is emptied by
+    moving its own subdirectories up into ``dir_fd`` (``rename``, under a fresh name) and
+    unlinking the rest, then removed; so the work is iterative, at most two descriptors are
+    open at a time, and neither the stack nor the descriptor table grows with the depth.
+
+    ``ours(depth, name, kind)`` (``kind``: ``directory``, ``file``, ``symlink``, ``fifo``,
+    ``socket``, ``device``; ``depth`` 1 for the entries of ``dir_fd``) says which entries the
+    daemon makes there; the others are counted in the result's ``foreign``. The directory must
+    be one nobody else can write (the daemon's): names are chosen against its listing."""
     n = 0
-    for name in os.listdir(dir_fd):
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode):
+    foreign: dict[str, int] = {}
+    deepest = 0
+    moved: dict[str, tuple[int, str]] = {}      # a name given to a moved-up directory -> (depth, name)
+    seq = 0
+
+    def note(depth: int, name: str, kind: str) -> None:
+        nonlocal deepest
+        deepest = max(deepest, depth)
+        if ours is not None and not ours(depth, name, kind):
+            foreign[kind] = foreign.get(kind, 0) + 1
+
+    while True:
+        names = os.listdir(dir_fd)
+        if not names:
+            break
+        taken = set(names)
+        for name in names:
+            depth, was = moved.pop(name, (1, name))
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            kind = _kind(st.st_mode)
+            if kind != "directory":
+                os.unlink(name, dir_fd=dir_fd)
+                note(depth, was, kind)
+                n += 1
+                continue
             sub = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
             try:
-                n += clear_dir(sub)
+                for child in os.listdir(sub):
+                    ck = _kind(os.stat(child, dir_fd=sub, follow_symlinks=False).st_mode)
+                    if ck == "directory":
+                        while True:
+                            seq += 1
+                            up = f".kvfs-clear-{seq}"
+                            if up not in taken:
+                                break
+                        os.rename(child, up, src_dir_fd=sub, dst_dir_fd=dir_fd)
+                        taken.add(up)
+                        moved[up] = (depth + 1, child)
+                    else:
+                        os.unlink(child, dir_fd=sub)
+                        note(depth + 1, child, ck)
+                        n += 1
             finally:
                 os.close(sub)
             os.rmdir(name, dir_fd=dir_fd)
-        else:
-            os.unlink(name, dir_fd=dir_fd)
-        n += 1
-    return n
+            note(depth, was, kind)
+            n += 1
+    out = Cleared(n)
+    out.foreign, out.deepest = foreign, deepest
+    return out
+
+
+def _hex_name(name: str) -> bool:
+    return len(name) == 16 and all(c in "0123456789abcdef" for c in name)
+
+
+def grants_entry(depth: int, name: str, kind: str) -> bool:
+    """What the daemon makes in a grants directory (kvfs/store/ownerlinks.py): ``<uid>/``
+    directories holding links named by object id (``<uid>/links/`` in earlier versions)."""
+    if depth == 1:
+        return kind == "directory" and name.isdigit()
+    if depth == 2:
+        return (kind == "file" and _hex_name(name)) or (kind == "directory" and name == "links")
+    return depth == 3 and kind == "file" and _hex_name(name)
+
+
+def staging_entry(depth: int, name: str, kind: str) -> bool:
+    """What the daemon makes in a staging directory: plain files, nothing nested."""
+    return depth == 1 and kind == "file"
 
 
 def check_shared_parent(path: str | Path, what: str) -> None:
@@ -246,6 +334,7 @@ def read_file(dir_fd: int, name: str, limit: int = 1 << 16) -> bytes | None:
         os.close(fd)
 
 
-__all__ = ["Dir", "open_private_dir", "open_subdir", "create_file", "clear_dir", "make_unique_dir",
+__all__ = ["Dir", "open_private_dir", "open_subdir", "create_file", "clear_dir", "Cleared",
+           "grants_entry", "staging_entry", "make_unique_dir",
            "remove_stale_dirs", "DirLock", "holder_text", "write_file_atomic", "read_file",
            "check_shared_parent"]

@@ -56,3 +56,38 @@ def test_fsck_refuses_a_mounted_state(kvfs_mount, kvfs_cli):
     res = kvfs_cli("fsck", "--nvme", m.nvme, "--state", m.state)
     assert_one_line_error(res, "in use")
     assert m.stats()["pid"] == m.pid
+
+
+def test_a_planted_tree_in_grants_is_reported_and_removed_by_fsck_and_mount(kvfs_mount, kvfs_cli, tmp_path):
+    """Issue 40, item 2: a 1,600-level tree, symlinks out and a fifo left in ``<nvme>/grants/``
+    (what a tenant could put in its own grants directory) crash neither fsck nor mount."""
+    from support.planted import DEPTH, plant
+    m = kvfs_mount(ram="32MiB")
+    (m.path / "d0").mkdir()
+    (m.path / "d0" / "00.bin").write_bytes(bytes([1]) * (4 << 20))
+    m.umount()
+    args = ("fsck", "--nvme", m.nvme, "--state", m.state)
+    outside = plant(m.nvme / "grants" / "1000", outside=tmp_path / "out")
+    res = kvfs_cli(*args)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and "RecursionError" not in res.stderr + res.stdout
+    assert f"{DEPTH} directories" in res.stdout and "3 symlinks" in res.stdout and "1 fifo" in res.stdout
+    assert "--repair" not in res.stderr          # already removed: nothing left to repair
+    assert os.listdir(m.nvme / "grants") == []
+    assert (outside / "precious").read_bytes() == b"keep me"
+    res = kvfs_cli(*args)
+    assert res.returncode == 0 and "clean" in res.stdout, res.stdout + res.stderr
+
+    plant(m.nvme / "grants" / "1000", outside=tmp_path / "out")
+    res = kvfs_cli(*args, "--repair")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    assert os.listdir(m.nvme / "grants") == []
+
+    plant(m.nvme / "grants" / "1000", outside=tmp_path / "out")
+    m.mount()
+    assert os.listdir(m.nvme / "grants") == []
+    assert (m.path / "d0" / "00.bin").read_bytes() == bytes([1]) * (4 << 20)
+    assert (outside / "precious").read_bytes() == b"keep me"
+    m.umount()
+    res = kvfs_cli(*args)
+    assert res.returncode == 0 and "clean" in res.stdout, res.stdout + res.stderr

@@ -10,6 +10,7 @@ import stat
 
 import pytest
 
+from kvfs.store.ownerlinks import search_acl
 from support.files import MiB, content, read
 from support.mount import wait_for
 from support.users import reachable
@@ -76,11 +77,10 @@ def test_backing_files_are_readable_only_by_the_daemon_and_the_owner(kvfs_mount,
     owner_paths = [b[1] for b in got["blocks"]]
     assert not set(owner_paths) & set(root_paths)
     assert got["xattr"][0]["path"] == owner_paths[0]
-    for p in owner_paths:       # <grants>/<uid>/ is the owner's, links/ in it the daemon's
-        st = os.stat(os.path.dirname(os.path.dirname(p)))
-        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (tenant.uid, 0o500)
+    for p in owner_paths:       # <grants>/<uid>/ is the daemon's; an ACL lets the owner search it
         st = os.stat(os.path.dirname(p))
-        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o555)
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o710)
+        assert os.getxattr(os.path.dirname(p), "system.posix_acl_access") == search_acl(tenant.uid)
 
     # another user: no lease, and neither the owner's paths nor the daemon's open
     other = as_user(intruder, m, lease=names, **{"try": owner_paths + root_paths})

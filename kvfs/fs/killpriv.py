@@ -1,0 +1,104 @@
+"""Clearing setuid/setgid bits as a local filesystem does (issue 40, item 5).
+
+Linux clears S_ISUID on a write or truncate by a caller without CAP_FSETID and on every chown
+of a regular file; S_ISGID with it when group-exec is set, or when the caller is neither in
+the file's group nor has CAP_FSETID (a setgid file without group-exec is a mandatory-locking
+marker, kept for its group). A FUSE filesystem that asks for ``HANDLE_KILLPRIV`` takes that
+job from the kernel, and kvfs must ask: libfuse (the pyfuse3 transport) asks for it by default
+and pyfuse3 cannot turn it off, and without it the kernel loses the bits' clearing on an
+``open(O_TRUNC)`` (with ATOMIC_O_TRUNC the truncate is the OPEN's, the kernel sends no
+SETATTR) and clears setgid only with group-exec (an older rule than its own).
+
+Two contracts, one rule (:func:`kept_mode`):
+
+* **v2** (kvfs's own transport, protocol 7.33+): the kernel says when -- ``FUSE_WRITE_KILL_SUIDGID``
+  on a WRITE and ``FUSE_OPEN_KILL_SUIDGID`` on an OPEN with O_TRUNC (the caller lacks
+  CAP_FSETID), ``FATTR_KILL_SUIDGID`` on a SETATTR (a truncate by such a caller; every chown).
+* **v1** (pyfuse3 over libfuse): the kernel says nothing; the daemon kills on every write,
+  truncate and chown, and decides CAP_FSETID itself from the caller's ``/proc/PID/status``
+  (a write: the process that opened the descriptor; pyfuse3 gives write no caller).
+
+A file without either bit costs one test of its cached mode. The caller's groups and
+capabilities are read from /proc only when a setgid file without group-exec needs them.
+"""
+from __future__ import annotations
+
+import stat
+
+CAP_FSETID = 4
+SUIDGID = stat.S_ISUID | stat.S_ISGID
+
+
+def _status(pid: int) -> tuple[frozenset, int | None]:
+    """(supplementary groups, effective capabilities) of a live process; (empty, None) when it
+    is gone or unreadable."""
+    groups: frozenset = frozenset()
+    caps = None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    groups = frozenset(int(g) for g in line.split()[1:])
+                elif line.startswith("CapEff:"):
+                    caps = int(line.split()[1], 16)
+    except (OSError, ValueError):
+        pass
+    return groups, caps
+
+
+class Killer:
+    """The caller of a change that takes setuid/setgid away: a FUSE request's uid, gid and
+    pid, its groups and CAP_FSETID read from /proc when first needed. ``capable``: known
+    already (v2's flags say the caller lacks CAP_FSETID)."""
+
+    __slots__ = ("uid", "gid", "pid", "_groups", "_capable")
+
+    def __init__(self, uid: int, gid: int, pid: int, capable: bool | None = None):
+        self.uid, self.gid, self.pid = uid, gid, pid
+        self._groups: frozenset | None = None
+        self._capable = capable
+
+    @classmethod
+    def of(cls, ctx, capable: bool | None = None) -> "Killer":
+        return cls(ctx.uid, ctx.gid, ctx.pid, capable)
+
+    def _read(self) -> None:
+        groups, caps = _status(self.pid)
+        self._groups = groups
+        if self._capable is None:
+            # a process gone before we asked: root is taken as capable, others not
+            self._capable = self.uid == 0 if caps is None else bool(caps >> CAP_FSETID & 1)
+
+    def capable(self) -> bool:
+        """The caller has CAP_FSETID."""
+        if self._capable is None:
+            self._read()
+        return bool(self._capable)
+
+    def in_group(self, gid: int) -> bool:
+        if gid == self.gid:
+            return True
+        if self._groups is None:
+            self._read()
+        return gid in self._groups
+
+    def kept_mode(self, mode: int, gid: int) -> int:
+        """A chown's: :func:`kept_mode` for this caller."""
+        return kept_mode(mode, gid, self)
+
+    def write_kept(self, mode: int, gid: int) -> int:
+        """A write's or a truncate's: the mode unchanged for a caller with CAP_FSETID."""
+        if not mode & SUIDGID or self.capable():
+            return mode
+        return kept_mode(mode, gid, self)
+
+
+def kept_mode(mode: int, gid: int, who: Killer) -> int:
+    """The mode a regular file of group ``gid`` keeps after a change that takes its
+    privileges away, made by ``who`` (the module's rule)."""
+    if not mode & SUIDGID or not stat.S_ISREG(mode):
+        return mode
+    mode &= ~stat.S_ISUID
+    if mode & stat.S_ISGID and (mode & stat.S_IXGRP or not (who.in_group(gid) or who.capable())):
+        mode &= ~stat.S_ISGID
+    return mode

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from kvfs.cli.common import KVFS_FSTYPES, CLIError, fail, mount_fstype, pid_alive, read_stats, stderr, wait_until
+from kvfs.cli.common import KVFS_FSTYPES, STATS_NAME, CLIError, fail, mount_fstype, pid_alive, read_stats, stderr, wait_until
 from kvfs.config import Config
 from kvfs.errors import ConfigError
 from kvfs.protocol import UNMOUNT_REPORT, UNMOUNT_REPORT_KEY
@@ -357,20 +357,50 @@ def _daemon_alive(pid) -> bool:
 
 def dead_daemon(mp: str) -> dict | None:
     """The mount record of ``mp`` (kvfs/mountrecord.py; {} if there is none) when its daemon
-    is dead: the mount answers ENOTCONN (the connection went with the daemon), or the
-    recorded daemon no longer runs. None while a daemon may still serve it (a stuck one)."""
+    is dead: the recorded daemon no longer runs, or (no record: a daemon older than the
+    record) the mount answers ENOTCONN, the connection gone with the daemon. None while a
+    daemon may still serve it (a stuck one: never waited on here)."""
     from kvfs import mountrecord
     rec = mountrecord.read(mp)
+    if rec is not None:
+        return None if _daemon_alive(rec.get("pid")) else rec
+    err = _stats_errno_in_child(mp, LAZY_STATS_TIMEOUT)
+    return {} if err in (errno.ENOTCONN, errno.ECONNABORTED) else None
+
+
+def _stats_errno_in_child(mp: str, timeout: float) -> int | None:
+    """The errno of reading ``.kvfs/stats`` in a forked child (0: it answered), or None when
+    it has not answered in ``timeout`` seconds (a stuck daemon: the child is killed)."""
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:                  # pragma: no cover - the child
+        code = 0
+        try:
+            os.close(r)
+            with open(Path(mp) / STATS_NAME, "rb") as f:
+                f.read()
+        except OSError as e:
+            code = e.errno or errno.EIO
+        except BaseException:       # noqa: BLE001
+            code = errno.EIO
+        finally:
+            os.write(w, str(code).encode())
+            os._exit(0)
+    os.close(w)
     try:
-        os.stat(mp)
-        gone = False
-    except OSError as e:
-        gone = e.errno == errno.ENOTCONN
-    if gone:
-        return rec or {}
-    if rec is not None and not _daemon_alive(rec.get("pid")):
-        return rec
-    return None
+        ready = select.select([r], [], [], timeout)[0]
+        data = os.read(r, 64) if ready else b""
+    finally:
+        os.close(r)
+    if not data:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(child, 0 if data else os.WNOHANG)
+    try:
+        return int(data) if data else None
+    except ValueError:
+        return None
 
 
 def _ram_tmpfs_left(rec: dict) -> list[str]:

@@ -4,6 +4,7 @@ offline), and leaves none of the dead daemon's RAM-tier tmpfs mounted."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 from pathlib import Path
@@ -57,7 +58,8 @@ def test_umount_of_a_dead_daemons_mount_detaches_and_says_what_the_next_mount_dr
         # what a killed daemon leaves: a mount that answers ENOTCONN and its RAM tier's tmpfs
         with pytest.raises(OSError) as e:
             os.stat(m.path)
-        assert e.value.errno == 107                     # ENOTCONN
+        # ENOTCONN, or ECONNABORTED when the kernel saw the connection aborted mid-request
+        assert e.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
         assert ram_tmpfs(instance) == tmpfs
         res = run_kvfs("umount", m.path)
     finally:

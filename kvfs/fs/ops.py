@@ -157,8 +157,13 @@ class KvfsOperations(pyfuse3.Operations):
             raise _stale(self.store, inode, e) from None
 
     def _setattr_kill(self, fields, ctx):
-        """What a SETATTR does to setuid/setgid: None, or ``kill(mode, gid)`` (killpriv.py)."""
+        """What a SETATTR does to setuid/setgid: None, or ``kill(mode, gid)`` (killpriv.py).
+        A SETATTR that changes nothing is the kernel's word that privileges go (both
+        contracts): what it sends for ``chown(f, -1, -1)``, which clears them on ext4."""
         chown = fields.update_uid or fields.update_gid
+        if not (chown or fields.update_size or fields.update_mode or fields.update_atime
+                or fields.update_mtime or getattr(fields, "update_ctime", False)):
+            return Killer.of(ctx).kept_mode
         if self.killpriv == 2:
             if not getattr(fields, "kill_suidgid", False):
                 return None

@@ -53,6 +53,8 @@ def run(op, path):
         os.chown(path, -1, os.getgid())
     elif op == "chown":
         os.chown(path, int(sys.argv[1]), -1)
+    elif op == "chown_none":
+        os.chown(path, -1, -1)
     else:
         raise SystemExit("unknown op " + op)
 
@@ -82,6 +84,10 @@ CASES = {
     "chown sgid no gx by root": (0o2767, "root", "root", "chown"),
     "chgrp both by owner": (0o6777, "user", "user", "chgrp"),
     "chgrp sgid no gx by owner": (0o2767, "user", "user", "chgrp"),
+    "chown -1 -1 both by owner": (0o6777, "user", "user", "chown_none"),
+    "chown -1 -1 sgid no gx by owner": (0o2767, "user", "user", "chown_none"),
+    "chown -1 -1 both by root": (0o6777, "root", "root", "chown_none"),
+    "chown -1 -1 sgid no gx by root": (0o2767, "root", "root", "chown_none"),
     "write plain by other": (0o0777, "root", "user", "write"),
 }
 

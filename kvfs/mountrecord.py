@@ -57,9 +57,33 @@ def write(mountpoint: str, info: dict) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump({**info, "mountpoint": os.path.abspath(mountpoint)}, f)
         os.replace(tmp, path)
+        _prune(path.parent, keep=path.name)
     except OSError as e:
         log.warning("could not write the mount record %s: %s (kvfs umount of this mount after "
                     "the daemon dies will not know its state directory)", path, e)
+
+
+def _prune(d: Path, keep: str) -> None:
+    """Remove the records of daemons that are gone and whose mounts are too (a mount detached
+    by hand, a test's teardown): a record stays while its mountpoint is still mounted."""
+    from kvfs.proc import mounts, pid_alive
+    try:
+        names = [n for n in os.listdir(d) if n.startswith("mount-") and n.endswith(".json") and n != keep]
+        if not names:
+            return
+        mounted = {m.mountpoint for m in mounts() if m.fstype.startswith("fuse")}
+    except OSError:
+        return
+    for name in names:
+        try:
+            with open(d / name, "rb") as f:
+                info = json.loads(f.read(1 << 20))
+            pid, mp = info.get("pid"), info.get("mountpoint")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(pid, int) and not pid_alive(pid) and mp not in mounted:
+            with contextlib.suppress(OSError):
+                os.unlink(d / name)
 
 
 def read(mountpoint: str) -> dict | None:

@@ -436,7 +436,7 @@ def _sweep_ram(rec: dict) -> str | None:
             problems.append(f"{type(e).__name__}: {e}")
     for path in _ram_tmpfs_left(rec):     # a sweep that failed inside: detach the tmpfs anyway
         try:
-            hugefs._call("umount2", path.encode(), hugefs.MNT_DETACH)
+            hugefs.detach(path)
         except OSError as e:
             problems.append(f"umount {path}: {e.strerror}")
     left = _ram_tmpfs_left(rec)

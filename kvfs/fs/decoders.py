@@ -81,7 +81,7 @@ class SessionDecoder:
         self.writeback = bool(got & wire.WRITEBACK_CACHE)
         if self.ops is not None:
             # who decides when setuid/setgid go (kvfs/fs/killpriv.py)
-            self.ops.killpriv = 2 if got & wire.HANDLE_KILLPRIV_V2 else 1
+            self.ops.privs.contract = 2 if got & wire.HANDLE_KILLPRIV_V2 else 1
         self.passthrough.negotiated(bool(got & wire.PASSTHROUGH), offered)
         log.info("FUSE protocol 7.%d (kernel 7.%d); passthrough %s; writeback cache %s", self.minor,
                  minor, self.passthrough.state(), "on" if self.writeback else "off")

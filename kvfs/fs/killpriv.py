@@ -23,6 +23,7 @@ capabilities are read from /proc only when a setgid file without group-exec need
 """
 from __future__ import annotations
 
+import os
 import stat
 
 CAP_FSETID = 4
@@ -102,3 +103,74 @@ def kept_mode(mode: int, gid: int, who: Killer) -> int:
     if mode & stat.S_ISGID and (mode & stat.S_IXGRP or not (who.in_group(gid) or who.capable())):
         mode &= ~stat.S_ISGID
     return mode
+
+
+class PrivKills:
+    """Which requests take setuid/setgid away, under the contract INIT agreed on, applied to
+    the store's records (``kvfs.store.files.FileHandles.setattr``'s ``kill``). One per mount,
+    ``KvfsOperations.privs``."""
+
+    def __init__(self, files):
+        self.files = files
+        # 1: libfuse's HANDLE_KILLPRIV (the pyfuse3 transport): the daemon decides on every
+        # write, truncate and chown; 2: HANDLE_KILLPRIV_V2 (kvfs's own transport sets it at
+        # INIT): the kernel's flags on the request say when
+        self.contract = 1
+        self._writers: dict[int, Killer] = {}   # contract 1: fh -> who opened it for writing
+
+    def on_setattr(self, fields, ctx):
+        """What a SETATTR does to setuid/setgid: None, or ``kill(mode, gid)``. A SETATTR that
+        changes nothing is the kernel's word that privileges go (both contracts): what it
+        sends for ``chown(f, -1, -1)``, which clears them on ext4."""
+        chown = fields.update_uid or fields.update_gid
+        if not (chown or fields.update_size or fields.update_mode or fields.update_atime
+                or fields.update_mtime or getattr(fields, "update_ctime", False)):
+            return Killer.of(ctx).kept_mode
+        if self.contract == 2:
+            if not getattr(fields, "kill_suidgid", False):
+                return None
+            # a truncate carries the flag when the caller lacks CAP_FSETID; a chown always
+            return Killer.of(ctx, None if chown else False).kept_mode
+        if chown:
+            return Killer.of(ctx).kept_mode
+        if fields.update_size:
+            return Killer.of(ctx).write_kept
+        return None
+
+    async def on_open(self, fh: int, ino: int, flags: int, ctx, kill: bool | None) -> None:
+        """An open that writes (or truncates): an O_TRUNC's kill now (contract 2: where the
+        kernel said so, FUSE_OPEN_KILL_SUIDGID); under contract 1 the opener is kept for the
+        descriptor's writes."""
+        if self.contract == 2:
+            if kill and flags & os.O_TRUNC:
+                await self._kill(ino, Killer.of(ctx, False).write_kept)
+            return
+        who = Killer.of(ctx)
+        if flags & os.O_TRUNC:
+            await self._kill(ino, who.write_kept)
+        self._writers[fh] = who
+
+    def on_create(self, fh: int, flags: int, ctx) -> None:
+        if self.contract == 1 and flags & os.O_ACCMODE != os.O_RDONLY:
+            self._writers[fh] = Killer.of(ctx)
+
+    def moved(self, old_fh: int, new_fh: int) -> None:
+        """An open's handle replaced by another (kvfs.fs.ops: a version replaced meanwhile)."""
+        who = self._writers.pop(old_fh, None)
+        if who is not None:
+            self._writers[new_fh] = who
+
+    async def on_write(self, fh: int, ino: int, kill: Killer | None) -> None:
+        """Before a write: ``kill``, the writer where the kernel flagged the write
+        (FUSE_WRITE_KILL_SUIDGID); under contract 1 the descriptor's opener."""
+        if kill is None and self.contract == 1:
+            kill = self._writers.get(fh)
+        if kill is not None:
+            await self._kill(ino, kill.write_kept)
+
+    def released(self, fh: int) -> None:
+        self._writers.pop(fh, None)
+
+    async def _kill(self, ino: int, kill) -> None:
+        if self.files.ns.inode(ino).mode & SUIDGID:     # the common case: one test
+            await self.files.setattr(ino, kill=kill)

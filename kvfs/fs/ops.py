@@ -12,7 +12,7 @@ import pyfuse3
 
 from kvfs.errors import NamespaceError
 from kvfs.fs import control, dirreply
-from kvfs.fs.killpriv import Killer
+from kvfs.fs.killpriv import Killer, PrivKills
 from kvfs.fs.coherence import KernelCaches
 from kvfs.fs.opens import Held, Opens, Renewed, Replaced
 from kvfs.fs.errmap import translate
@@ -91,10 +91,6 @@ def _stale(store: Store, inode: int, e: NamespaceError) -> Exception:
 class KvfsOperations(pyfuse3.Operations):
     enable_writeback_cache = False
     shared = None          # kvfs.remote.share.adopt.SharedNames on a shared remote volume
-    # who decides when setuid/setgid go (kvfs/fs/killpriv.py): 1, the daemon on every write,
-    # truncate and chown (libfuse's HANDLE_KILLPRIV, the pyfuse3 transport); 2, the kernel,
-    # by flags on the request (HANDLE_KILLPRIV_V2: kvfs's own transport sets it at INIT)
-    killpriv = 1
 
     def __init__(self, store: Store, describe):
         super().__init__()
@@ -103,7 +99,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._latency = store.telemetry.latency     # kvfs.telemetry histograms
         self.quotas = Quotas(store)          # kvfs.quota (kvfs.build.build_ops hands it to the store)
         self._ctl: dict[int, control.ControlHandle] = {}
-        self._writers: dict[int, Killer] = {}   # killpriv 1: fh -> who opened it for writing
+        self.privs = PrivKills(store.files)  # setuid/setgid kills (kvfs/fs/killpriv.py)
         self._next_ctl = 1 << 62
         self.opens = Opens(store)           # how each open is answered (kvfs/fs/opens.py)
         self.kernel = KernelCaches(self.opens)     # the kernel's caches kept true (kvfs/fs/coherence.py)
@@ -156,25 +152,6 @@ class KvfsOperations(pyfuse3.Operations):
         except NamespaceError as e:
             raise _stale(self.store, inode, e) from None
 
-    def _setattr_kill(self, fields, ctx):
-        """What a SETATTR does to setuid/setgid: None, or ``kill(mode, gid)`` (killpriv.py).
-        A SETATTR that changes nothing is the kernel's word that privileges go (both
-        contracts): what it sends for ``chown(f, -1, -1)``, which clears them on ext4."""
-        chown = fields.update_uid or fields.update_gid
-        if not (chown or fields.update_size or fields.update_mode or fields.update_atime
-                or fields.update_mtime or getattr(fields, "update_ctime", False)):
-            return Killer.of(ctx).kept_mode
-        if self.killpriv == 2:
-            if not getattr(fields, "kill_suidgid", False):
-                return None
-            # a truncate carries the flag when the caller lacks CAP_FSETID; a chown always
-            return Killer.of(ctx, None if chown else False).kept_mode
-        if chown:
-            return Killer.of(ctx).kept_mode
-        if fields.update_size:
-            return Killer.of(ctx).write_kept
-        return None
-
     @translate
     async def setattr(self, inode, attr, fields, fh, ctx):
         if control.is_control(inode):
@@ -192,7 +169,7 @@ class KvfsOperations(pyfuse3.Operations):
                     gid=attr.st_gid if fields.update_gid else None,
                     atime=attr.st_atime_ns if fields.update_atime else None,
                     mtime=attr.st_mtime_ns if fields.update_mtime else None,
-                    kill=self._setattr_kill(fields, ctx))
+                    kill=self.privs.on_setattr(fields, ctx))
         except NamespaceError as e:
             raise _stale(self.store, inode, e) from None
         except Held:
@@ -282,8 +259,8 @@ class KvfsOperations(pyfuse3.Operations):
     # ---- files ------------------------------------------------------------------
     @translate
     async def open(self, inode, flags, ctx, kill: bool | None = None):
-        """``kill``: the kernel's word (killpriv 2) that an O_TRUNC takes setuid/setgid away
-        (FUSE_OPEN_KILL_SUIDGID); None: the daemon decides (killpriv 1)."""
+        """``kill``: the kernel's word that an O_TRUNC takes setuid/setgid away
+        (FUSE_OPEN_KILL_SUIDGID, kvfs/fs/killpriv.py); None: the daemon decides."""
         if control.is_control(inode):
             fh = self._next_ctl
             self._next_ctl += 1
@@ -302,7 +279,7 @@ class KvfsOperations(pyfuse3.Operations):
         except Renewed as r:
             raise self.kernel.renewed(r) from None
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-            self._opened_for_writing(fh, inode, flags, ctx, kill)
+            await self.privs.on_open(fh, inode, flags, ctx, kill)
         for _ in range(REOPENS):
             try:
                 return await self.opens.file_info(fh, inode, flags)
@@ -311,35 +288,21 @@ class KvfsOperations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ETXTBSY) from None
             except Replaced:
                 # the version it chose was replaced while it waited: the current one instead
-                who = self._writers.get(fh)
+                old = fh
                 await self.release(fh)
                 try:
                     fh = await self.store.files.open(inode, flags)
                 except NamespaceError as e:
                     raise _stale(self.store, inode, e) from None
-                if who is not None:
-                    self._writers[fh] = who
+                self.privs.moved(old, fh)
         await self.release(fh)
         raise pyfuse3.FUSEError(errno.ETXTBSY)
-
-    def _opened_for_writing(self, fh: int, inode: int, flags: int, ctx, kill: bool | None) -> None:
-        """setuid/setgid after an open that writes: an O_TRUNC's kill now; under killpriv 1
-        the opener is kept for the descriptor's writes."""
-        if self.killpriv == 2:
-            if kill and flags & os.O_TRUNC:
-                self.store.files.kill_privs(inode, Killer.of(ctx, False).write_kept)
-            return
-        who = Killer.of(ctx)
-        if flags & os.O_TRUNC:
-            self.store.files.kill_privs(inode, who.write_kept)
-        self._writers[fh] = who
 
     @translate
     async def create(self, parent_inode, name, mode, flags, ctx):
         _parent_ok(parent_inode)
         fh, ino, rec = await self.store.files.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
-        if self.killpriv == 1 and flags & os.O_ACCMODE != os.O_RDONLY:
-            self._writers[fh] = Killer.of(ctx)
+        self.privs.on_create(fh, flags, ctx)
         self.opens.created(ino)
         return await self.opens.file_info(fh, ino, flags), _entry(ino, rec)
 
@@ -359,14 +322,11 @@ class KvfsOperations(pyfuse3.Operations):
     @translate
     async def write(self, fh, off, buf, kill: Killer | None = None):
         """``kill``: the writer, where the kernel said the write takes setuid/setgid away
-        (killpriv 2: FUSE_WRITE_KILL_SUIDGID); under killpriv 1 the descriptor's opener."""
+        (FUSE_WRITE_KILL_SUIDGID, kvfs/fs/killpriv.py)."""
         if fh in self._ctl:
             return await self.control.write(self._ctl[fh], off, buf)
         self.opens.writing(fh)
-        if kill is None and self.killpriv == 1:
-            kill = self._writers.get(fh)
-        if kill is not None:
-            self.store.files.kill_privs(self.store.files.handles[fh].ino, kill.write_kept)
+        await self.privs.on_write(fh, self.store.files.handles[fh].ino, kill)
         if off + len(buf) > self.store.files.max_file_size():    # before a buffer grows toward it
             raise pyfuse3.FUSEError(errno.EFBIG)
         t0 = time.perf_counter()
@@ -397,7 +357,7 @@ class KvfsOperations(pyfuse3.Operations):
             await self.control.close(h)        # closing a lease descriptor ends its lease
             return
         self.opens.closed(fh)
-        self._writers.pop(fh, None)
+        self.privs.released(fh)
         h = self.store.files.handles.get(fh)
         try:
             await self.store.files.release(fh)

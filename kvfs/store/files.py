@@ -154,17 +154,6 @@ class FileHandles:
                     del self.resizing[ino]
         return self.getattr(ino)
 
-    def kill_privs(self, ino: int, kill) -> None:
-        """A write by a caller without CAP_FSETID: setuid/setgid go as ``kill(mode, gid)``
-        says (kvfs/fs/killpriv.py). A file without either bit costs one test."""
-        rec = self.ns.inode(ino)
-        if not rec.mode & SUIDGID or not stat.S_ISREG(rec.mode):
-            return
-        kept = kill(rec.mode, rec.gid)
-        if kept != rec.mode:
-            rec = self.ns.update(ino, mode=kept)
-            self.grants_follow_setattr(ino, rec, False, True)
-
     async def _resize(self, ino: int, size: int, mtime: int | None) -> None:
         """The size change of :meth:`setattr`."""
         ws = await self._live_writer(ino, writing=True)

@@ -58,13 +58,13 @@ def _init_body(flags: int) -> bytes:
     (wire.HANDLE_KILLPRIV, wire.HANDLE_KILLPRIV, 1),       # a kernel without v2 (before 5.11)
 ])
 async def test_init_asks_for_killpriv_v2_where_the_kernel_offers_it(offered, want, killpriv):
-    ops = types.SimpleNamespace(killpriv=None)
+    ops = types.SimpleNamespace(privs=types.SimpleNamespace(contract=None))
     dec = SessionDecoder(Passthrough(-1, False), ops=ops)
     out = (await dec.init(0, _init_body(offered), ROOT))[0]
     fields = wire.INIT_OUT.unpack(out)
     got = fields[3] | fields[10] << 32
     assert got & (wire.HANDLE_KILLPRIV | wire.HANDLE_KILLPRIV_V2) == want
-    assert ops.killpriv == killpriv
+    assert ops.privs.contract == killpriv
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def _mode(ops, ino) -> int:
 
 
 async def test_v2_kills_where_the_kernel_says_and_only_there(ops):
-    ops.killpriv = 2
+    ops.privs.contract = 2
     other = types.SimpleNamespace(uid=4321, gid=4321, pid=os.getpid(), umask=0o022)
     ino = await _file(ops, 0o6777)
     fi = await ops.open(ino, os.O_WRONLY, other, kill=False)
@@ -105,7 +105,7 @@ async def test_v2_kills_where_the_kernel_says_and_only_there(ops):
 
 
 async def test_v1_kills_on_a_write_by_an_opener_without_cap_fsetid(ops):
-    assert ops.killpriv == 1                                   # the pyfuse3 transport's
+    assert ops.privs.contract == 1                             # the pyfuse3 transport's
     ino = await _file(ops, 0o4755)
     fi = await ops.open(ino, os.O_WRONLY, ROOT)               # this process: root, CAP_FSETID
     await ops.write(fi.fh, 0, b"x")

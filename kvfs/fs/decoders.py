@@ -13,7 +13,6 @@ import time
 import pyfuse3
 
 from kvfs.fs import wire
-from kvfs.fs.killpriv import Killer
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +209,7 @@ class FileDecoder:
     async def write(self, nodeid, body, ctx) -> list:
         fh, off, size, write_flags, *_ = wire.WRITE_IN.unpack_from(body)
         data = bytes(body[wire.WRITE_IN.size:wire.WRITE_IN.size + size])
-        kill = Killer.of(ctx, False) if write_flags & wire.WRITE_KILL_SUIDGID else None
+        kill = ctx if write_flags & wire.WRITE_KILL_SUIDGID else None
         return [wire.WRITE_OUT.pack(await self.ops.write(fh, off, data, kill), 0)]
 
     async def flush(self, nodeid, body, ctx) -> list:

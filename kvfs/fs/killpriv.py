@@ -160,13 +160,18 @@ class PrivKills:
         if who is not None:
             self._writers[new_fh] = who
 
-    async def on_write(self, fh: int, ino: int, kill: Killer | None) -> None:
-        """Before a write: ``kill``, the writer where the kernel flagged the write
-        (FUSE_WRITE_KILL_SUIDGID); under contract 1 the descriptor's opener."""
-        if kill is None and self.contract == 1:
-            kill = self._writers.get(fh)
-        if kill is not None:
-            await self._kill(ino, kill.write_kept)
+    def write_may_kill(self, ino: int, flagged: bool) -> bool:
+        """Whether a write may take setuid/setgid away (then :meth:`on_write`): the kernel
+        flagged it, or contract 1, and the file has either bit (the write path's one test)."""
+        return (flagged or self.contract == 1) and bool(self.files.ns.inode(ino).mode & SUIDGID)
+
+    async def on_write(self, fh: int, ino: int, ctx) -> None:
+        """Before a write: ``ctx``, the writer where the kernel flagged the write
+        (FUSE_WRITE_KILL_SUIDGID: it lacks CAP_FSETID); under contract 1 the descriptor's
+        opener."""
+        who = Killer.of(ctx, False) if ctx is not None else self._writers.get(fh)
+        if who is not None:
+            await self._kill(ino, who.write_kept)
 
     def released(self, fh: int) -> None:
         self._writers.pop(fh, None)

@@ -12,7 +12,7 @@ import pyfuse3
 
 from kvfs.errors import NamespaceError
 from kvfs.fs import control, dirreply
-from kvfs.fs.killpriv import Killer, PrivKills
+from kvfs.fs.killpriv import PrivKills
 from kvfs.fs.coherence import KernelCaches
 from kvfs.fs.opens import Held, Opens, Renewed, Replaced
 from kvfs.fs.errmap import translate
@@ -320,13 +320,15 @@ class KvfsOperations(pyfuse3.Operations):
             self._latency["read"].observe(time.perf_counter() - t0)
 
     @translate
-    async def write(self, fh, off, buf, kill: Killer | None = None):
-        """``kill``: the writer, where the kernel said the write takes setuid/setgid away
-        (FUSE_WRITE_KILL_SUIDGID, kvfs/fs/killpriv.py)."""
+    async def write(self, fh, off, buf, kill=None):
+        """``kill``: the writer's request context, where the kernel said the write takes
+        setuid/setgid away (FUSE_WRITE_KILL_SUIDGID, kvfs/fs/killpriv.py)."""
         if fh in self._ctl:
             return await self.control.write(self._ctl[fh], off, buf)
         self.opens.writing(fh)
-        await self.privs.on_write(fh, self.store.files.handles[fh].ino, kill)
+        ino = self.store.files.handles[fh].ino
+        if self.privs.write_may_kill(ino, kill is not None):
+            await self.privs.on_write(fh, ino, kill)
         if off + len(buf) > self.store.files.max_file_size():    # before a buffer grows toward it
             raise pyfuse3.FUSEError(errno.EFBIG)
         t0 = time.perf_counter()

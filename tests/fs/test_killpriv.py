@@ -93,7 +93,7 @@ async def test_v2_kills_where_the_kernel_says_and_only_there(ops):
     fi = await ops.open(ino, os.O_WRONLY, other, kill=False)
     await ops.write(fi.fh, 0, b"x")                          # no flag: a capable writer
     assert _mode(ops, ino) == 0o6777
-    await ops.write(fi.fh, 0, b"x", Killer.of(other, False))  # FUSE_WRITE_KILL_SUIDGID
+    await ops.write(fi.fh, 0, b"x", other)                    # FUSE_WRITE_KILL_SUIDGID
     assert _mode(ops, ino) == 0o777
     await ops.release(fi.fh)
     # a truncate with FATTR_KILL_SUIDGID, one without

@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import stat
 
+from kvfs.errors import NamespaceError
+
 CAP_FSETID = 4
 SUIDGID = stat.S_ISUID | stat.S_ISGID
 
@@ -154,12 +156,6 @@ class PrivKills:
         if self.contract == 1 and flags & os.O_ACCMODE != os.O_RDONLY:
             self._writers[fh] = Killer.of(ctx)
 
-    def moved(self, old_fh: int, new_fh: int) -> None:
-        """An open's handle replaced by another (kvfs.fs.ops: a version replaced meanwhile)."""
-        who = self._writers.pop(old_fh, None)
-        if who is not None:
-            self._writers[new_fh] = who
-
     def write_may_kill(self, ino: int, flagged: bool) -> bool:
         """Whether a write may take setuid/setgid away (then :meth:`on_write`): the kernel
         flagged it, or contract 1, and the file has either bit (the write path's one test)."""
@@ -177,5 +173,8 @@ class PrivKills:
         self._writers.pop(fh, None)
 
     async def _kill(self, ino: int, kill) -> None:
-        if self.files.ns.inode(ino).mode & SUIDGID:     # the common case: one test
-            await self.files.setattr(ino, kill=kill)
+        try:
+            if self.files.ns.inode(ino).mode & SUIDGID:     # the common case: one test
+                await self.files.setattr(ino, kill=kill)
+        except NamespaceError:          # gone meanwhile (unlinked, evicted): nothing to clear
+            pass

@@ -288,13 +288,12 @@ class KvfsOperations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ETXTBSY) from None
             except Replaced:
                 # the version it chose was replaced while it waited: the current one instead
-                old = fh
+                # (a read-only handle: nothing of setuid/setgid to carry over)
                 await self.release(fh)
                 try:
                     fh = await self.store.files.open(inode, flags)
                 except NamespaceError as e:
                     raise _stale(self.store, inode, e) from None
-                self.privs.moved(old, fh)
         await self.release(fh)
         raise pyfuse3.FUSEError(errno.ETXTBSY)
 

@@ -159,7 +159,12 @@ class PrivKills:
     def write_may_kill(self, ino: int, flagged: bool) -> bool:
         """Whether a write may take setuid/setgid away (then :meth:`on_write`): the kernel
         flagged it, or contract 1, and the file has either bit (the write path's one test)."""
-        return (flagged or self.contract == 1) and bool(self.files.ns.inode(ino).mode & SUIDGID)
+        if not (flagged or self.contract == 1):
+            return False
+        try:
+            return bool(self.files.ns.inode(ino).mode & SUIDGID)
+        except NamespaceError:          # gone meanwhile: the write itself answers for it
+            return False
 
     async def on_write(self, fh: int, ino: int, ctx) -> None:
         """Before a write: ``ctx``, the writer where the kernel flagged the write

@@ -19,6 +19,7 @@ import pyfuse3
 import trio
 
 from kvfs.build import attach_shared, build_kvstore, build_names, build_ops, build_tiers, detach_names
+from kvfs import mountrecord
 from kvfs.config import Config
 from kvfs.errors import ConfigError
 from kvfs.fs import loop, transport as transports
@@ -165,6 +166,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 huge = filesystem_of(tiers[0].dir)[2].get("huge", "never")
                 log.info("ram tier in %s (tmpfs%s, huge pages: %s)", tiers[0].dir,
                          " of its own" if tiers[0].mounted else "", huge)
+                mountrecord.write(mountpoint, _record(cfg, tiers, index))
                 ready.send(f"READY {os.getpid()}")
                 await fuse.serve(reader)
                 unmounted = True
@@ -185,6 +187,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
             with contextlib.suppress(Exception):
                 await t.close()
         index.close()
+        mountrecord.remove(mountpoint, os.getpid())
         log.info("daemon exiting")
 
 
@@ -193,6 +196,14 @@ def _describe(cfg: Config, mountpoint: str, tiers, index: Index, names: NameTabl
     return {"pid": os.getpid(), "mountpoint": mountpoint, "state_dir": str(cfg.state_dir),
             "nvme_dir": str(cfg.nvme_dir), "ram_dir": str(tiers[0].dir), "instance": index.instance_id,
             NAMES_STATS_KEY: names.statistics(), NAMES_BUILDING_KEY: names.building, UNMOUNT_REPORT_KEY: 1}
+
+
+def _record(cfg: Config, tiers, index: Index) -> dict:
+    """What ``kvfs umount`` needs once this daemon is dead (kvfs/mountrecord.py)."""
+    ram = tiers[0]
+    return {"pid": os.getpid(), "state_dir": str(cfg.state_dir), "nvme_dir": str(cfg.nvme_dir),
+            "instance": index.instance_id, "shm_dir": str(cfg.shm_dir), "ram_prefix": ram.prefix,
+            "ram_dir": str(ram.dir), "ram_tmpfs": str(ram.mounted) if ram.mounted else None}
 
 
 async def _write_down(cfg: Config, store) -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from kvfs.cli.common import KVFS_FSTYPES, CLIError, fail, mount_fstype, pid_alive, read_stats, stderr, wait_until
+from kvfs.cli.common import KVFS_FSTYPES, STATS_NAME, CLIError, fail, mount_fstype, pid_alive, read_stats, stderr, wait_until
 from kvfs.config import Config
 from kvfs.errors import ConfigError
 from kvfs.protocol import UNMOUNT_REPORT, UNMOUNT_REPORT_KEY
@@ -250,12 +251,21 @@ def umount_cmd(mountpoint, timeout, lazy):
         st = _stats_in_child(mp, LAZY_STATS_TIMEOUT)
         if st is not None:
             pid, state = int(st["pid"]), st.get("state_dir")
+        else:
+            dead = dead_daemon(mp)
+            if dead is not None:
+                detach_dead(mp, dead)
+                return
     else:
         try:
             st = read_stats(mp)
             pid, state = int(st["pid"]), report_dir(st)
         except Exception as e:  # noqa: BLE001 - a dead daemon still has to be unmountable
-            raise fail(f"{e if str(e) else 'cannot read stats'}; use kvfs umount --lazy {mp}") from None
+            dead = dead_daemon(mp)
+            if dead is None:    # alive but not answering: a detach is the operator's call
+                raise fail(f"{e if str(e) else 'cannot read stats'}; use kvfs umount --lazy {mp}") from None
+            detach_dead(mp, dead)
+            return
     cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), mp]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -331,3 +341,147 @@ def _check_unmount_report(mp: str, pid: int, state: Path) -> None:
     if lost:
         raise fail(f"unmounted {mp}, but {lost} of {report.get('ram_only')} RAM-only files could not "
                    f"be kept across the restart (see {state / 'kvfs.log'})")
+
+
+# ---- a mount whose daemon is dead -----------------------------------------------------------
+def _daemon_alive(pid) -> bool:
+    """``pid`` runs and is a kvfs daemon (not another process given a reused pid)."""
+    if not isinstance(pid, int) or not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"kvfs" in f.read()
+    except OSError:
+        return False
+
+
+def dead_daemon(mp: str) -> dict | None:
+    """The mount record of ``mp`` (kvfs/mountrecord.py; {} if there is none) when its daemon
+    is dead: the recorded daemon no longer runs, or (no record: a daemon older than the
+    record) the mount answers ENOTCONN, the connection gone with the daemon. None while a
+    daemon may still serve it (a stuck one: never waited on here)."""
+    from kvfs import mountrecord
+    rec = mountrecord.read(mp)
+    if rec is not None:
+        return None if _daemon_alive(rec.get("pid")) else rec
+    err = _stats_errno_in_child(mp, LAZY_STATS_TIMEOUT)
+    return {} if err in (errno.ENOTCONN, errno.ECONNABORTED) else None
+
+
+def _stats_errno_in_child(mp: str, timeout: float) -> int | None:
+    """The errno of reading ``.kvfs/stats`` in a forked child (0: it answered), or None when
+    it has not answered in ``timeout`` seconds (a stuck daemon: the child is killed)."""
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:                  # pragma: no cover - the child
+        code = 0
+        try:
+            os.close(r)
+            with open(Path(mp) / STATS_NAME, "rb") as f:
+                f.read()
+        except OSError as e:
+            code = e.errno or errno.EIO
+        except BaseException:       # noqa: BLE001
+            code = errno.EIO
+        finally:
+            os.write(w, str(code).encode())
+            os._exit(0)
+    os.close(w)
+    try:
+        ready = select.select([r], [], [], timeout)[0]
+        data = os.read(r, 64) if ready else b""
+    finally:
+        os.close(r)
+    if not data:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(child, 0 if data else os.WNOHANG)
+    try:
+        return int(data) if data else None
+    except ValueError:
+        return None
+
+
+def _ram_tmpfs_left(rec: dict) -> list[str]:
+    """The dead daemon's RAM-tier tmpfs mounts still in the mount table (kvfs.store.hugefs)."""
+    from kvfs.proc import mounts
+    from kvfs.store import hugefs
+    shm, inst = rec.get("shm_dir"), rec.get("instance")
+    if not shm or not inst:
+        return []
+    parent = os.path.realpath(shm)
+    try:
+        return [m.mountpoint for m in mounts() if m.fstype == "tmpfs"
+                and os.path.dirname(m.mountpoint) == parent
+                and os.path.basename(m.mountpoint).startswith(hugefs.tag(inst))]
+    except OSError:
+        return []
+
+
+def _sweep_ram(rec: dict) -> str | None:
+    """Remove what the dead daemon left in shared memory, as its next start would: its RAM
+    tier's directories (their name tables retired first: readers stop answering from them)
+    and its huge-page tmpfs. Returns what could not be removed (None: nothing left)."""
+    from kvfs.store import hugefs, names, safedir
+    shm, inst, prefix = rec.get("shm_dir"), rec.get("instance"), rec.get("ram_prefix")
+    if not shm or not inst or not prefix:
+        return None
+    problems = []
+    for step in (lambda: safedir.remove_stale_dirs(shm, prefix, before=names.retire),
+                 lambda: hugefs.sweep(Path(shm), inst, prefix)):
+        try:
+            step()
+        except Exception as e:      # noqa: BLE001 - what a tenant left must not stop the detach
+            problems.append(f"{type(e).__name__}: {e}")
+    for path in _ram_tmpfs_left(rec):     # a sweep that failed inside: detach the tmpfs anyway
+        try:
+            hugefs.detach(path)
+        except OSError as e:
+            problems.append(f"umount {path}: {e.strerror}")
+    left = _ram_tmpfs_left(rec)
+    if left:
+        return f"its RAM tier's tmpfs is still mounted at {', '.join(left)} ({'; '.join(problems)})"
+    if problems:
+        log.warning("clearing the dead daemon's RAM tier: %s", "; ".join(problems))
+    return None
+
+
+def _losses(rec: dict) -> str:
+    """What the next mount will drop, in words (the index's tally, read offline)."""
+    from kvfs.store.tally import offline_losses
+    state = rec.get("state_dir")
+    if not state:
+        return ("what the next mount will drop is not known here (no record of the daemon's state "
+                "directory; a daemon older than this kvfs)")
+    try:
+        lost = offline_losses(state)
+    except Exception as e:          # noqa: BLE001 - the detach is done; say why not
+        return f"what the next mount will drop is not known: cannot read the index in {state} ({e})"
+    n = lost["unsealed"] + lost["ram_only"]
+    if not n:
+        return "the next mount drops nothing: every file was sealed and on a durable tier"
+    shown = ", ".join(lost["files"]) + (", ..." if n > len(lost["files"]) else "")
+    return (f"the next mount will drop {n} file{'s' if n != 1 else ''}: {lost['unsealed']} never "
+            f"sealed, {lost['ram_only']} whose only copy was in RAM ({shown})")
+
+
+def detach_dead(mp: str, rec: dict) -> None:
+    """``kvfs umount`` of a mount whose daemon is dead: detach it (lazily: there is nobody to
+    flush), remove the daemon's RAM tier, say so and what the next mount will drop; exit 0
+    unless the mount or the RAM tier's tmpfs stays."""
+    from kvfs import mountrecord
+    try:
+        res = subprocess.run(["fusermount3", "-u", "-z", mp], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise fail("fusermount3 not found: install fuse3") from None
+    if res.returncode != 0:
+        why = (res.stderr or res.stdout).strip().splitlines()
+        raise fail(f"cannot detach {mp} (its daemon is dead): {why[-1] if why else 'fusermount3 failed'}")
+    who = f" (pid {rec['pid']})" if isinstance(rec.get("pid"), int) else ""
+    click.echo(f"the kvfs daemon of {mp}{who} was dead: detached {mp}")
+    click.echo(_losses(rec))
+    left = _sweep_ram(rec)
+    mountrecord.remove(mp)
+    if left:
+        raise fail(f"detached {mp}, but {left}")

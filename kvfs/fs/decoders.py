@@ -21,7 +21,7 @@ class Fields:
     """Which attributes a SETATTR changes (``pyfuse3.SetattrFields``' fields)."""
 
     __slots__ = ("update_atime", "update_mtime", "update_ctime", "update_mode", "update_uid",
-                 "update_gid", "update_size")
+                 "update_gid", "update_size", "kill_suidgid")
 
     def __init__(self, valid: int):
         self.update_atime = bool(valid & (wire.FATTR_ATIME | wire.FATTR_ATIME_NOW))
@@ -31,6 +31,7 @@ class Fields:
         self.update_uid = bool(valid & wire.FATTR_UID)
         self.update_gid = bool(valid & wire.FATTR_GID)
         self.update_size = bool(valid & wire.FATTR_SIZE)
+        self.kill_suidgid = bool(valid & wire.FATTR_KILL_SUIDGID)    # HANDLE_KILLPRIV_V2
 
 
 
@@ -58,8 +59,9 @@ class DirToken:
 class SessionDecoder:
     """INIT and DESTROY: the protocol version and the features (passthrough) agreed on."""
 
-    def __init__(self, passthrough, writeback: bool = False):
+    def __init__(self, passthrough, writeback: bool = False, ops=None):
         self.passthrough = passthrough
+        self.ops = ops
         self.want_writeback = writeback
         self.writeback = False  # the kernel's writeback cache, once INIT agreed on it
         self.minor = 0          # the protocol's minor version, once INIT is answered
@@ -72,8 +74,13 @@ class SessionDecoder:
         self.minor = min(minor, wire.MAX_MINOR)
         want = wire.BASE_WANT | (wire.PASSTHROUGH if self.passthrough.wanted else 0) \
             | (wire.WRITEBACK_CACHE if self.want_writeback else 0)
+        if not offered & wire.HANDLE_KILLPRIV_V2:
+            want = want & ~wire.HANDLE_KILLPRIV_V2 | wire.HANDLE_KILLPRIV
         got = want & offered
         self.writeback = bool(got & wire.WRITEBACK_CACHE)
+        if self.ops is not None:
+            # who decides when setuid/setgid go (kvfs/fs/killpriv.py)
+            self.ops.privs.contract = 2 if got & wire.HANDLE_KILLPRIV_V2 else 1
         self.passthrough.negotiated(bool(got & wire.PASSTHROUGH), offered)
         log.info("FUSE protocol 7.%d (kernel 7.%d); passthrough %s; writeback cache %s", self.minor,
                  minor, self.passthrough.state(), "on" if self.writeback else "off")
@@ -175,8 +182,8 @@ class FileDecoder:
         self.passthrough = passthrough
 
     async def open(self, nodeid, body, ctx) -> list:
-        flags, _ = wire.OPEN_IN.unpack_from(body)
-        fi = await self.ops.open(nodeid, flags, ctx)
+        flags, open_flags = wire.OPEN_IN.unpack_from(body)
+        fi = await self.ops.open(nodeid, flags, ctx, kill=bool(open_flags & wire.OPEN_KILL_SUIDGID))
         return [self.open_out(fi)]
 
     async def create(self, nodeid, body, ctx) -> list:
@@ -200,9 +207,10 @@ class FileDecoder:
         return [await self.ops.read(fh, off, size)]
 
     async def write(self, nodeid, body, ctx) -> list:
-        fh, off, size, *_ = wire.WRITE_IN.unpack_from(body)
+        fh, off, size, write_flags, *_ = wire.WRITE_IN.unpack_from(body)
         data = bytes(body[wire.WRITE_IN.size:wire.WRITE_IN.size + size])
-        return [wire.WRITE_OUT.pack(await self.ops.write(fh, off, data), 0)]
+        kill = ctx if write_flags & wire.WRITE_KILL_SUIDGID else None
+        return [wire.WRITE_OUT.pack(await self.ops.write(fh, off, data, kill), 0)]
 
     async def flush(self, nodeid, body, ctx) -> list:
         await self.ops.flush(wire.FLUSH_IN.unpack_from(body)[0])

@@ -105,7 +105,7 @@ class Handlers:
         self.fd = fd
         self.passthrough = passthrough = Passthrough(fd, want_passthrough)
         ops.opens.passthrough = passthrough
-        self.session = SessionDecoder(passthrough, want_writeback)
+        self.session = SessionDecoder(passthrough, want_writeback, ops)
         self.entries = EntryDecoder(ops)
         self.files = FileDecoder(ops, passthrough)
         self.dirs = DirDecoder(ops)

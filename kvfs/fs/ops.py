@@ -12,6 +12,7 @@ import pyfuse3
 
 from kvfs.errors import NamespaceError
 from kvfs.fs import control, dirreply
+from kvfs.fs.killpriv import PrivKills
 from kvfs.fs.coherence import KernelCaches
 from kvfs.fs.opens import Held, Opens, Renewed, Replaced
 from kvfs.fs.errmap import translate
@@ -98,6 +99,7 @@ class KvfsOperations(pyfuse3.Operations):
         self._latency = store.telemetry.latency     # kvfs.telemetry histograms
         self.quotas = Quotas(store)          # kvfs.quota (kvfs.build.build_ops hands it to the store)
         self._ctl: dict[int, control.ControlHandle] = {}
+        self.privs = PrivKills(store.files)  # setuid/setgid kills (kvfs/fs/killpriv.py)
         self._next_ctl = 1 << 62
         self.opens = Opens(store)           # how each open is answered (kvfs/fs/opens.py)
         self.kernel = KernelCaches(self.opens)     # the kernel's caches kept true (kvfs/fs/coherence.py)
@@ -168,7 +170,8 @@ class KvfsOperations(pyfuse3.Operations):
                     uid=attr.st_uid if fields.update_uid else None,
                     gid=attr.st_gid if fields.update_gid else None,
                     atime=attr.st_atime_ns if fields.update_atime else None,
-                    mtime=attr.st_mtime_ns if fields.update_mtime else None)
+                    mtime=attr.st_mtime_ns if fields.update_mtime else None,
+                    kill=self.privs.on_setattr(fields, ctx))
         except NamespaceError as e:
             raise _stale(self.store, inode, e) from None
         except Held:
@@ -257,7 +260,9 @@ class KvfsOperations(pyfuse3.Operations):
 
     # ---- files ------------------------------------------------------------------
     @translate
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode, flags, ctx, kill: bool | None = None):
+        """``kill``: the kernel's word that an O_TRUNC takes setuid/setgid away
+        (FUSE_OPEN_KILL_SUIDGID, kvfs/fs/killpriv.py); None: the daemon decides."""
         if control.is_control(inode):
             fh = self._next_ctl
             self._next_ctl += 1
@@ -275,6 +280,8 @@ class KvfsOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.ETXTBSY) from None
         except Renewed as r:
             raise self.kernel.renewed(r) from None
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            await self.privs.on_open(fh, inode, flags, ctx, kill)
         for _ in range(REOPENS):
             try:
                 return await self.opens.file_info(fh, inode, flags)
@@ -283,6 +290,7 @@ class KvfsOperations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.ETXTBSY) from None
             except Replaced:
                 # the version it chose was replaced while it waited: the current one instead
+                # (a read-only handle: nothing of setuid/setgid to carry over)
                 await self.release(fh)
                 try:
                     fh = await self.store.files.open(inode, flags)
@@ -295,6 +303,7 @@ class KvfsOperations(pyfuse3.Operations):
     async def create(self, parent_inode, name, mode, flags, ctx):
         _parent_ok(parent_inode)
         fh, ino, rec = await self.store.files.create(parent_inode, name, mode, ctx.uid, ctx.gid, flags)
+        self.privs.on_create(fh, flags, ctx)
         self.opens.created(ino)
         return await self.opens.file_info(fh, ino, flags), _entry(ino, rec)
 
@@ -312,10 +321,15 @@ class KvfsOperations(pyfuse3.Operations):
             self._latency["read"].observe(time.perf_counter() - t0)
 
     @translate
-    async def write(self, fh, off, buf):
+    async def write(self, fh, off, buf, kill=None):
+        """``kill``: the writer's request context, where the kernel said the write takes
+        setuid/setgid away (FUSE_WRITE_KILL_SUIDGID, kvfs/fs/killpriv.py)."""
         if fh in self._ctl:
             return await self.control.write(self._ctl[fh], off, buf)
         self.opens.writing(fh)
+        ino = self.store.files.handles[fh].ino
+        if self.privs.write_may_kill(ino, kill is not None):
+            await self.privs.on_write(fh, ino, kill)
         if off + len(buf) > self.store.files.max_file_size():    # before a buffer grows toward it
             raise pyfuse3.FUSEError(errno.EFBIG)
         t0 = time.perf_counter()
@@ -346,6 +360,7 @@ class KvfsOperations(pyfuse3.Operations):
             await self.control.close(h)        # closing a lease descriptor ends its lease
             return
         self.opens.closed(fh)
+        self.privs.released(fh)
         h = self.store.files.handles.get(fh)
         try:
             await self.store.files.release(fh)

@@ -32,11 +32,14 @@ ASYNC_READ, ATOMIC_O_TRUNC, BIG_WRITES = 1 << 0, 1 << 3, 1 << 5
 AUTO_INVAL_DATA, DO_READDIRPLUS, ASYNC_DIO, WRITEBACK_CACHE = 1 << 12, 1 << 13, 1 << 15, 1 << 16
 PARALLEL_DIROPS, HANDLE_KILLPRIV, MAX_PAGES = 1 << 18, 1 << 19, 1 << 22
 INIT_EXT = 1 << 30
+HANDLE_KILLPRIV_V2 = 1 << 28
 PASSTHROUGH, OVER_IO_URING = 1 << 37, 1 << 41
 # what pyfuse3 3.5 over libfuse 3.14 asks for (its defaults for kvfs's handlers), so that both
-# transports give the kernel the same contract; passthrough is added by the session
+# transports give the kernel the same contract, except that setuid/setgid are killed by the
+# kernel's word (HANDLE_KILLPRIV_V2, kvfs/fs/killpriv.py) rather than libfuse's HANDLE_KILLPRIV,
+# which leaves the daemon to guess; passthrough is added by the session
 BASE_WANT = (ASYNC_READ | ATOMIC_O_TRUNC | BIG_WRITES | AUTO_INVAL_DATA | DO_READDIRPLUS | ASYNC_DIO
-             | PARALLEL_DIROPS | HANDLE_KILLPRIV | MAX_PAGES | INIT_EXT)
+             | PARALLEL_DIROPS | HANDLE_KILLPRIV_V2 | MAX_PAGES | INIT_EXT)
 
 # ---- OPEN reply flags -----------------------------------------------------------------------
 FOPEN_DIRECT_IO, FOPEN_KEEP_CACHE, FOPEN_NONSEEKABLE = 1 << 0, 1 << 1, 1 << 2
@@ -45,6 +48,11 @@ FOPEN_NOFLUSH, FOPEN_PASSTHROUGH = 1 << 5, 1 << 7
 # ---- SETATTR valid bits ---------------------------------------------------------------------
 FATTR_MODE, FATTR_UID, FATTR_GID, FATTR_SIZE = 1, 2, 4, 8
 FATTR_ATIME, FATTR_MTIME, FATTR_FH, FATTR_ATIME_NOW, FATTR_MTIME_NOW = 16, 32, 64, 128, 256
+FATTR_KILL_SUIDGID = 1 << 11
+
+# ---- setuid/setgid kills the kernel asks for (HANDLE_KILLPRIV_V2) ---------------------------
+WRITE_KILL_SUIDGID = 1 << 2        # fuse_write_in.write_flags
+OPEN_KILL_SUIDGID = 1 << 0         # fuse_open_in.open_flags
 
 # ---- structures -----------------------------------------------------------------------------
 IN_HEADER = struct.Struct("<IIQQIIIHH")       # len opcode unique nodeid uid gid pid extlen pad

@@ -29,6 +29,7 @@ from kvfs.store.versions import fit
 from kvfs.store.writestate import Handle, WriteState
 
 log = logging.getLogger(__name__)
+SUIDGID = stat.S_ISUID | stat.S_ISGID
 
 
 class FileHandles:
@@ -110,11 +111,19 @@ class FileHandles:
         return max(t.capacity for t in self.store.tiers)
 
     async def setattr(self, ino: int, *, size=None, mode=None, uid=None, gid=None,
-                      atime=None, mtime=None) -> InodeRecord:
+                      atime=None, mtime=None, kill=None) -> InodeRecord:
+        """``kill``: the change takes setuid/setgid away (a truncate by a caller without
+        CAP_FSETID, a chown): ``kill(mode, gid)`` is the mode kept (kvfs/fs/killpriv.py),
+        applied with the other fields in one transaction, before the size changes."""
         rec = self.ns.inode(ino)
         fields = {}
         if mode is not None:
             fields["mode"] = (rec.mode & ~0o7777) | (mode & 0o7777)
+        if kill is not None and rec.mode & SUIDGID and stat.S_ISREG(rec.mode):
+            before = fields.get("mode", rec.mode)
+            kept = kill(before, rec.gid)
+            if kept != before:
+                fields["mode"] = kept
         if uid is not None:
             fields["uid"] = uid
         if gid is not None:
@@ -125,7 +134,7 @@ class FileHandles:
             fields["mtime"] = mtime
         if fields:
             rec = self.ns.update(ino, **fields)
-            self.grants_follow_setattr(ino, rec, uid is not None or gid is not None, mode is not None)
+            self.grants_follow_setattr(ino, rec, uid is not None or gid is not None, "mode" in fields)
             ws = self.writers.get(ino)
             if mtime is not None and ws is not None:
                 ws.mtime, ws.created = mtime, 0     # set after the last write: the seal keeps it

@@ -100,6 +100,12 @@ def mount(parent: Path, instance_id: str, capacity: int) -> tuple[Path, int]:
     return path, root
 
 
+def detach(path: str) -> None:
+    """Unmount (lazily) a tmpfs of ours that no daemon holds any more (``kvfs umount`` of a
+    dead daemon's mount when :func:`sweep` could not clear it)."""
+    _call("umount2", str(path).encode(), MNT_DETACH)
+
+
 def unmount(path: Path, root: int) -> None:
     os.close(root)
     _call("umount2", str(path).encode(), MNT_DETACH)

@@ -257,3 +257,78 @@ def check(index: Index, footprints) -> list[str]:
             problems.append(f"running total {key!r} is {have.get(key, [0, 0])}, the records say "
                             f"{want.get(key, [0, 0])}")
     return problems
+
+
+def offline_losses(state_dir, limit: int = 10) -> dict:
+    """What the next start of the index in ``state_dir`` will drop, read while no daemon holds
+    it (a dead daemon's, for ``kvfs umount``), without opening it for writing: the files never
+    sealed and the objects whose only copy was in RAM (with the files that name them).
+
+    With valid totals these are the two sets a start after a crash reads (``recover``);
+    without, that start walks every record, and so does this. Returns ``unsealed`` and
+    ``ram_only`` counts, ``files`` (up to ``limit`` of the paths), ``from``: "tally" or
+    "records". Raises OSError, lmdb.Error or IndexDamaged when the index cannot be read."""
+    import lmdb
+
+    from pathlib import Path
+
+    from kvfs.protocol import ROOT_INO
+    from kvfs.store.index import ENV_NAME
+    from kvfs.store.lmdbfile import check_lmdb_file
+
+    env_dir = Path(state_dir) / ENV_NAME
+    check_lmdb_file(env_dir / "data.mdb")
+    if not (env_dir / "data.mdb").exists():
+        return {"unsealed": 0, "ram_only": 0, "files": [], "from": "records"}
+    env = lmdb.open(str(env_dir), readonly=True, max_dbs=8, subdir=True, lock=True, readahead=False)
+    try:
+        inodes, objects, recover = (env.open_db(n, create=False)
+                                    for n in (b"inodes", b"objects", b"recover"))
+        with env.begin() as t:
+            def inode(ino):
+                raw = t.get(k64(ino), db=inodes)
+                return None if raw is None else records.decode_inode(raw)
+
+            def path_of(ino, rec) -> str:
+                parts, seen = [], 0
+                while rec is not None and ino != ROOT_INO and seen < 4096:
+                    parts.append(rec.name.decode("utf-8", "surrogateescape"))
+                    ino, rec, seen = rec.parent, inode(rec.parent), seen + 1
+                return "/" + "/".join(reversed(parts))
+
+            valid = bytes(t.get(VALID, db=recover) or b"") == _VERSION
+            unsealed: list[tuple[int, object]] = []
+            ram_only: list[tuple[int, object]] = []
+            if valid:
+                for key in t.cursor(db=recover).iternext(values=False):
+                    kind, ident = key[:1], struct.unpack(">Q", key[1:])[0] if len(key) == 9 else None
+                    if ident is None:
+                        continue
+                    if kind == UNSEALED:
+                        rec = inode(ident)
+                        if rec is not None and stat.S_ISREG(rec.mode) and rec.oid is None:
+                            unsealed.append((ident, rec))
+                    elif kind == RAM_ONLY:
+                        raw = t.get(k64(ident), db=objects)
+                        if raw is not None:
+                            ram_only.append((ident, records.decode_object(raw)))
+            else:
+                for k, v in t.cursor(db=inodes):
+                    rec = records.decode_inode(v)
+                    if stat.S_ISREG(rec.mode) and rec.oid is None:
+                        unsealed.append((struct.unpack(">Q", k)[0], rec))
+                for k, v in t.cursor(db=objects):
+                    orec = records.decode_object(v)
+                    if orec.size and not any(n != "ram" for n in orec.place):
+                        ram_only.append((struct.unpack(">Q", k)[0], orec))
+            files = [path_of(ino, rec) for ino, rec in unsealed[:limit]]
+            for oid, orec in ram_only:
+                if len(files) >= limit:
+                    break
+                rec = inode(orec.ino)
+                if rec is not None and rec.oid == oid:
+                    files.append(path_of(orec.ino, rec))
+    finally:
+        env.close()
+    return {"unsealed": len(unsealed), "ram_only": len(ram_only), "files": files,
+            "from": "tally" if valid else "records"}

@@ -182,14 +182,14 @@ def test_umount_busy_fails_then_succeeds(kvfs_mount, kvfs_cli):
     m.umount()
 
 
-def test_umount_of_a_dead_daemon_needs_lazy(kvfs_mount, kvfs_cli):
+def test_umount_of_a_dead_daemon_detaches_it(kvfs_mount, kvfs_cli):
+    """Issue 40 item 7 (it once asked for --lazy): tests/cli/test_umount_dead.py has the rest."""
     m = kvfs_mount()
     os.kill(m.pid, signal.SIGKILL)
     wait_for(lambda: not pid_alive(m.pid), 60, "the daemon to die")
     res = kvfs_cli("umount", m.path)
-    assert_one_line_error(res, "--lazy")
-    res = kvfs_cli("umount", "--lazy", m.path)
     assert res.returncode == 0, res.stderr
+    assert "was dead: detached" in res.stdout
     assert not os.path.ismount(m.path)
 
 
@@ -219,7 +219,8 @@ def test_foreground_mount_stays_attached(tmp_path):
 def test_umount_lazy_when_the_dead_mount_answers_enotconn(kvfs_mount, kvfs_cli):
     """Issue 11 item 9: once the dead daemon's mount answers stat() with ENOTCONN (its root's
     cached attributes gone), ``os.path.ismount`` says False; ``kvfs umount --lazy`` must find
-    the mount in the kernel's mount table and detach it. Creating a file in the root just
+    the mount in the kernel's mount table and detach it (and so must a plain ``kvfs umount``
+    since issue 40 item 7). Creating a file in the root just
     before the kill invalidates the root's cached attributes, so the next stat() goes to the
     dead daemon at once (no waiting for the attribute timeout)."""
     m = kvfs_mount()
@@ -232,10 +233,9 @@ def test_umount_lazy_when_the_dead_mount_answers_enotconn(kvfs_mount, kvfs_cli):
     # ENOTCONN, or ECONNABORTED when the kernel saw the connection aborted mid-request
     assert err.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
     assert not os.path.ismount(m.path)            # what the old check relied on
-    res = kvfs_cli("umount", m.path)              # not lazy: a one-line error naming --lazy
-    assert_one_line_error(res, "--lazy")
-    res = kvfs_cli("umount", "--lazy", m.path)
+    res = kvfs_cli("umount", m.path)              # not lazy either: the daemon is dead
     assert res.returncode == 0, res.stderr
+    assert "was dead: detached" in res.stdout
     with open("/proc/self/mountinfo") as f:
         assert f" {m.path} " not in f.read()
     assert os.path.isdir(m.path) and not os.path.ismount(m.path)

@@ -8,7 +8,7 @@ ships (tokenizer and chat template inside); transformers dequantises it to a flo
 ``llm`` CLI, so it is installed ``--no-deps`` and only located here, never imported.
 
 1. Turn 1: a long system prompt, a document (the first ``--doc-tokens`` tokens of kvfs's own
-   docs/kv.md) and a question. Chunked prefill, greedy answer, KV saved through ``KVCache``
+   README.md) and a question. Chunked prefill, greedy answer, KV saved through ``KVCache``
    (its namespace names the weights: ``revision`` and a fingerprint of every weight byte).
 2. Turn 2: turn 1's prompt, its answer and a new question. The prefix is looked up and loaded
    from kvfs; only the new tokens are computed. Then the same prompt without reuse: one pass
@@ -61,8 +61,8 @@ document shows.
 The user may continue the conversation with follow-up questions about the same document; \
 keep earlier answers in mind and stay consistent with them."""
 
-QUESTION_1 = "What is the name of a block file on the mount, and what does its header record?"
-QUESTION_2 = "Which hash names a block, and what goes into it besides the token ids?"
+QUESTION_1 = "Where does kvfs keep the bytes of each file?"
+QUESTION_2 = "Which programs read and write the files, and with which calls?"
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -87,8 +87,8 @@ def revision() -> str:
     return f"{GGUF_PACKAGE}=={importlib.metadata.version(GGUF_PACKAGE)}:{GGUF_FILE}"
 
 
-def load_model(path: Path):
-    """``(tokenizer, model)`` from the GGUF file (dequantised to float32), with progress."""
+def load_model(path: Path, *, tokenizer: bool = True):
+    """``(tokenizer or None, model)`` from the GGUF file (dequantised to float32), with progress."""
     for mod in ("gguf", "accelerate"):
         if importlib.util.find_spec(mod) is None:
             raise ModelMissing(f"the package {mod} is not installed: {INSTALL_HINT}")
@@ -97,8 +97,10 @@ def load_model(path: Path):
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     t0 = time.perf_counter()
-    print(f"loading the tokenizer from {path.name} ...", flush=True)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok = None
+    if tokenizer:
+        print(f"loading the tokenizer from {path.name} ...", flush=True)
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     print(f"loading the model (GGUF Q4_1 dequantised to float32) ...", flush=True)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     c = model.config
@@ -117,13 +119,16 @@ def fingerprint(model) -> tuple[str, float]:
 
 
 def weight_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    """Bytes the fingerprint reads (a tied tensor once)."""
+    from kvfs.kv.identity import alias_key
+    unique = {alias_key(t): t for t in model.state_dict().values()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 # -- the conversation -----------------------------------------------------------------------
 def document(max_tokens: int, tok) -> str:
-    """The first paragraphs of kvfs's docs/kv.md, up to ``max_tokens`` tokens."""
-    path = Path(__file__).resolve().parent.parent / "docs" / "kv.md"
+    """The first paragraphs of kvfs's README.md, up to ``max_tokens`` tokens."""
+    path = Path(__file__).resolve().parent.parent / "README.md"
     paragraphs = path.read_text().split("\n\n")
     out, n = [], 0
     for p in paragraphs:
@@ -136,8 +141,8 @@ def document(max_tokens: int, tok) -> str:
 
 
 def turn1_ids(tok, doc: str) -> list[int]:
-    messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": f"Here is the document:\n\n{doc}\n\nQuestion: {QUESTION_1}"}]
+    messages = [{"role": "system", "content": f"{SYSTEM_PROMPT}\n\nThe document:\n\n{doc}"},
+                {"role": "user", "content": QUESTION_1}]
     return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         return_dict=True)["input_ids"])
 
@@ -187,11 +192,11 @@ class Engine:
     """Chunked prefill and greedy decoding over a transformers DynamicCache, recording the
     segments each forward pass computed (the schedule a recompute replays)."""
 
-    def __init__(self, model, tok, *, chunk: int, max_new_tokens: int, progress: bool):
+    def __init__(self, model, tok, *, chunk: int, max_new_tokens: int, progress: bool, stop=None):
         self.model, self.tok = model, tok
         self.chunk, self.max_new = chunk, max_new_tokens
         self.progress = Progress(model, progress)
-        self.stop = {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
+        self.stop = set(stop) if stop is not None else {tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id}
 
     def forward(self, ids: list[int], start: int, end: int, past, label: str = ""):
         import torch
@@ -269,7 +274,7 @@ def open_cache(root: Path, layout, fp: str, session: str):
 # -- the two processes ------------------------------------------------------------------------
 def first_process(args) -> int:
     import torch
-    from kvfs.kv.hf import kv_from_cache, layout_for
+    from kvfs.kv.hf import layout_for
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     path = find_gguf()
     tok, model = load_model(path)
@@ -294,7 +299,7 @@ def first_process(args) -> int:
         print(f"assistant: {engine.text(r1['answer'])}")
         print(f"[{describe(r1)}; {len(r1['answer'])} tokens in {r1['decode']:.2f} s; KV saved as "
               f"{(len(ids1) + len(r1['answer']) - 1) // layout.block_tokens} blocks]")
-        schedule1 = [(s, e) for s, e in _schedule(engine, ids1, r1)]
+        schedule1 = _schedule(engine, ids1, r1)
 
         ids2 = next_turn_ids(tok, ids1, r1["answer"], QUESTION_2)
         print()
@@ -307,6 +312,24 @@ def first_process(args) -> int:
         print(f"assistant: {engine.text(r2['answer'])}")
         print(f"[{describe(r2)}]")
 
+    ttft_full, diff, same = without_kvfs(engine, ids2, r2, schedule1)
+    state = {"root": str(root), "session": session, "ids": ids2, "answer": r2["answer"],
+             "text": engine.text(r2["answer"]), "stop": sorted(engine.stop), "block_tokens": args.block_tokens,
+             "chunk": args.chunk, "max_new_tokens": args.max_new_tokens, "fingerprint": fp,
+             "ttft_reuse": r2["ttft"], "ttft_full": ttft_full}
+    rc = 0 if same else 1
+    if args.replica_process and run_replica(root, state, args.progress):
+        rc = 1
+    print()
+    print(f"summary: turn 2 time to first token {r2['ttft']:.2f} s with {r2['reused']} tokens reused "
+          f"from kvfs vs {ttft_full:.2f} s recomputed ({ttft_full / r2['ttft']:.1f}x); greedy tokens "
+          f"{'identical' if same else 'DIFFERENT'}; largest logit difference vs one pass {diff:.2e}")
+    return rc
+
+
+def without_kvfs(engine: Engine, ids2: list[int], r2: dict, schedule1) -> tuple[float, float, bool]:
+    """Turn 2 recomputed: in one pass (time to first token, logit difference) and with the reuse
+    path's arithmetic (its greedy tokens must be the reuse path's): ``(ttft, diff, same)``."""
     print()
     print("== turn 2 again without kvfs")
     t0 = time.perf_counter()
@@ -324,29 +347,22 @@ def first_process(args) -> int:
           f"({len(ref)} tokens)")
     if not same:
         print(f"  with reuse: {r2['answer']}\n  recompute:  {ref}", file=sys.stderr)
+    return ttft_full, diff, same
 
-    state = {"root": str(root), "session": session, "ids": ids2, "answer": r2["answer"], "block_tokens": args.block_tokens,
-             "chunk": args.chunk, "max_new_tokens": args.max_new_tokens, "fingerprint": fp,
-             "ttft_reuse": r2["ttft"], "ttft_full": ttft_full}
-    rc = 0 if same else 1
-    if args.replica_process:
-        with tempfile.TemporaryDirectory(prefix="kvfs-chat-") as d:
-            sf = Path(d) / "state.json"
-            sf.write_text(json.dumps(state))
-            print()
-            print("== a second process (a fresh Python, as another replica) from the files alone")
-            cmd = [sys.executable, "-m", "kvfs.chatdemo", str(root), "--replica", str(sf)]
-            if args.progress:
-                cmd.append("--progress")
-            res = subprocess.run(cmd, stdin=subprocess.DEVNULL)
-            if res.returncode:
-                print(f"the second process failed (exit {res.returncode})", file=sys.stderr)
-                rc = 1
-    print()
-    print(f"summary: turn 2 time to first token {r2['ttft']:.2f} s with {r2['reused']} tokens reused "
-          f"from kvfs vs {ttft_full:.2f} s recomputed ({ttft_full / r2['ttft']:.1f}x); greedy tokens "
-          f"{'identical' if same else 'DIFFERENT'}; largest logit difference vs one pass {diff:.2e}")
-    return rc
+
+def run_replica(root: Path, state: dict, progress: bool) -> int:
+    """Turn 2 in a fresh Python process (``--replica``); its exit status."""
+    with tempfile.TemporaryDirectory(prefix="kvfs-chat-") as d:
+        sf = Path(d) / "state.json"
+        sf.write_text(json.dumps(state))
+        print()
+        print("== a second process (a fresh Python, as another replica) from the files alone")
+        cmd = [sys.executable, "-m", "kvfs.chatdemo", str(root), "--replica", str(sf)]
+        cmd.append("--progress" if progress else "--no-progress")
+        res = subprocess.run(cmd, stdin=subprocess.DEVNULL)
+    if res.returncode:
+        print(f"the second process failed (exit {res.returncode})", file=sys.stderr)
+    return res.returncode
 
 
 def _schedule(engine: Engine, ids1: list[int], r1: dict):
@@ -366,7 +382,8 @@ def recompute_same_way(engine: Engine, ids: list[int], schedule, n: int) -> list
             break
         _, past = engine.forward(ids, s, e, past, f"recompute tokens {s}-{e}")
     if past is not None and past.get_seq_length() > n:
-        past.crop(n)
+        past.crop(n - past.get_seq_length())        # a negative count: drop that many (transformers 5)
+        assert past.get_seq_length() == n
     logits, past, _ = engine.prefill(ids, past, n)
     answer, _, _ = engine.decode(ids, logits, past)
     return answer
@@ -377,21 +394,23 @@ def replica_process(args) -> int:
     from kvfs.kv.hf import layout_for
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     state = json.loads(Path(args.replica).read_text())
-    tok, model = load_model(find_gguf())
+    # a replica is handed the request as token ids (the tokenizer lives in the front end)
+    _, model = load_model(find_gguf(), tokenizer=False)
     fp, fp_s = fingerprint(model)
     print(f"weights fingerprint {fp} in {fp_s * 1e3:.0f} ms "
           f"({'the same as' if fp == state['fingerprint'] else 'NOT the same as'} the first process's)")
     layout = layout_for(model.config, block_tokens=state["block_tokens"])
-    engine = Engine(model, tok, chunk=state["chunk"], max_new_tokens=state["max_new_tokens"], progress=args.progress)
+    engine = Engine(model, None, chunk=state["chunk"], max_new_tokens=state["max_new_tokens"],
+                    progress=args.progress, stop=state["stop"])
     ids = state["ids"]
     with open_cache(args.root, layout, fp, state["session"]) as cache:
         r = reuse_turn(engine, cache, ids)
         cache.flush()
     print(f"turn 2, {len(ids)} tokens: {describe(r)}")
-    print(f"assistant: {engine.text(r['answer'])}")
     same = r["answer"] == state["answer"]
     print(f"greedy tokens {'IDENTICAL to' if same else 'DIFFERENT from'} the first process's "
-          f"(time to first token {r['ttft']:.2f} s here, {state['ttft_full']:.2f} s recomputed there)")
+          f"(time to first token {r['ttft']:.2f} s here, {state['ttft_full']:.2f} s recomputed there)"
+          + (f": {state['text']!r}" if same else ""))
 
     # one weight changed by one ulp: other weights, another namespace, nothing to reuse
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -410,13 +429,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", type=Path, help="directory of the KV namespaces (on a kvfs mount)")
     ap.add_argument("--doc-tokens", type=int, default=2000, help="tokens of the document in the prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=40)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
     ap.add_argument("--block-tokens", type=int, default=32,
                     help="tokens per KV block (32: 1.4 MiB float32 blocks, above the 1 MiB fast-path floor)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty(),
                     help="show the layer each forward pass is in (default: on a terminal)")
-    ap.add_argument("--session", help="the conversation's cache_salt (default: a new random one)")
+    ap.add_argument("--session", help="the conversation's cache_salt (default: a new random one; "
+                    "a fixed one is for a fresh mount: the exact-tokens check assumes turn 1 reused nothing)")
     ap.add_argument("--no-replica", dest="replica_process", action="store_false",
                     help="skip the second process")
     ap.add_argument("--replica", metavar="STATE", help=argparse.SUPPRESS)

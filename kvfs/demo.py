@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="part 2 with a random-weight 8-layer Llama instead of the real chat model")
     ap.add_argument("--prompt-tokens", type=int, default=2048, help="shared prefix length (--random-model)")
     ap.add_argument("--doc-tokens", type=int, default=2000, help="document length of the chat")
-    ap.add_argument("--max-new-tokens", type=int, default=40, help="answer length of the chat")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="answer length of the chat")
     args = ap.parse_args(argv)
     size = parse_size(args.block_size)
     root = args.mountpoint

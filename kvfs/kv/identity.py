@@ -37,7 +37,7 @@ def _named_tensors(model) -> dict:
     return state_dict(keep_vars=False)
 
 
-def _alias_key(t) -> tuple:
+def alias_key(t) -> tuple:
     return (t.device.type, t.device.index, t.untyped_storage().data_ptr(), t.storage_offset(),
             tuple(t.shape), tuple(t.stride()), str(t.dtype))
 
@@ -59,7 +59,7 @@ def weights_fingerprint(model, *, piece_bytes: int = PIECE_BYTES) -> str:
         if t.is_meta:
             raise ValueError(f"{name} is on the meta device: its weights are not loaded")
         h.update(f"{name}\0{str(t.dtype)}\0{list(t.shape)}\0".encode())
-        key = _alias_key(t)
+        key = alias_key(t)
         if key in seen:
             h.update(f"=\0{seen[key]}\0".encode())
             continue

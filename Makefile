@@ -70,7 +70,7 @@ run: setup
 	$(KVFS) stat $(DEMO_MNT)
 	@echo
 	@echo "kvfs is still mounted at $(DEMO_MNT): try  ls -lR $(DEMO_MNT)/demo  or  $(KVFS) ls -R $(DEMO_MNT)/demo"
-	@echo "the chat's prefix chains:  $(KVFS) ls --tree $(DEMO_MNT)/kv/HuggingFaceTB--SmolLM2-135M-Instruct__*/"
+	@echo "the chat's prefix chain: the 'kvfs ls --tree' command printed above the stat table"
 	@echo "unmount with:  $(KVFS) umount $(DEMO_MNT)   (or: make demo-umount)"
 
 demo-umount:

@@ -290,6 +290,7 @@ def first_process(args) -> int:
     ids1 = turn1_ids(tok, doc)
     session = args.session or os.urandom(4).hex()
     with open_cache(root, layout, fp, session) as cache:
+        ns_dir = cache.ns_dir
         print(f"KV namespace {cache.namespace} (revision {revision()}), session {session}")
         print()
         print(f"== turn 1: system prompt + document + question, {len(ids1)} tokens")
@@ -320,7 +321,9 @@ def first_process(args) -> int:
     rc = 0 if same else 1
     if args.replica_process and run_replica(root, state, args.progress):
         rc = 1
+    kvfs_cmd = Path(sys.executable).with_name("kvfs")
     print()
+    print(f"the chat's prefix chain: {kvfs_cmd if kvfs_cmd.exists() else 'kvfs'} ls --tree {ns_dir}")
     print(f"summary: turn 2 time to first token {r2['ttft']:.2f} s with {r2['reused']} tokens reused "
           f"from kvfs vs {ttft_full:.2f} s recomputed ({ttft_full / r2['ttft']:.1f}x); greedy tokens "
           f"{'identical' if same else 'DIFFERENT'}; largest logit difference vs one pass {diff:.2e}")

@@ -66,7 +66,7 @@ run: setup
 	@mkdir -p $(DEMO_MNT) $(DEMO_DIR)
 	@if mountpoint -q $(DEMO_MNT); then echo "kvfs already mounted at $(DEMO_MNT)"; else \
 		$(KVFS) mount $(DEMO_MNT) --ram 64MiB --nvme $(DEMO_DIR)/nvme --nvme-size 1GiB; fi
-	$(PY) -m kvfs.demo $(DEMO_MNT)
+	$(PY) -m kvfs.demo $(DEMO_MNT) --model-cache $(DEMO_DIR)/smollm2-f32
 	$(KVFS) stat $(DEMO_MNT)
 	@echo
 	@echo "kvfs is still mounted at $(DEMO_MNT): try  ls -lR $(DEMO_MNT)/demo  or  $(KVFS) ls -R $(DEMO_MNT)/demo"

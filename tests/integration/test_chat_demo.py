@@ -2,8 +2,8 @@
 KV, turn 2 reuses it, a second process reuses it from the files alone, and the greedy tokens
 with reuse are those of a recompute; one changed weight finds nothing cached.
 
-Slow (two loads of the GGUF model, ~20 s each on an idle core; the test took 240-265 s on the
-2-core VM shared at load average 6-8): ``make test-slow``, or
+Slow (two loads of the GGUF model, ~20 s each on an idle core; the test took 127 s on the 2-core
+VM shared at load average 4-6, 240-265 s at 6-8): ``make test-slow``, or
 ``pytest -m slow tests/integration/test_chat_demo.py``.
 """
 from __future__ import annotations

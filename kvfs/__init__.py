@@ -5,11 +5,11 @@ The filesystem and store import nothing heavy; ``kvfs.KVCache`` and
 """
 __version__ = "0.1.0"
 
-__all__ = ["KVCache", "KVLayout", "__version__"]
+__all__ = ["KVCache", "KVLayout", "weights_fingerprint", "__version__"]
 
 
 def __getattr__(name):
-    if name in ("KVCache", "KVLayout"):
+    if name in ("KVCache", "KVLayout", "weights_fingerprint"):
         from kvfs import kv
         return getattr(kv, name)
     raise AttributeError(f"module 'kvfs' has no attribute {name!r}")

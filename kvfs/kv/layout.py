@@ -6,8 +6,8 @@
     <root>/<namespace>/<h[:2]>/<h>.kv         one block file per prefix hash ``h``
 
 ``<namespace>`` is ``<model with / as -->__<layout digest, 16 hex>``: the digest covers the
-model id, every layout field, the tensor-parallel rank/size, the hash algorithm and the block
-format, so caches that are not interchangeable never share a directory. 256 shard
+model id, every layout field, the tensor-parallel rank/size, the hash algorithm, the block
+format and, when the caller gives them, the weights' revision and fingerprint, so caches that are not interchangeable never share a directory. 256 shard
 directories keep a million blocks at ~4k entries per directory.
 
 Pure Python (no torch): the daemon imports :func:`block_path`.
@@ -124,39 +124,64 @@ class KVLayout:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
 
-def namespace_descriptor(model: str, layout: KVLayout, hash_algo: str) -> dict:
-    """What ``namespace.json`` records; everything that makes two caches incompatible."""
+def _identity_field(name: str, value) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+    return value
+
+
+def namespace_descriptor(model: str, layout: KVLayout, hash_algo: str, *,
+                         revision: str | None = None, weights: str | None = None) -> dict:
+    """What ``namespace.json`` records; everything that makes two caches incompatible.
+
+    ``revision`` (the caller's name for the weights' version) and ``weights`` (a fingerprint of
+    the weights' bytes, :func:`kvfs.kv.identity.weights_fingerprint`) are recorded only when
+    given, so a namespace made without them keeps its name and its ``namespace.json``."""
     if not isinstance(model, str) or not model.strip():
         raise ValueError(f"model must be a non-empty string, got {model!r}")
-    return {"format": FORMAT, "model": model, "layout": layout.to_dict(), "hash_algo": hash_algo}
+    desc = {"format": FORMAT, "model": model, "layout": layout.to_dict(), "hash_algo": hash_algo}
+    revision = _identity_field("revision", revision)
+    weights = _identity_field("weights", weights)
+    if revision is not None:
+        desc["revision"] = revision
+    if weights is not None:
+        desc["weights"] = weights
+    return desc
 
 
-def namespace_name(model: str, layout: KVLayout, hash_algo: str) -> str:
-    """Directory name of the namespace for this model, layout and hash algorithm."""
-    desc = namespace_descriptor(model, layout, hash_algo)
+def namespace_name(model: str, layout: KVLayout, hash_algo: str, *,
+                   revision: str | None = None, weights: str | None = None) -> str:
+    """Directory name of the namespace for this model, layout, hash algorithm and (when given)
+    weights' revision and fingerprint."""
+    desc = namespace_descriptor(model, layout, hash_algo, revision=revision, weights=weights)
     digest = hashlib.sha256(json.dumps(desc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
     safe = _MODEL_SAFE.sub("-", model.replace("/", "--")).strip("-.")[:80] or "model"
     return f"{safe}__{digest}"
 
 
-def ensure_namespace(root: str, model: str, layout: KVLayout, hash_algo: str) -> str:
+def ensure_namespace(root: str, model: str, layout: KVLayout, hash_algo: str, *,
+                     revision: str | None = None, weights: str | None = None) -> str:
     """Create (or verify) the namespace directory under ``root``; return its path."""
-    return open_namespace(root, model, layout, hash_algo)[0]
+    return open_namespace(root, model, layout, hash_algo, revision=revision, weights=weights)[0]
 
 
-def open_namespace(root: str, model: str, layout: KVLayout, hash_algo: str) -> tuple[str, int | None]:
+def open_namespace(root: str, model: str, layout: KVLayout, hash_algo: str, *,
+                   revision: str | None = None, weights: str | None = None) -> tuple[str, int | None]:
     """Create (or verify) the namespace directory under ``root``: ``(path, dev)``. Inside a
     kvfs mount the directory is made through the mount's root (a mount that dies meanwhile
     fails instead of the directory landing under the bare mount point) and ``dev`` is the
     mount's st_dev; elsewhere ``dev`` is None."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"KV cache root {root!r} is not a directory")
-    name = namespace_name(model, layout, hash_algo)
+    name = namespace_name(model, layout, hash_algo, revision=revision, weights=weights)
     ns_dir = os.path.join(root, name)
     ctl = find_control(root)
     dev = makedirs_under(ctl[0] if ctl is not None else None, ns_dir)
     meta_path = os.path.join(ns_dir, NAMESPACE_FILE)
-    desc = dict(namespace_descriptor(model, layout, hash_algo), namespace=name)
+    desc = dict(namespace_descriptor(model, layout, hash_algo, revision=revision, weights=weights),
+                namespace=name)
     # on a mount: read and write namespace.json through a descriptor of its root (a mount
     # that died since the directory was made fails, ENOTCONN, instead of the file landing
     # under the bare mount point)

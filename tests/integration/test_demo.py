@@ -18,7 +18,7 @@ def test_demo_runs_on_a_mount(kvfs_mount):
     m = kvfs_mount(ram="8MiB", nvme_size="256MiB")
     res = subprocess.run(
         [sys.executable, "-m", "kvfs.demo", str(m.path), "--blocks", "12", "--block-size", "1MiB",
-         "--prompt-tokens", "192"],
+         "--random-model", "--prompt-tokens", "192"],
         capture_output=True, text=True, timeout=600, env=_env(), stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stdout + res.stderr + m.log_tail()
     out = res.stdout

@@ -55,6 +55,42 @@ class DirToken:
         return True
 
 
+EPOCH_SHIFT = 48
+EPOCH_BITS = 0x3FFF << EPOCH_SHIFT      # bits 48..61 (control handles start at bit 62)
+WRITABLE = 1 << 47                      # the handle was opened for writing
+
+
+class Epoch:
+    """File handle numbers as the kernel holds them: the daemon's own number with this
+    daemon's epoch in bits 48..61 (its number in the mount's life, from the supervisor; 0 for
+    a daemon that mounted itself) and bit 47 set for a handle opened for writing. A daemon that
+    replaced a dead one (kvfs/supervisor.py) starts its numbering again: a handle of an older
+    epoch is never looked up (it could name another file, opened by another user); see
+    :meth:`stale`."""
+
+    __slots__ = ("epoch", "tag")
+
+    def __init__(self, epoch: int = 0):
+        self.epoch = epoch & 0x3FFF
+        self.tag = self.epoch << EPOCH_SHIFT
+
+    def out(self, fh: int, writable: bool) -> int:
+        return fh | self.tag | (WRITABLE if writable else 0)
+
+    def local(self, kfh: int) -> int | None:
+        """The daemon's number of a kernel handle; None for one of another epoch."""
+        if kfh & EPOCH_BITS != self.tag:
+            return None
+        return kfh & ~(EPOCH_BITS | WRITABLE)
+
+    @staticmethod
+    def stale(kfh: int) -> pyfuse3.FUSEError:
+        """What a request on a handle of a dead daemon gets: EIO (its staging, its credentials
+        and its version are gone with it; a passthrough reader never asks: the kernel reads
+        its backing file)."""
+        return pyfuse3.FUSEError(errno.EIO)
+
+
 class SessionDecoder:
     """INIT and DESTROY: the protocol version and the features (passthrough) agreed on."""
 
@@ -63,6 +99,17 @@ class SessionDecoder:
         self.want_writeback = writeback
         self.writeback = False  # the kernel's writeback cache, once INIT agreed on it
         self.minor = 0          # the protocol's minor version, once INIT is answered
+        self.agreed: dict | None = None     # what INIT agreed on (kept by the supervisor)
+        self.on_init = None     # called with ``agreed`` once INIT is answered
+
+    def restore(self, agreed: dict) -> None:
+        """The state of an INIT a daemon before this one answered (the kernel sends INIT once
+        per connection; kvfs/supervisor.py keeps what it agreed on)."""
+        self.agreed = dict(agreed)
+        self.minor = int(agreed["minor"])
+        got, offered = int(agreed["got"]), int(agreed["offered"])
+        self.writeback = bool(got & wire.WRITEBACK_CACHE)
+        self.passthrough.negotiated(bool(got & wire.PASSTHROUGH) and self.passthrough.wanted, offered)
 
     async def init(self, nodeid, body, ctx) -> list:
         major, minor, readahead, flags, flags2 = wire.INIT_IN.unpack_from(body)
@@ -77,6 +124,9 @@ class SessionDecoder:
         self.passthrough.negotiated(bool(got & wire.PASSTHROUGH), offered)
         log.info("FUSE protocol 7.%d (kernel 7.%d); passthrough %s; writeback cache %s", self.minor,
                  minor, self.passthrough.state(), "on" if self.writeback else "off")
+        self.agreed = {"minor": self.minor, "got": got, "offered": offered}
+        if self.on_init is not None:
+            self.on_init(self.agreed)
         return [wire.INIT_OUT.pack(wire.MAJOR, self.minor, readahead, got & 0xFFFFFFFF, 0, 0,
                                    (1 << 20), 1, (1 << 20) // 4096, 0, got >> 32,
                                    1 if got & wire.PASSTHROUGH else 0, 0)]
@@ -88,8 +138,9 @@ class SessionDecoder:
 class EntryDecoder:
     """Names and attributes: LOOKUP, GETATTR, SETATTR, the name changes, FORGET."""
 
-    def __init__(self, ops):
+    def __init__(self, ops, epoch: Epoch | None = None):
         self.ops = ops
+        self.epoch = epoch or Epoch()
 
     async def forget(self, opcode: int, nodeid: int, body) -> None:
         if opcode == wire.FORGET:
@@ -118,7 +169,11 @@ class EntryDecoder:
         attr.st_size, attr.st_mode, attr.st_uid, attr.st_gid = size, mode, uid, gid
         attr.st_atime_ns = now if valid & wire.FATTR_ATIME_NOW else atime * 1_000_000_000 + atimens
         attr.st_mtime_ns = now if valid & wire.FATTR_MTIME_NOW else mtime * 1_000_000_000 + mtimens
-        fh = fh if valid & wire.FATTR_FH else None
+        fh = self.epoch.local(fh) if valid & wire.FATTR_FH else None
+        if valid & wire.FATTR_FH and fh is None:
+            if valid & wire.FATTR_SIZE:         # a truncate through a dead daemon's handle
+                raise Epoch.stale(fh)
+            fh = None                           # the rest is the inode's: by its node id
         return [wire.attr_out_bytes(await self.ops.setattr(nodeid, attr, Fields(valid), fh, ctx))]
 
     async def readlink(self, nodeid, body, ctx) -> list:
@@ -170,46 +225,62 @@ class FileDecoder:
     """Open files' data: OPEN, CREATE, READ, WRITE, FLUSH, FSYNC, RELEASE (with passthrough's
     backing files)."""
 
-    def __init__(self, ops, passthrough):
+    def __init__(self, ops, passthrough, epoch: Epoch | None = None):
         self.ops = ops
         self.passthrough = passthrough
+        self.epoch = epoch or Epoch()
 
     async def open(self, nodeid, body, ctx) -> list:
         flags, _ = wire.OPEN_IN.unpack_from(body)
         fi = await self.ops.open(nodeid, flags, ctx)
-        return [self.open_out(fi)]
+        return [self.open_out(fi, flags)]
 
     async def create(self, nodeid, body, ctx) -> list:
         flags, mode, umask, _ = wire.CREATE_IN.unpack_from(body)
         name, = wire.names_in(body[wire.CREATE_IN.size:], 1)
         ctx.umask = umask
         fi, attr = await self.ops.create(nodeid, name, mode, flags, ctx)
-        return [wire.entry_bytes(attr), self.open_out(fi)]
+        return [wire.entry_bytes(attr), self.open_out(fi, flags)]
 
-    def open_out(self, fi) -> bytes:
+    def open_out(self, fi, open_flags: int = os.O_RDONLY) -> bytes:
         flags = ((wire.FOPEN_DIRECT_IO if fi.direct_io else 0) | (wire.FOPEN_KEEP_CACHE if fi.keep_cache else 0)
                  | (wire.FOPEN_NONSEEKABLE if fi.nonseekable else 0))
+        fh = self.epoch.out(fi.fh, open_flags & os.O_ACCMODE != os.O_RDONLY)
         backing = self.passthrough.answer(fi.fh)
         if backing is not None:
             backing_id, extra = backing
-            return wire.OPEN_OUT.pack(fi.fh, extra, backing_id)
-        return wire.OPEN_OUT.pack(fi.fh, flags, 0)
+            return wire.OPEN_OUT.pack(fh, extra, backing_id)
+        return wire.OPEN_OUT.pack(fh, flags, 0)
+
+    def _local(self, kfh: int) -> int:
+        fh = self.epoch.local(kfh)
+        if fh is None:
+            raise Epoch.stale(kfh)
+        return fh
 
     async def read(self, nodeid, body, ctx) -> list:
         fh, off, size, *_ = wire.READ_IN.unpack_from(body)
-        return [await self.ops.read(fh, off, size)]
+        return [await self.ops.read(self._local(fh), off, size)]
 
     async def write(self, nodeid, body, ctx) -> list:
         fh, off, size, *_ = wire.WRITE_IN.unpack_from(body)
         data = bytes(body[wire.WRITE_IN.size:wire.WRITE_IN.size + size])
-        return [wire.WRITE_OUT.pack(await self.ops.write(fh, off, data), 0)]
+        return [wire.WRITE_OUT.pack(await self.ops.write(self._local(fh), off, data), 0)]
 
     async def flush(self, nodeid, body, ctx) -> list:
-        await self.ops.flush(wire.FLUSH_IN.unpack_from(body)[0])
+        kfh = wire.FLUSH_IN.unpack_from(body)[0]
+        fh = self.epoch.local(kfh)
+        if fh is None:
+            if kfh & WRITABLE:      # what it wrote died with its daemon: close(2) says so
+                raise Epoch.stale(kfh)
+            return []               # a reader's close is not an error
+        await self.ops.flush(fh)
         return []
 
     async def release(self, nodeid, body, ctx) -> list:
-        fh = wire.RELEASE_IN.unpack_from(body)[0]
+        fh = self.epoch.local(wire.RELEASE_IN.unpack_from(body)[0])
+        if fh is None:
+            return []               # a dead daemon's handle: nothing of it is left here
         try:
             await self.ops.release(fh)
         finally:
@@ -218,7 +289,7 @@ class FileDecoder:
 
     async def fsync(self, nodeid, body, ctx) -> list:
         fh, flags, _ = wire.FSYNC_IN.unpack_from(body)
-        await self.ops.fsync(fh, bool(flags & 1))
+        await self.ops.fsync(self._local(fh), bool(flags & 1))
         return []
 
 

@@ -12,7 +12,7 @@ import time
 import pyfuse3
 
 from kvfs.fs import wire
-from kvfs.fs.decoders import DirDecoder, EntryDecoder, FileDecoder, SessionDecoder, XattrDecoder
+from kvfs.fs.decoders import DirDecoder, EntryDecoder, Epoch, FileDecoder, SessionDecoder, XattrDecoder
 from kvfs.fs.passthrough import Passthrough
 
 log = logging.getLogger(__name__)
@@ -100,14 +100,18 @@ def _refused(e: OSError) -> int:
 class Handlers:
     """Decode (by the concern's decoder), call, encode; one instance per session."""
 
-    def __init__(self, ops, fd: int, want_passthrough: bool, want_writeback: bool = False):
+    def __init__(self, ops, fd: int, want_passthrough: bool, want_writeback: bool = False, epoch: int = 0):
         self.ops = ops
         self.fd = fd
+        self.epoch = epoch
+        self.handles = handles = Epoch(epoch)
+        self.first_answer: float | None = None     # time.monotonic() of the first answer
+        self.on_first_answer = None     # called with it (a daemon that replaced a dead one)
         self.passthrough = passthrough = Passthrough(fd, want_passthrough)
         ops.opens.passthrough = passthrough
         self.session = SessionDecoder(passthrough, want_writeback)
-        self.entries = EntryDecoder(ops)
-        self.files = FileDecoder(ops, passthrough)
+        self.entries = EntryDecoder(ops, handles)
+        self.files = FileDecoder(ops, passthrough, handles)
         self.dirs = DirDecoder(ops)
         self.xattrs = XattrDecoder(ops)
         self.counts: dict[int, int] = {}
@@ -180,7 +184,7 @@ class Handlers:
                 _trace(opcode, unique, nodeid, pid, req[_HEADER_SIZE:], parts, 0)
             if not self.reply(unique, parts) and (opcode == wire.OPEN or opcode == wire.CREATE):
                 # the opener was interrupted: no RELEASE will come for this handle
-                fh = wire.OPEN_OUT.unpack_from(parts[-1])[0]
+                fh = self.handles.local(wire.OPEN_OUT.unpack_from(parts[-1])[0])
                 try:
                     await self.ops.release(fh)
                 finally:
@@ -189,7 +193,17 @@ class Handlers:
             ns = self.ns
             ns[opcode] = ns.get(opcode, 0) + perf_ns() - t0
 
+    def _first(self) -> None:
+        self.first_answer = time.monotonic()
+        if self.on_first_answer is not None:
+            try:
+                self.on_first_answer(self.first_answer)
+            except Exception:       # noqa: BLE001 - a note must never fail the answer
+                log.exception("first answer's note failed")
+
     def reply(self, unique: int, parts: list) -> bool:
+        if self.first_answer is None:
+            self._first()
         if len(parts) == 1 and len(parts[0]) <= SMALL_REPLY:
             # one short piece (attributes, an entry, an open's answer): one buffer, one write
             part = parts[0]
@@ -205,6 +219,8 @@ class Handlers:
         return err == 0
 
     def reply_error(self, unique: int, err: int) -> None:
+        if self.first_answer is None:
+            self._first()
         self._write(_pack_out(_OUT_SIZE, -(err or errno.EIO), unique))
 
     def _write(self, data: bytes) -> int:

@@ -340,6 +340,7 @@ class Supervisor:
             log.info("supervisor: daemon %d ended (%s) and the mount is gone: exiting", self.child.pid, cause)
             self.ended = True
             self.exit_status = 0 if rc in (0, HANDOVER) else 1
+            self.child = None
             return
         self.died_at = now
         if rc == HANDOVER:
@@ -354,6 +355,7 @@ class Supervisor:
             if self.crashes > CRASH_LIMIT:
                 self.give_up(f"{self.crashes} daemons in a row died within {STABLE_S:.0f}s of their start, "
                              f"the last by {cause}")
+                self.child = None
                 return
         self.history.append({"cause": self.cause, "at": time.time(), "pid": self.child.pid})
         delay = BACKOFF_S[min(self.crashes - 1, len(BACKOFF_S) - 1)] if self.crashes else 0.0

@@ -118,6 +118,8 @@ class Mount:
         st = self.stats()
         self.pid = int(st["pid"])
         self._pids.add(self.pid)
+        if (st.get("supervisor") or {}).get("pid"):     # kvfs/supervisor.py: torn down with it
+            self._pids.add(int(st["supervisor"]["pid"]))
         self._ram_dirs.add(st["ram_dir"])
         return self
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import time
 
 import pyfuse3
@@ -76,6 +77,8 @@ class Context:
     def __init__(self, uid: int, gid: int, pid: int, umask: int = 0):
         self.uid, self.gid, self.pid, self.umask = uid, gid, pid, umask
 
+
+UNIQUE_RESEND = 1 << 63     # set by the kernel on a request it sends again (FUSE_NOTIFY_RESEND)
 
 # answers of more pieces than this are joined into one before writev (IOV_MAX is 1024)
 REPLY_PARTS = 256
@@ -170,6 +173,11 @@ class Handlers:
             try:
                 parts = await fn(nodeid, req[_HEADER_SIZE:], Context(uid, gid, pid))
             except pyfuse3.FUSEError as e:
+                if unique & UNIQUE_RESEND:
+                    parts = await self._done_before(opcode, nodeid, req[_HEADER_SIZE:], e.errno, Context(uid, gid, pid))
+                    if parts is not None:
+                        self.reply(unique, parts)
+                        return
                 if _TRACE is not None:
                     _trace(opcode, unique, nodeid, pid, req[_HEADER_SIZE:], None, e.errno)
                 self.reply_error(unique, e.errno)
@@ -192,6 +200,29 @@ class Handlers:
         finally:
             ns = self.ns
             ns[opcode] = ns.get(opcode, 0) + perf_ns() - t0
+
+    async def _done_before(self, opcode: int, nodeid: int, body, err: int, ctx) -> list | None:
+        """The answer to a request the kernel sent again (FUSE_NOTIFY_RESEND: its daemon died
+        after reading it) whose failure says a dead daemon already did it, the commit having
+        happened before the kill: a directory made (EEXIST: its entry), a name removed
+        (ENOENT: done), a rename whose source is gone and whose target is there (done).
+        None: the error stands."""
+        try:
+            if opcode == wire.MKDIR and err == errno.EEXIST:
+                name, = wire.names_in(body[wire.MKDIR_IN.size:], 1)
+                attr = await self.ops.lookup(nodeid, name, ctx)
+                return [wire.entry_bytes(attr)] if attr.st_ino and stat.S_ISDIR(attr.st_mode) else None
+            if opcode in (wire.UNLINK, wire.RMDIR) and err == errno.ENOENT:
+                return []
+            if opcode in (wire.RENAME, wire.RENAME2) and err == errno.ENOENT:
+                size = wire.RENAME_IN.size if opcode == wire.RENAME else wire.RENAME2_IN.size
+                newdir = wire.RENAME_IN.unpack_from(body)[0]
+                _, new = wire.names_in(body[size:], 2)
+                attr = await self.ops.lookup(newdir, new, ctx)
+                return [] if attr.st_ino else None
+        except (pyfuse3.FUSEError, ValueError):
+            return None
+        return None
 
     def _first(self) -> None:
         self.first_answer = time.monotonic()

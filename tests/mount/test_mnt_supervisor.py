@@ -226,3 +226,97 @@ def test_the_socket_refuses_a_peer_not_root_and_a_second_daemon(kvfs_mount, intr
     assert answer["ok"] is False and "not the daemon" in answer["why"], answer
     assert "refused a daemon it did not start" in (m.state / "kvfs.log").read_text()
     assert int(m.stats()["pid"]) == m.pid                      # the mount still served by its own
+
+
+def test_kvfs_restart_hands_over_without_an_error_and_keeps_ram_only_files(kvfs_mount, kvfs_cli, tmp_path):
+    import hashlib
+    m = kvfs_mount(supervise=True)
+    _track(m)
+    (m.path / "kv").mkdir()
+    data = {}
+    for i in range(FILES):                  # RAM-only: the handover writes them down
+        data[f"kv/f{i}"] = content(f"r{i}", SIZE + i)
+        (m.path / f"kv/f{i}").write_bytes(data[f"kv/f{i}"])
+    want = {k: hashlib.sha256(v).hexdigest() for k, v in data.items()}
+    progress, stop = tmp_path / "progress", tmp_path / "stop"
+    proc = subprocess.Popen([sys.executable, "-c", LOOPER, str(m.path), json.dumps(want), str(progress),
+                             str(stop)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_rounds(progress, 3, proc)
+        old = m.pid
+        res = kvfs_cli("restart", m.path)
+        assert res.returncode == 0, res.stderr + m.log_tail()
+        assert "restarted" in res.stdout
+        st = _track(m)
+        assert m.pid != old and not pid_alive(old)
+        before = int(progress.read_text())
+        _wait_rounds(progress, before + 3, proc)
+    finally:
+        stop.touch()
+        out, err = proc.communicate(timeout=EXIT_TIMEOUT)
+    seen = json.loads(out)
+    assert seen["errors"] == {} and seen["wrong"] == 0, seen
+    sup = st["supervisor"]
+    assert sup["epoch"] == 2 and sup["history"][-1]["cause"] == "restart", sup
+    for name, body in data.items():
+        assert read(m.path / name) == body
+    res = kvfs_cli("stat", m.path)
+    assert res.returncode == 0 and "1 restart(s); last: restart" in res.stdout, res.stdout
+
+
+def test_a_request_the_dead_daemon_had_read_is_sent_again_and_answered(kvfs_mount):
+    """A read of ``.kvfs/events`` waits in the daemon (up to a second for an event): killed
+    then, the daemon took the request with it. The kernel sends it again to the next daemon
+    (FUSE_NOTIFY_RESEND), which answers EIO (its handle died with the old daemon) -- without
+    the resend the reader would wait forever, without the supervisor it would get ENOTCONN."""
+    m = kvfs_mount(supervise=True)
+    _track(m)
+    code = ("import os, sys\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "print('open', flush=True)\n"
+            "try:\n"
+            "    while True:\n"
+            "        os.read(fd, 4096)\n"
+            "except OSError as e:\n"
+            "    print(e.errno, flush=True)\n")
+    reader = subprocess.Popen([sys.executable, "-c", code, str(m.path / ".kvfs" / "events")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "open"
+        _kill_daemon(m)
+        out, _ = reader.communicate(timeout=EXIT_TIMEOUT)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+    assert out.strip() == str(errno.EIO), out
+    assert m.stats()["transport"]["resend"] == "sent"
+
+
+def test_a_crash_loop_backs_off_then_detaches_the_mount(kvfs_mount):
+    from kvfs.supervisor import CRASH_LIMIT
+    m = kvfs_mount(supervise=True)
+    st = _track(m)
+    sup = int(st["supervisor"]["pid"])
+    killed = {m.pid}
+    os.kill(m.pid, signal.SIGKILL)
+
+    def children() -> set[int]:
+        try:
+            with open(f"/proc/{sup}/task/{sup}/children") as f:
+                return {int(p) for p in f.read().split()}
+        except OSError:
+            return set()
+
+    def kill_the_next():               # every new daemon dies at once (never by stats: it blocks)
+        if not pid_alive(sup):
+            return True
+        for pid in children() - killed:
+            killed.add(pid)
+            m._pids.add(pid)
+            os.kill(pid, signal.SIGKILL)
+        return False
+    wait_for(kill_the_next, EXIT_TIMEOUT, "the supervisor to give up")
+    assert len(killed) == CRASH_LIMIT + 1, killed
+    assert not os.path.ismount(m.path)
+    text = (m.state / "kvfs.log").read_text()
+    assert "crash loop" in text and "giving up" in text

@@ -347,7 +347,14 @@ def _cli() -> int:
     p.add_argument("--ready-fd", type=int)
     p.add_argument("--attach", metavar="SOCKET", help="take the session from this supervisor (kvfs/supervisor.py)")
     p.add_argument("--epoch", type=int, default=0)
+    p.add_argument("--standby", action="store_true",
+                   help="modules loaded, wait for the epoch on stdin (the supervisor's standby)")
     a = p.parse_args()
+    if a.standby:
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0                        # the supervisor let it go (or is gone)
+        a.epoch = int(line)
     fields = {f.name for f in dataclasses.fields(Config)}
     data = {k: v for k, v in json.loads(a.config_json).items() if k in fields}
     return main(Config(**data), a.ready_fd, a.attach, a.epoch)

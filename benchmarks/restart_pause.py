@@ -1,7 +1,8 @@
 """The pause a daemon's death costs a supervised mount (issue 41), under a runtime-like load.
 
     python benchmarks/restart_pause.py [--counts 1000,100000] [--kills 5] [--workers 4]
-        [--dir DIR] [--json FILE]
+        [--dir DIR] [--json FILE] [--plot PNG [--compare LABEL=JSON ...]]
+    python benchmarks/restart_pause.py --plot PNG --compare LABEL=JSON ...   (plot only)
 
 For each count N: a state with N empty sealed files (``metadata_scale.populate``: through the
 store, in process), ``kvfs mount --supervise``, ``CONTENT`` files of ``SIZE`` bytes written
@@ -152,6 +153,30 @@ def one_count(base: Path, count: int, kills: int, workers: int) -> dict:
             "stall_s_median": med("stall_s"), "stall_s_max": max(r["stall_s"] for r in rows), "rows": rows}
 
 
+def plot(path: str, series: dict[str, list[dict]]) -> None:
+    """Each kill's pause (death to the first answer) against the file count, one series per
+    run (a label each), the medians joined."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (label, rows), marker in zip(series.items(), "os^dv"):
+        xs = [r["files"] for r in rows]
+        for key, style in (("pause_s", "-"), ("ready_s", ":")):
+            pts = [(r["files"], row[key]) for r in rows for row in r["rows"]]
+            line = ax.plot(xs, [statistics.median(row[key] for row in r["rows"]) for r in rows], style,
+                           marker=marker, label=f"{label}: {'first answer' if key == 'pause_s' else 'ready'}")
+            ax.scatter([x for x, _ in pts], [y for _, y in pts], s=10, alpha=0.4, color=line[0].get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("files in the mount")
+    ax.set_ylabel("seconds from the daemon's death")
+    ax.set_title("kill -9 of a supervised kvfs daemon under 4 stat/read workers")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> int:
     # kills a second apart are a crash loop to the supervisor (back-off): not here
     os.environ.setdefault("KVFS_RESTART_STABLE_S", "0.5")
@@ -161,7 +186,15 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--dir", default="/var/tmp")
     p.add_argument("--json")
+    p.add_argument("--plot", help="write a PNG of the pauses against the file count")
+    p.add_argument("--compare", nargs="*", default=[], metavar="LABEL=JSON",
+                   help="earlier results to plot beside (with --plot; alone: plot only)")
+    p.add_argument("--label", default="this run")
     a = p.parse_args(argv)
+    earlier = {k: json.loads(Path(v).read_text()) for k, v in (c.split("=", 1) for c in a.compare)}
+    if a.plot and earlier and not any(x.startswith("--counts") for x in (argv or sys.argv[1:])):
+        plot(a.plot, earlier)
+        return 0
     base = Path(tempfile.mkdtemp(prefix="kvfs-restart-", dir=a.dir))
     try:
         out = [one_count(base, int(c), a.kills, a.workers) for c in a.counts.split(",")]
@@ -174,6 +207,8 @@ def main(argv=None) -> int:
               f"errors {r['errors']}, wrong {r['wrong']}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
+    if a.plot:
+        plot(a.plot, {**earlier, a.label: out})
     return 0
 
 

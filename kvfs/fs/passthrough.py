@@ -38,6 +38,7 @@ import fcntl
 import logging
 import os
 import struct
+import threading
 from collections import OrderedDict
 
 import trio
@@ -79,6 +80,28 @@ class Passthrough:
         self.reused = self.idle_closed = 0
         self._expiry = float("inf")               # when the oldest idle registration expires
         self.failed: str | None = None
+        # a daemon that replaced a dead one on the same session (kvfs/supervisor.py): the dead
+        # one's backing ids stay registered on the connection, pinning their tier files
+        self._sweep_predecessors = False
+        self.predecessor_ids_closed = 0
+
+    def forget_predecessors(self) -> None:
+        """Close the backing ids a dead daemon of this session left registered, once this one
+        has its first: the kernel numbers them cyclically upwards, so every id below our first
+        is a predecessor's. An open file keeps its own reference to its backing file: closing
+        its id only stops pinning the tier file past that file's close."""
+        self._sweep_predecessors = True
+
+    def _sweep(self, below: int) -> None:
+        closed = 0
+        for backing_id in range(1, below):
+            try:
+                fcntl.ioctl(self.dev, wire.DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)))
+                closed += 1
+            except OSError:
+                pass                # not registered (closed already), or the session ended
+        self.predecessor_ids_closed = closed
+        log.info("closed %d backing ids a dead daemon had left registered (below %d)", closed, below)
 
     def negotiated(self, got: bool, offered: int) -> None:
         if not self.wanted:
@@ -137,6 +160,10 @@ class Passthrough:
                 os.close(backing_fd)         # the kernel holds the file by the id
             reg = self._by_ino[ino] = _Registration(backing_id, obj, ino, tier)
             self.registered += 1
+            if self._sweep_predecessors:
+                self._sweep_predecessors = False
+                threading.Thread(target=self._sweep, args=(backing_id,), name="kvfs-backing-sweep",
+                                 daemon=True).start()
         else:
             if backing_fd is not None:
                 os.close(backing_fd)
@@ -258,4 +285,5 @@ class Passthrough:
         return {"state": self.why, "opens": self.opens, "registered": self.registered,
                 "reused": self.reused, "held": len(self._by_ino), "idle": len(self._idle),
                 "idle_closed": self.idle_closed, "open_now": len(self._fh), "refused": self.refused,
-                "declined": self.declined, "busy": self.busy, "last_error": self.failed}
+                "declined": self.declined, "busy": self.busy, "last_error": self.failed,
+                "predecessor_ids_closed": self.predecessor_ids_closed}

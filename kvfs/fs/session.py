@@ -136,6 +136,7 @@ class KernelSession:
         self.handlers = Handlers(self.ops, self.fd, self.want_passthrough, self.want_writeback, epoch=epoch)
         if session is not None:
             self.handlers.session.restore(session)
+            self.handlers.passthrough.forget_predecessors()
             self.resend = resend(fd)
         log.info("attached to %s (epoch %d, %s); FUSE protocol %s", self.mountpoint, epoch,
                  "INIT answered before" if session else "INIT to come",

@@ -327,3 +327,14 @@ def test_a_crash_loop_backs_off_then_detaches_the_mount(kvfs_mount):
     assert "crash loop" in text and "giving up" in text
     # the serving daemons' deaths (a standby killed before it served is not one)
     assert text.count("died (signal 9 (SIGKILL))") == CRASH_LIMIT + 1, text
+
+
+def test_the_pyfuse3_transport_is_not_supervised_and_says_so(kvfs_mount, kvfs_cli):
+    m = kvfs_mount(supervise=True, transport="pyfuse3")
+    st = m.stats()
+    assert st["transport"]["name"] == "pyfuse3"
+    assert st["supervisor"]["state"].startswith("off (chosen: transport = pyfuse3)"), st["supervisor"]
+    assert "no supervisor (chosen: transport = pyfuse3)" in (m.state / "kvfs.log").read_text()
+    assert not (m.state / "supervisor.sock").exists()
+    res = kvfs_cli("restart", m.path)
+    assert res.returncode != 0 and "has no supervisor" in res.stderr

@@ -198,6 +198,15 @@ async def serve(cfg: Config, ready: _Ready, attach: str | None = None, epoch: in
             fuse.mount()
         session.append(fuse)
         ops.kernel.start(fuse.notify_direct())
+        if attach and fuse.resend is not None:
+            # the kernel of the session we took over may cache the files our crash start
+            # dropped (unsealed, RAM-only): their names and attributes go from its caches
+            for parent, name, ino in kvstore.dropped_names:
+                ops.kernel.name_removed(parent, name, ino)
+            if kvstore.dropped_names:
+                log.info("%d names dropped by the crash start invalidated in the kernel",
+                         len(kvstore.dropped_names))
+            kvstore.dropped_names.clear()
         unmounted = False
         try:
             async with trio.open_nursery() as nursery:

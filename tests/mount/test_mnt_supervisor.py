@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvfs.proc import pid_alive
-from support.files import content, read
+from support.files import content, errno_of, read
 from support.mount import EXIT_TIMEOUT, wait_for
 from support.users import intruder, reachable  # noqa: F401 - a fixture
 
@@ -161,11 +161,15 @@ def test_a_writer_in_flight_gets_eio_and_its_file_is_never_published(kvfs_mount)
     data = _durable_files(m)
     target = m.path / "kv/f1"
     new = m.path / "kv/new.bin"
+    ramonly = m.path / "kv/ramonly.bin"         # sealed after the remount: its only copy in RAM
+    ramonly.write_bytes(content("ram", SIZE))
+    assert os.stat(ramonly).st_size == SIZE     # the kernel caches its entry and attributes
     over = os.open(target, os.O_WRONLY | os.O_TRUNC)          # a new version of an old file
     fresh = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         for fd in (over, fresh):
             os.write(fd, content("partial", 300 * KiB))
+        m.stats()                   # a read of the stats commits the index: new.bin is in it
         _kill_daemon(m)
         for fd in (over, fresh):
             with pytest.raises(OSError) as e:
@@ -181,6 +185,10 @@ def test_a_writer_in_flight_gets_eio_and_its_file_is_never_published(kvfs_mount)
         read(new)
     assert e.value.errno in (errno.ENOENT, errno.ESTALE)
     assert "new.bin" not in os.listdir(m.path / "kv")
+    # the crash start dropped the RAM-only file (lost with the daemon) and told the kernel,
+    # which would otherwise show its cached entry and attributes for an hour
+    wait_for(lambda: errno_of(os.stat, ramonly) == errno.ENOENT, EXIT_TIMEOUT, "the lost name to go")
+    assert "names dropped by the crash start invalidated in the kernel" in (m.state / "kvfs.log").read_text()
 
 
 def _ask(sock_path: str, msg: dict) -> dict:

@@ -64,6 +64,8 @@ HISTORY = 20            # restarts kept for .kvfs/stats
 # restart's pause here; ~60 MiB of memory): KVFS_RESTART_STANDBY=0 sets it off
 STANDBY = os.environ.get("KVFS_RESTART_STANDBY", "1").strip().lower() not in ("0", "false", "no", "off")
 PEER_TIMEOUT = 5.0      # seconds a peer has to send its request
+LOCK_WAIT_S = 5.0       # how long a new supervisor waits for the state's last one to exit
+STANDBY_DELAY_S = 2.0   # a standby starts this long after its daemon is ready (not in its way)
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -155,6 +157,7 @@ class Supervisor:
         self.epoch = 0
         self.child: subprocess.Popen | None = None
         self.standby: tuple[subprocess.Popen, int] | None = None    # started ahead, waiting
+        self.standby_at: float | None = None     # when to start the next standby
         self.child_pidfd = -1
         self.child_ready = -1           # read end of the child's ready pipe
         self.started_at = 0.0
@@ -171,10 +174,15 @@ class Supervisor:
     # -- set-up ------------------------------------------------------------------------------
     def listen(self) -> None:
         self.lock = os.open(self.state / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RuntimeError(f"another kvfs supervisor serves the state directory {self.state}") from None
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:                 # the supervisor of an unmount just made may be on its way out
+            try:
+                fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another kvfs supervisor serves the state directory {self.state}") from None
+                time.sleep(0.02)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.sock_path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -374,7 +382,9 @@ class Supervisor:
         elif line.startswith("READY"):
             log.info("supervisor: daemon %d ready (epoch %d)", self.child.pid, self.epoch)
         if line.startswith("READY"):
-            self.start_standby()
+            # the first daemon's standby at once; after a restart, once the new daemon had
+            # the machine to itself for its first requests
+            self.standby_at = time.monotonic() + (STANDBY_DELAY_S if self.epoch > 1 else 0.0)
 
     def on_child_exit(self) -> None:
         rc = self.child.wait()
@@ -452,6 +462,10 @@ class Supervisor:
                 continue
             if self.child is None and self.restart_at is not None and time.monotonic() >= self.restart_at:
                 self.spawn()
+            if self.standby_at is not None and time.monotonic() >= self.standby_at:
+                self.standby_at = None
+                if self.child is not None:
+                    self.start_standby()
             p = select.poll()
             watched = {wake_r: "signal", self.sock.fileno(): "socket"}
             if self.child_pidfd >= 0:
@@ -464,9 +478,8 @@ class Supervisor:
                 p.register(fd, select.POLLIN)
             if self.fd >= 0 and self.child is None:
                 p.register(self.fd, 0)          # POLLERR: the connection ended between daemons
-            timeout = None
-            if self.restart_at is not None and self.child is None:
-                timeout = max(0, int((self.restart_at - time.monotonic()) * 1000) + 1)
+            due = [t for t in (self.restart_at if self.child is None else None, self.standby_at) if t is not None]
+            timeout = max(0, int((min(due) - time.monotonic()) * 1000) + 1) if due else None
             for fd, _ in p.poll(timeout):
                 what = watched.get(fd)
                 if what == "signal":

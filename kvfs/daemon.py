@@ -303,6 +303,11 @@ async def _on_signals(events, fuse, handover: list) -> None:
                 return
             log.info("signal %d: unmounting", sig)
             events.close()          # a waiting .kvfs/events read must not hold the session
+            if getattr(fuse, "attached", False):
+                # the supervisor holds the session: only the unmount ends it (else it would
+                # start the next daemon); the write-down follows as at kvfs umount
+                from kvfs.fs.mountdev import detach
+                detach(fuse.mountpoint)
             fuse.terminate()
             return
 

@@ -379,6 +379,10 @@ class Supervisor:
             self.ready_fd = None
             if not line.startswith("READY"):
                 self.ended = True       # the first daemon failed: no mount to keep
+                if self.fd >= 0:
+                    from kvfs.fs.mountdev import detach
+                    detach(self.mountpoint)
+                    self.close_session()
         elif line.startswith("READY"):
             log.info("supervisor: daemon %d ready (epoch %d)", self.child.pid, self.epoch)
         if line.startswith("READY"):

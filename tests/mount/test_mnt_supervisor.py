@@ -346,3 +346,14 @@ def test_the_pyfuse3_transport_is_not_supervised_and_says_so(kvfs_mount, kvfs_cl
     assert not (m.state / "supervisor.sock").exists()
     res = kvfs_cli("restart", m.path)
     assert res.returncode != 0 and "has no supervisor" in res.stderr
+
+
+def test_sigterm_to_a_supervised_daemon_unmounts_and_both_exit(kvfs_mount):
+    m = kvfs_mount(supervise=True)
+    st = _track(m)
+    (m.path / "kept").write_bytes(b"x" * 1000)         # RAM-only: the write-down keeps it
+    sup = int(st["supervisor"]["pid"])
+    os.kill(m.pid, signal.SIGTERM)
+    wait_for(lambda: not pid_alive(m.pid) and not pid_alive(sup), EXIT_TIMEOUT, "daemon and supervisor to exit")
+    assert not os.path.ismount(m.path)
+    assert "wrote 1 RAM-only objects down" in (m.state / "kvfs.log").read_text()

@@ -144,6 +144,53 @@ def attach(sock_path: str, options: list[str]) -> Attachment:
 
 
 # ---- the supervisor ---------------------------------------------------------------------------
+class Proc:
+    """A child process: one started here (a ``Popen``, kept referenced so that nothing else
+    reaps it) or one inherited across a re-exec of the supervisor (its pid: still our child)."""
+
+    def __init__(self, pid: int, popen: subprocess.Popen | None = None, stdin_fd: int = -1):
+        self.pid, self.popen = pid, popen
+        self.returncode: int | None = None
+        if popen is not None:
+            self.stdin = popen.stdin
+        else:
+            self.stdin = os.fdopen(stdin_fd, "wb", buffering=0) if stdin_fd >= 0 else None
+
+    def poll(self) -> int | None:
+        if self.popen is not None:
+            return self.popen.poll()
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.popen is not None:
+            return self.popen.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            if deadline is None:
+                try:
+                    _, status = os.waitpid(self.pid, 0)
+                    self.returncode = os.waitstatus_to_exitcode(status)
+                except ChildProcessError:
+                    self.returncode = 255
+            else:
+                time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
 class Supervisor:
     def __init__(self, config_json: str, ready_fd: int | None):
         cfg = json.loads(config_json)
@@ -155,8 +202,10 @@ class Supervisor:
         self.fd = -1                    # the session's /dev/fuse descriptor, once mounted
         self.agreed: dict | None = None
         self.epoch = 0
-        self.child: subprocess.Popen | None = None
-        self.standby: tuple[subprocess.Popen, int] | None = None    # started ahead, waiting
+        self.child: Proc | None = None
+        self.standby: tuple[Proc, int] | None = None    # started ahead, waiting
+        self.reexec_due = False         # a re-exec was asked for (kvfs upgrade)
+        self.image = time.time()        # when this program image started (a re-exec changes it)
         self.standby_at: float | None = None     # when to start the next standby
         self.child_pidfd = -1
         self.child_ready = -1           # read end of the child's ready pipe
@@ -195,17 +244,17 @@ class Supervisor:
         self.sock.listen(8)
         self.sock.setblocking(False)
 
-    def _start(self, standby: bool) -> tuple[subprocess.Popen, int]:
+    def _start(self, standby: bool) -> tuple[Proc, int]:
         """A daemon process and the read end of its ready pipe; a standby imports kvfs and
         waits for its epoch on its stdin (see :meth:`spawn`)."""
         rfd, wfd = os.pipe2(os.O_CLOEXEC)
         argv = [sys.executable, "-m", "kvfs.daemon", "--config-json", self.config_json,
                 "--ready-fd", str(wfd), "--attach", self.sock_path]
         argv += ["--standby"] if standby else ["--epoch", str(self.epoch)]
-        proc = subprocess.Popen(argv, pass_fds=(wfd,), cwd="/", preexec_fn=_daemon_oom_score,
-                                stdin=subprocess.PIPE if standby else subprocess.DEVNULL)
+        popen = subprocess.Popen(argv, pass_fds=(wfd,), cwd="/", preexec_fn=_daemon_oom_score,
+                                 stdin=subprocess.PIPE if standby else subprocess.DEVNULL)
         os.close(wfd)
-        return proc, rfd
+        return Proc(popen.pid, popen), rfd
 
     def spawn(self) -> None:
         """Start the next daemon (epoch + 1): the standby started ahead when there is one (its
@@ -279,6 +328,9 @@ class Supervisor:
                 _send(conn, self.on_restart())
             elif op == "status":
                 _send(conn, {"ok": True, **self.status()})
+            elif op == "reexec":
+                self.reexec_due = True
+                _send(conn, {"ok": True, "image": self.image})
             else:
                 _send(conn, {"ok": False, "why": f"unknown request {op!r}"})
         except (OSError, ValueError) as e:
@@ -350,7 +402,7 @@ class Supervisor:
 
     def status(self) -> dict:
         return {"supervisor": os.getpid(), "pid": self.child.pid if self.child else None,
-                "epoch": self.epoch, "history": self.history[-HISTORY:]}
+                "epoch": self.epoch, "history": self.history[-HISTORY:], "image": self.image}
 
     # -- the daemon's end --------------------------------------------------------------------
     def connected(self) -> bool:
@@ -457,10 +509,13 @@ class Supervisor:
         signal.set_wakeup_fd(wake_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)
-        self.spawn()
+        if self.child is None and not self.ended:
+            self.spawn()
         while True:
             if self.ended and self.child is None:
                 break
+            if self.reexec_due:
+                self.reexec()           # returns only when it could not
             if self.fd >= 0 and self.child is None and not self.connected():
                 self.ended = True
                 continue
@@ -506,6 +561,87 @@ class Supervisor:
         return self.exit_status
 
 
+# ---- re-exec (kvfs upgrade): a new program image holding the same descriptors --------------
+def _state(sup: Supervisor) -> tuple[dict, list[int]]:
+    keep = [sup.lock, sup.sock.fileno()]
+    st = {"config_json": sup.config_json, "fd": sup.fd, "agreed": sup.agreed, "epoch": sup.epoch,
+          "history": sup.history, "crashes": sup.crashes, "cause": sup.cause, "died_at": sup.died_at,
+          "started_at": sup.started_at, "lock": sup.lock, "sock": sup.sock.fileno(),
+          "attached": sup.attached.fileno() if sup.attached is not None else -1,
+          "attached_buf": sup.attached_buf.decode(errors="replace"),
+          "child": sup.child.pid if sup.child is not None else None, "child_ready": sup.child_ready,
+          "restart_at": sup.restart_at, "standby": None}
+    keep += [fd for fd in (sup.fd, st["attached"], sup.child_ready) if fd >= 0]
+    if sup.standby is not None:
+        proc, rfd = sup.standby
+        stdin = proc.stdin.fileno() if proc.stdin is not None else -1
+        st["standby"] = {"pid": proc.pid, "stdin": stdin, "ready": rfd}
+        keep += [fd for fd in (stdin, rfd) if fd >= 0]
+    return st, keep
+
+
+def _reexec(self: Supervisor) -> None:
+    """Replace this program image with the supervisor's code as it is on disk now (an upgrade
+    of kvfs), keeping the session, the socket, the daemon and the standby: the descriptors
+    stay open across exec, the children stay ours (the pid does not change), the rest of the
+    state goes through a memfd."""
+    state, keep = _state(self)
+    try:
+        memfd = os.memfd_create("kvfs-supervisor-state", 0)
+        os.write(memfd, json.dumps(state).encode())
+        os.lseek(memfd, 0, os.SEEK_SET)
+        for fd in keep:
+            os.set_inheritable(fd, True)
+        if self.child_pidfd >= 0:
+            os.close(self.child_pidfd)      # pidfds are opened again by the new image
+            self.child_pidfd = -1
+        log.info("supervisor %d: re-exec (epoch %d, daemon %s)", os.getpid(), self.epoch,
+                 state["child"])
+        logging.shutdown()
+        os.execv(sys.executable, [sys.executable, "-m", "kvfs.supervisor", "--resume", str(memfd)])
+    except OSError as e:
+        log.error("supervisor: re-exec failed (%s): this image goes on", e)
+        self.reexec_due = False
+        for fd in keep:
+            with contextlib.suppress(OSError):
+                os.set_inheritable(fd, False)
+        if self.child is not None and self.child_pidfd < 0:
+            self.child_pidfd = os.pidfd_open(self.child.pid)
+
+
+Supervisor.reexec = _reexec
+
+
+def _resume(memfd: int) -> Supervisor:
+    """The state a re-exec handed over (see :func:`_reexec`)."""
+    with os.fdopen(memfd, "rb") as f:
+        st = json.loads(f.read())
+    sup = Supervisor(st["config_json"], None)
+    for key in ("fd", "agreed", "epoch", "history", "crashes", "cause", "died_at", "started_at",
+                "lock", "child_ready", "restart_at"):
+        setattr(sup, key, st[key])
+    fds = [sup.fd, sup.lock, st["sock"], st["attached"], sup.child_ready]
+    sup.sock = socket.socket(fileno=st["sock"])
+    sup.sock.setblocking(False)
+    if st["attached"] >= 0:
+        sup.attached = socket.socket(fileno=st["attached"])
+        sup.attached.setblocking(False)
+        sup.attached_buf = bytearray(st["attached_buf"].encode())
+    if st["child"] is not None:
+        sup.child = Proc(st["child"])
+        sup.child_pidfd = os.pidfd_open(sup.child.pid)
+    if st["standby"]:
+        sb = st["standby"]
+        sup.standby = (Proc(sb["pid"], stdin_fd=sb["stdin"]), sb["ready"])
+        fds += [sb["stdin"], sb["ready"]]
+    for fd in fds:
+        if fd is not None and fd >= 0:
+            os.set_inheritable(fd, False)
+    log.info("supervisor %d: resumed after re-exec (epoch %d, daemon %s)", os.getpid(), sup.epoch,
+             st["child"])
+    return sup
+
+
 def _daemon_oom_score() -> None:
     """In the daemon's child before exec: the OOM killer's default score again (the supervisor
     made its own -1000, which a child inherits)."""
@@ -524,14 +660,20 @@ def _protect_from_oom() -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(prog="kvfs-supervisor")
-    p.add_argument("--config-json", required=True)
+    p.add_argument("--config-json")
     p.add_argument("--ready-fd", type=int)
+    p.add_argument("--resume", type=int, metavar="FD", help="(a re-exec) the state handed over")
     a = p.parse_args()
     os.umask(0o077)
+    if a.resume is not None:
+        os.lseek(a.resume, 0, os.SEEK_SET)
+        a.config_json = json.loads(os.pread(a.resume, 1 << 24, 0))["config_json"]
     cfg = json.loads(a.config_json)
     logging.basicConfig(level=logging.DEBUG if cfg.get("debug") else logging.INFO,
                         handlers=[logging.FileHandler(Path(cfg["state"]) / "kvfs.log")],
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.resume is not None:
+        return _resume(a.resume).run()
     sup = Supervisor(a.config_json, a.ready_fd)
     try:
         sup.listen()

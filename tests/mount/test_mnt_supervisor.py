@@ -357,3 +357,38 @@ def test_sigterm_to_a_supervised_daemon_unmounts_and_both_exit(kvfs_mount):
     wait_for(lambda: not pid_alive(m.pid) and not pid_alive(sup), EXIT_TIMEOUT, "daemon and supervisor to exit")
     assert not os.path.ismount(m.path)
     assert "wrote 1 RAM-only objects down" in (m.state / "kvfs.log").read_text()
+
+
+def test_kvfs_upgrade_reexecs_the_supervisor_under_load_then_a_kill_still_restarts(kvfs_mount, kvfs_cli,
+                                                                                   tmp_path):
+    import hashlib
+    m = kvfs_mount(supervise=True)
+    sup = int(_track(m)["supervisor"]["pid"])
+    data = _durable_files(m)
+    assert int(_track(m)["supervisor"]["pid"]) != sup       # the remount made a new supervisor
+    sup = int(m.stats()["supervisor"]["pid"])
+    want = {k: hashlib.sha256(v).hexdigest() for k, v in data.items()}
+    progress, stop = tmp_path / "progress", tmp_path / "stop"
+    proc = subprocess.Popen([sys.executable, "-c", LOOPER, str(m.path), json.dumps(want), str(progress),
+                             str(stop)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_rounds(progress, 3, proc)
+        res = kvfs_cli("upgrade", m.path)
+        assert res.returncode == 0, res.stderr + m.log_tail()
+        st = _track(m)
+        assert int(st["supervisor"]["pid"]) == sup                  # the same process, a new image
+        assert st["supervisor"]["epoch"] == 2
+        _wait_rounds(progress, int(progress.read_text()) + 3, proc)
+        _kill_daemon(m)                                             # the new image supervises
+        _wait_rounds(progress, int(progress.read_text()) + 3, proc)
+    finally:
+        stop.touch()
+        out, err = proc.communicate(timeout=EXIT_TIMEOUT)
+    seen = json.loads(out)
+    assert seen["errors"] == {} and seen["wrong"] == 0, seen
+    st = m.stats()
+    assert st["supervisor"]["epoch"] == 3 and st["supervisor"]["history"][-1]["cause"].startswith("signal 9")
+    assert "resumed after re-exec" in (m.state / "kvfs.log").read_text()
+    res = kvfs_cli("umount", m.path)
+    assert res.returncode == 0, res.stderr
+    wait_for(lambda: not pid_alive(sup), EXIT_TIMEOUT, "the re-executed supervisor to exit")

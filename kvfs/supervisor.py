@@ -20,7 +20,10 @@ SO_PEERCRED: only root may talk to it, and the session goes only to the daemon t
 started last, once (a second daemon is refused). Requests on it are one JSON line each:
 ``attach`` (the daemon), ``agreed`` and ``served`` (the daemon, on its connection),
 ``restart`` (``kvfs restart``: the daemon finishes what it read, writes down and exits with
-:data:`HANDOVER`; the next one takes over), ``status``.
+:data:`HANDOVER`; the next one takes over), ``reexec`` (``kvfs upgrade``: this program runs
+again from disk, keeping its descriptors and children, :func:`_reexec`), ``status``.
+A standby daemon, its modules loaded, waits to be the next (``--standby``): a restart then
+costs the store's start, not the interpreter's.
 
 When the daemon exits: if the connection is gone (unmounted) the supervisor exits with the
 daemon's status; :data:`HANDOVER` starts the next at once; any other end is a crash: the next

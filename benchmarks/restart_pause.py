@@ -15,7 +15,9 @@ kill once the new daemon has served and the workers went on). Measured per kill:
 count, ``.kvfs/stats`` ``supervisor.history``); ``ready_s``, to the new daemon having the
 session (import, store start, attach); ``stall_s``, the longest a worker waited on one
 operation across the kill (from the client's side: kill, exit, start, resend, answer; reads of
-files opened with passthrough need no daemon at all). Per count: ENOTCONN and other errors the workers saw, wrong bytes, and the
+files opened with passthrough need no daemon at all). Per count: ENOTCONN and other errors the workers saw, wrong bytes, the requests the
+new daemons answered EIO because they came through a dead daemon's file handle (a read
+descriptor not in passthrough: from the daemons' logs, at most 5 per daemon), and the
 medians. The supervisor's crash-loop back-off is set off for the run (``KVFS_RESTART_STABLE_S``
 0.5: a daemon alive half a second is not a crash loop). The machine is shared and noisy: compare within a run.
 """
@@ -143,12 +145,15 @@ def one_count(base: Path, count: int, kills: int, workers: int) -> dict:
     for s in seen:
         for k, v in s["errors"].items():
             errors[k] = errors.get(k, 0) + v
+    log_text = (m.state / "kvfs.log").read_text(errors="replace")
+    stale = {kind: log_text.count(f"({kind}) reached this daemon: EIO")
+             for kind in ("opened for reading", "opened for writing")}
     m.umount()
     shutil.rmtree(root, ignore_errors=True)
     med = lambda key: round(statistics.median(r[key] for r in rows if r[key] is not None), 3)  # noqa: E731
     return {"files": count, "kills": kills, "workers": workers, "ops": len(done),
             "enotconn": errors.get("ENOTCONN", 0), "errors": errors,
-            "wrong": sum(s["wrong"] for s in seen), "pause_s_median": med("pause_s"),
+            "wrong": sum(s["wrong"] for s in seen), "stale_handle_eio": stale, "pause_s_median": med("pause_s"),
             "pause_s_max": max(r["pause_s"] for r in rows), "ready_s_median": med("ready_s"),
             "stall_s_median": med("stall_s"), "stall_s_max": max(r["stall_s"] for r in rows), "rows": rows}
 
@@ -204,7 +209,7 @@ def main(argv=None) -> int:
         print(f"{r['files']:>9} files: pause median {r['pause_s_median']:.3f} s (max {r['pause_s_max']:.3f}), "
               f"new daemon ready {r['ready_s_median']:.3f} s, longest op across a kill {r['stall_s_median']:.3f} s "
               f"median (max {r['stall_s_max']:.3f}); {r['ops']} ops, ENOTCONN {r['enotconn']}, "
-              f"errors {r['errors']}, wrong {r['wrong']}")
+              f"errors {r['errors']} (dead daemons' handles answered EIO: {r['stale_handle_eio']}), wrong {r['wrong']}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     if a.plot:

@@ -83,11 +83,17 @@ class Epoch:
             return None
         return kfh & ~(EPOCH_BITS | WRITABLE)
 
-    @staticmethod
-    def stale(kfh: int) -> pyfuse3.FUSEError:
+    stale_count = 0         # requests answered EIO for an older epoch's handle (all decoders)
+
+    @classmethod
+    def stale(cls, kfh: int) -> pyfuse3.FUSEError:
         """What a request on a handle of a dead daemon gets: EIO (its staging, its credentials
         and its version are gone with it; a passthrough reader never asks: the kernel reads
-        its backing file)."""
+        its backing file). Counted (``transport.stale_handles``) and logged the first times."""
+        cls.stale_count += 1
+        if cls.stale_count <= 5:
+            log.warning("a handle of epoch %d (%s) reached this daemon: EIO", kfh >> EPOCH_SHIFT & 0x3FFF,
+                        "opened for writing" if kfh & WRITABLE else "opened for reading")
         return pyfuse3.FUSEError(errno.EIO)
 
 
@@ -169,10 +175,10 @@ class EntryDecoder:
         attr.st_size, attr.st_mode, attr.st_uid, attr.st_gid = size, mode, uid, gid
         attr.st_atime_ns = now if valid & wire.FATTR_ATIME_NOW else atime * 1_000_000_000 + atimens
         attr.st_mtime_ns = now if valid & wire.FATTR_MTIME_NOW else mtime * 1_000_000_000 + mtimens
-        fh = self.epoch.local(fh) if valid & wire.FATTR_FH else None
+        kfh, fh = fh, self.epoch.local(fh) if valid & wire.FATTR_FH else None
         if valid & wire.FATTR_FH and fh is None:
             if valid & wire.FATTR_SIZE:         # a truncate through a dead daemon's handle
-                raise Epoch.stale(fh)
+                raise self.epoch.stale(kfh)
             fh = None                           # the rest is the inode's: by its node id
         return [wire.attr_out_bytes(await self.ops.setattr(nodeid, attr, Fields(valid), fh, ctx))]
 
@@ -255,7 +261,7 @@ class FileDecoder:
     def _local(self, kfh: int) -> int:
         fh = self.epoch.local(kfh)
         if fh is None:
-            raise Epoch.stale(kfh)
+            raise self.epoch.stale(kfh)
         return fh
 
     async def read(self, nodeid, body, ctx) -> list:
@@ -272,7 +278,7 @@ class FileDecoder:
         fh = self.epoch.local(kfh)
         if fh is None:
             if kfh & WRITABLE:      # what it wrote died with its daemon: close(2) says so
-                raise Epoch.stale(kfh)
+                raise self.epoch.stale(kfh)
             return []               # a reader's close is not an error
         await self.ops.flush(fh)
         return []

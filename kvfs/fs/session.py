@@ -239,6 +239,7 @@ class KernelSession:
         if self.attached:
             out["resend"] = self.resend
             out["epoch"] = h.epoch if h is not None else None
+            out["stale_handles"] = h.handles.stale_count if h is not None else 0
         if h is not None:
             out["passthrough"] = dict(h.passthrough.statistics(), **self.ops.opens.statistics())
             out["writeback_cache"] = h.session.writeback

@@ -58,30 +58,59 @@ class DirToken:
 EPOCH_SHIFT = 48
 EPOCH_BITS = 0x3FFF << EPOCH_SHIFT      # bits 48..61 (control handles start at bit 62)
 WRITABLE = 1 << 47                      # the handle was opened for writing
+VERSIONED = 1 << 46                     # a reader's handle of a sealed version: its oid below
+OID_MASK = VERSIONED - 1
 
 
 class Epoch:
-    """File handle numbers as the kernel holds them: the daemon's own number with this
-    daemon's epoch in bits 48..61 (its number in the mount's life, from the supervisor; 0 for
-    a daemon that mounted itself) and bit 47 set for a handle opened for writing. A daemon that
-    replaced a dead one (kvfs/supervisor.py) starts its numbering again: a handle of an older
-    epoch is never looked up (it could name another file, opened by another user); see
-    :meth:`stale`."""
+    """File handle numbers as the kernel holds them: this daemon's epoch in bits 48..61 (its
+    number in the mount's life, from the supervisor; 0 for a daemon that mounted itself), bit
+    47 set for a handle opened for writing, and below either the daemon's own handle number or,
+    for a reader of a sealed version, bit 46 and that version's object id (oids are never
+    reused: the same number is the same bytes). A daemon that replaced a dead one
+    (kvfs/supervisor.py) numbers its handles again: a handle of an older epoch is never looked
+    up as one of ours (it could name another file, opened by another user); a versioned one
+    may be opened again by its version (:meth:`FileDecoder._adopt`), any other gets EIO
+    (:meth:`stale`). Readers of one version share one kernel number: ``shared`` keeps the
+    daemon's handles behind it, one per open."""
 
-    __slots__ = ("epoch", "tag")
+    __slots__ = ("epoch", "tag", "shared")
 
     def __init__(self, epoch: int = 0):
         self.epoch = epoch & 0x3FFF
         self.tag = self.epoch << EPOCH_SHIFT
+        self.shared: dict[int, list[int]] = {}
 
-    def out(self, fh: int, writable: bool) -> int:
+    def out(self, fh: int, writable: bool, oid: int | None = None) -> int:
+        if oid is not None and not writable and 0 < oid <= OID_MASK:
+            kfh = self.tag | VERSIONED | oid
+            self.shared.setdefault(kfh, []).append(fh)
+            return kfh
         return fh | self.tag | (WRITABLE if writable else 0)
 
     def local(self, kfh: int) -> int | None:
-        """The daemon's number of a kernel handle; None for one of another epoch."""
+        """The daemon's number of a kernel handle; None for one of another epoch (or unknown).
+        For a shared one, the handle of its oldest open (never the one a RELEASE takes while
+        other opens may still read, see :meth:`released`)."""
         if kfh & EPOCH_BITS != self.tag:
             return None
+        if kfh & VERSIONED:
+            fhs = self.shared.get(kfh)
+            return fhs[0] if fhs else None
         return kfh & ~(EPOCH_BITS | WRITABLE)
+
+    def released(self, kfh: int) -> int | None:
+        """The daemon's handle a RELEASE of ``kfh`` ends (a shared one: its newest open; the
+        last RELEASE comes when no open of it is left to read)."""
+        if kfh & EPOCH_BITS != self.tag or not kfh & VERSIONED:
+            return self.local(kfh)
+        fhs = self.shared.get(kfh)
+        if not fhs:
+            return None
+        fh = fhs.pop()
+        if not fhs:
+            del self.shared[kfh]
+        return fh
 
     stale_count = 0         # requests answered EIO for an older epoch's handle (all decoders)
 
@@ -235,6 +264,8 @@ class FileDecoder:
         self.ops = ops
         self.passthrough = passthrough
         self.epoch = epoch or Epoch()
+        self.adopted: dict[int, int] = {}   # an older epoch's versioned handle -> ours
+        self.readopened = 0
 
     async def open(self, nodeid, body, ctx) -> list:
         flags, _ = wire.OPEN_IN.unpack_from(body)
@@ -248,10 +279,21 @@ class FileDecoder:
         fi, attr = await self.ops.create(nodeid, name, mode, flags, ctx)
         return [wire.entry_bytes(attr), self.open_out(fi, flags)]
 
+    def _sealed_oid(self, fh: int) -> int | None:
+        """The object id of the sealed version a reader's handle ``fh`` reads (None: a writer,
+        a reader of a file being written, a control file)."""
+        files = getattr(getattr(self.ops, "store", None), "files", None)
+        h = files.handles.get(fh) if files is not None else None
+        if h is None or h.write or h.obj is None:
+            return None
+        oid = h.obj.oid
+        return oid if isinstance(oid, int) else None
+
     def open_out(self, fi, open_flags: int = os.O_RDONLY) -> bytes:
         flags = ((wire.FOPEN_DIRECT_IO if fi.direct_io else 0) | (wire.FOPEN_KEEP_CACHE if fi.keep_cache else 0)
                  | (wire.FOPEN_NONSEEKABLE if fi.nonseekable else 0))
-        fh = self.epoch.out(fi.fh, open_flags & os.O_ACCMODE != os.O_RDONLY)
+        writable = open_flags & os.O_ACCMODE != os.O_RDONLY
+        fh = self.epoch.out(fi.fh, writable, None if writable else self._sealed_oid(fi.fh))
         backing = self.passthrough.answer(fi.fh)
         if backing is not None:
             backing_id, extra = backing
@@ -264,9 +306,41 @@ class FileDecoder:
             raise self.epoch.stale(kfh)
         return fh
 
+    async def _adopt(self, kfh: int, nodeid: int, ctx) -> int:
+        """A reader's handle of a dead daemon (an older epoch) that names its version: the
+        inode opened again for reading, kept only if it reads that very object (same oid, same
+        bytes); else EIO. Kept until the handle's RELEASE."""
+        fh = self.adopted.get(kfh)
+        if fh is not None:
+            return fh
+        if kfh & (VERSIONED | WRITABLE) != VERSIONED or (kfh & EPOCH_BITS) == self.epoch.tag:
+            raise self.epoch.stale(kfh)
+        try:
+            fi = await self.ops.open(nodeid, os.O_RDONLY, ctx)
+        except pyfuse3.FUSEError:
+            raise self.epoch.stale(kfh) from None
+        self.passthrough.answer(fi.fh)          # no OPEN reply carries it
+        if self._sealed_oid(fi.fh) != kfh & OID_MASK or kfh in self.adopted:
+            await self._release_local(fi.fh)
+            if kfh in self.adopted:
+                return self.adopted[kfh]
+            raise self.epoch.stale(kfh)         # another version now: never its bytes
+        self.adopted[kfh] = fi.fh
+        self.readopened += 1
+        return fi.fh
+
+    async def _release_local(self, fh: int) -> None:
+        try:
+            await self.ops.release(fh)
+        finally:
+            self.passthrough.release(fh)
+
     async def read(self, nodeid, body, ctx) -> list:
-        fh, off, size, *_ = wire.READ_IN.unpack_from(body)
-        return [await self.ops.read(self._local(fh), off, size)]
+        kfh, off, size, *_ = wire.READ_IN.unpack_from(body)
+        fh = self.epoch.local(kfh)
+        if fh is None:
+            fh = await self._adopt(kfh, nodeid, ctx)
+        return [await self.ops.read(fh, off, size)]
 
     async def write(self, nodeid, body, ctx) -> list:
         fh, off, size, *_ = wire.WRITE_IN.unpack_from(body)
@@ -284,13 +358,13 @@ class FileDecoder:
         return []
 
     async def release(self, nodeid, body, ctx) -> list:
-        fh = self.epoch.local(wire.RELEASE_IN.unpack_from(body)[0])
+        kfh = wire.RELEASE_IN.unpack_from(body)[0]
+        fh = self.epoch.released(kfh)
         if fh is None:
-            return []               # a dead daemon's handle: nothing of it is left here
-        try:
-            await self.ops.release(fh)
-        finally:
-            self.passthrough.release(fh)
+            fh = self.adopted.pop(kfh, None)    # opened again for a dead daemon's reader
+            if fh is None:
+                return []           # a dead daemon's handle: nothing of it is left here
+        await self._release_local(fh)
         return []
 
     async def fsync(self, nodeid, body, ctx) -> list:

@@ -192,11 +192,12 @@ class Handlers:
                 _trace(opcode, unique, nodeid, pid, req[_HEADER_SIZE:], parts, 0)
             if not self.reply(unique, parts) and (opcode == wire.OPEN or opcode == wire.CREATE):
                 # the opener was interrupted: no RELEASE will come for this handle
-                fh = self.handles.local(wire.OPEN_OUT.unpack_from(parts[-1])[0])
-                try:
-                    await self.ops.release(fh)
-                finally:
-                    self.passthrough.release(fh)
+                fh = self.handles.released(wire.OPEN_OUT.unpack_from(parts[-1])[0])
+                if fh is not None:
+                    try:
+                        await self.ops.release(fh)
+                    finally:
+                        self.passthrough.release(fh)
         finally:
             ns = self.ns
             ns[opcode] = ns.get(opcode, 0) + perf_ns() - t0

@@ -240,6 +240,7 @@ class KernelSession:
             out["resend"] = self.resend
             out["epoch"] = h.epoch if h is not None else None
             out["stale_handles"] = h.handles.stale_count if h is not None else 0
+            out["readopened"] = h.files.readopened if h is not None else 0
         if h is not None:
             out["passthrough"] = dict(h.passthrough.statistics(), **self.ops.opens.statistics())
             out["writeback_cache"] = h.session.writeback

@@ -148,12 +148,16 @@ def one_count(base: Path, count: int, kills: int, workers: int) -> dict:
     log_text = (m.state / "kvfs.log").read_text(errors="replace")
     stale = {kind: log_text.count(f"({kind}) reached this daemon: EIO")
              for kind in ("opened for reading", "opened for writing")}
+    # what the daemons logged as errors besides the deaths (an EIO's cause: a read past its
+    # deadline on a loaded machine, a handler's failure)
+    logged = [line[24:220] for line in log_text.splitlines()
+              if (" ERROR " in line or "deadline" in line) and "kvfs.supervisor" not in line][:20]
     m.umount()
     shutil.rmtree(root, ignore_errors=True)
     med = lambda key: round(statistics.median(r[key] for r in rows if r[key] is not None), 3)  # noqa: E731
     return {"files": count, "kills": kills, "workers": workers, "ops": len(done),
             "enotconn": errors.get("ENOTCONN", 0), "errors": errors,
-            "wrong": sum(s["wrong"] for s in seen), "stale_handle_eio": stale, "pause_s_median": med("pause_s"),
+            "wrong": sum(s["wrong"] for s in seen), "stale_handle_eio": stale, "logged": logged, "pause_s_median": med("pause_s"),
             "pause_s_max": max(r["pause_s"] for r in rows), "ready_s_median": med("ready_s"),
             "stall_s_median": med("stall_s"), "stall_s_max": max(r["stall_s"] for r in rows), "rows": rows}
 

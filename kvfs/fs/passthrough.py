@@ -63,6 +63,9 @@ class _Registration:
         self.moved = False          # its copy was promoted past or is going: not kept idle
 
 
+SWEEP_DELAY_S = 10.0     # after a restart, a dead daemon's backing ids are closed this much later
+
+
 class Passthrough:
     """The session's backing registrations (one per inode in passthrough)."""
 
@@ -86,10 +89,10 @@ class Passthrough:
         self.predecessor_ids_closed = 0
 
     def forget_predecessors(self) -> None:
-        """Close the backing ids a dead daemon of this session left registered, once this one
-        has its first: the kernel numbers them cyclically upwards, so every id below our first
-        is a predecessor's. An open file keeps its own reference to its backing file: closing
-        its id only stops pinning the tier file past that file's close."""
+        """Close the backing ids a dead daemon of this session left registered, ``SWEEP_DELAY_S``
+        after this one has its first: the kernel numbers them cyclically upwards, so every id
+        below our first is a predecessor's. An open file keeps its own reference to its backing
+        file: closing its id only stops pinning the tier file past that file's close."""
         self._sweep_predecessors = True
 
     def _sweep(self, below: int) -> None:
@@ -162,8 +165,13 @@ class Passthrough:
             self.registered += 1
             if self._sweep_predecessors:
                 self._sweep_predecessors = False
-                threading.Thread(target=self._sweep, args=(backing_id,), name="kvfs-backing-sweep",
-                                 daemon=True).start()
+                # not at once: an OPEN the dead daemon answered with one of its ids just before
+                # it died has its backing looked up by the opener after the answer (in the
+                # opener's own time, fuse_file_io_open); an id closed before that fails the
+                # open with EIO (seen: 1-2 opens in 100 kills under load)
+                t = threading.Timer(SWEEP_DELAY_S, self._sweep, args=(backing_id,))
+                t.name, t.daemon = "kvfs-backing-sweep", True
+                t.start()
         else:
             if backing_fd is not None:
                 os.close(backing_fd)

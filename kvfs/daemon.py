@@ -114,7 +114,7 @@ def mount_options(allow_other: bool) -> set[str]:
     return options
 
 
-def _attach(fuse, sock: str, options: set[str], epoch: int):
+def _attach(fuse, sock: str, options: set[str], epoch: int, find_object):
     """Take the session the supervisor holds (kvfs/supervisor.py) instead of mounting."""
     from kvfs import supervisor
     from kvfs.fs import notifyproc
@@ -128,6 +128,9 @@ def _attach(fuse, sock: str, options: set[str], epoch: int):
         raise ConfigError(f"the supervisor's epoch {sup.epoch} is not this daemon's ({epoch})")
     notifyproc.SUPERVISED = True        # the helper leaves the queue to the next daemon
     fuse.attach(sup.fd, sup.agreed, sup.epoch)
+    fuse.handlers.passthrough.journal = sup.tell        # registrations, for the next daemon
+    if sup.agreed is not None:
+        fuse.handlers.passthrough.adopt(sup.reply.get("backing") or [], find_object)
     fuse.handlers.session.on_init = lambda agreed: sup.tell({"op": "agreed", "agreed": agreed})
     return sup
 
@@ -187,7 +190,7 @@ async def serve(cfg: Config, ready: _Ready, attach: str | None = None, epoch: in
         fuse = transports.choose(cfg, ops, mountpoint, options)
         handover: list = []
         if attach:
-            sup = _attach(fuse, attach, options, epoch)
+            sup = _attach(fuse, attach, options, epoch, store.objs.get)
             served["supervisor"] = dict(sup.statistics(), attached_at=time.monotonic())
             _note_pause(sup, fuse, served["supervisor"])
         else:

@@ -49,6 +49,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -111,13 +112,15 @@ class Attachment:
 
     def __init__(self, conn: socket.socket, fd: int, reply: dict):
         self.conn, self.fd, self.reply = conn, fd, reply
+        self._lock = threading.Lock()
         self.epoch = int(reply["epoch"])
         self.agreed = reply.get("agreed")
         self.history: list = list(reply.get("history") or [])
 
     def tell(self, msg: dict) -> None:
-        """A note to the supervisor (``agreed``, ``served``); lost if it is gone."""
-        with contextlib.suppress(OSError):
+        """A note to the supervisor (``agreed``, ``served``, ``backing``); lost if it is gone.
+        From any thread (the backing sweep's)."""
+        with self._lock, contextlib.suppress(OSError):
             _send(self.conn, msg)
 
     def statistics(self) -> dict:
@@ -204,6 +207,7 @@ class Supervisor:
         self.ready_fd = ready_fd
         self.fd = -1                    # the session's /dev/fuse descriptor, once mounted
         self.agreed: dict | None = None
+        self.backing: dict[str, dict] = {}   # backing id -> the registration (ino, oid, tier)
         self.epoch = 0
         self.child: Proc | None = None
         self.standby: tuple[Proc, int] | None = None    # started ahead, waiting
@@ -361,6 +365,7 @@ class Supervisor:
                 return False
             log.info("supervisor %d: mounted %s", os.getpid(), self.mountpoint)
         _send(conn, {"ok": True, "epoch": self.epoch, "agreed": self.agreed, "supervisor": os.getpid(),
+                     "backing": list(self.backing.values()),
                      "died_at": self.died_at, "cause": self.cause, "history": self.history[-HISTORY:]},
               fd=self.fd)
         conn.settimeout(None)
@@ -390,6 +395,10 @@ class Supervisor:
                 continue
             if msg.get("op") == "agreed":
                 self.agreed = msg.get("agreed")
+            elif msg.get("op") == "backing":        # the daemon's passthrough registrations
+                self.backing[str(msg.get("id"))] = {k: msg.get(k) for k in ("id", "ino", "oid", "tier")}
+            elif msg.get("op") == "unbacking":
+                self.backing.pop(str(msg.get("id")), None)
             elif msg.get("op") == "served" and self.history:
                 self.history[-1].update({k: msg[k] for k in ("pause_s", "ready_s", "resend") if k in msg})
                 log.info("supervisor: daemon %s served its first request %.3fs after its predecessor's end",
@@ -573,7 +582,7 @@ def _state(sup: Supervisor) -> tuple[dict, list[int]]:
           "attached": sup.attached.fileno() if sup.attached is not None else -1,
           "attached_buf": sup.attached_buf.decode(errors="replace"),
           "child": sup.child.pid if sup.child is not None else None, "child_ready": sup.child_ready,
-          "restart_at": sup.restart_at, "standby": None}
+          "restart_at": sup.restart_at, "standby": None, "backing": sup.backing}
     keep += [fd for fd in (sup.fd, st["attached"], sup.child_ready) if fd >= 0]
     if sup.standby is not None:
         proc, rfd = sup.standby
@@ -621,7 +630,7 @@ def _resume(memfd: int) -> Supervisor:
         st = json.loads(f.read())
     sup = Supervisor(st["config_json"], None)
     for key in ("fd", "agreed", "epoch", "history", "crashes", "cause", "died_at", "started_at",
-                "lock", "child_ready", "restart_at"):
+                "lock", "child_ready", "restart_at", "backing"):
         setattr(sup, key, st[key])
     fds = [sup.fd, sup.lock, st["sock"], st["attached"], sup.child_ready]
     sup.sock = socket.socket(fileno=st["sock"])

@@ -141,8 +141,8 @@ class Handlers:
         """The protocol's minor version INIT agreed on (0 before)."""
         return self.session.minor
 
-    def close(self) -> None:
-        self.passthrough.close()
+    def close(self, handover: bool = False) -> None:
+        self.passthrough.close(keep_in_use=handover)
 
     def requests(self) -> dict[str, int]:
         """Requests that reached the daemon, by opcode name."""

@@ -153,7 +153,7 @@ class KernelSession:
         """Unmount (lazily, as libfuse does for root) and close the device. An attached
         session is never unmounted here: the supervisor holds the mount."""
         if self.handlers is not None:
-            self.handlers.close()
+            self.handlers.close(handover=self._draining)
         if unmount and self.fd >= 0 and not self.attached:
             detach(self.mountpoint)
         if self.fd >= 0:

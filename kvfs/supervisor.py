@@ -373,18 +373,19 @@ class Supervisor:
         self.attached, self.attached_buf = conn, bytearray()
         return True
 
-    def on_daemon_note(self) -> None:
+    def on_daemon_note(self) -> bool:
+        """Read the attached daemon's notes; False when none is waiting."""
         conn = self.attached
         try:
             chunk = conn.recv(1 << 16)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             chunk = b""
         if not chunk:
             conn.close()
             self.attached = None
-            return
+            return False
         self.attached_buf += chunk
         while b"\n" in self.attached_buf:
             line, _, rest = bytes(self.attached_buf).partition(b"\n")
@@ -403,6 +404,7 @@ class Supervisor:
                 self.history[-1].update({k: msg[k] for k in ("pause_s", "ready_s", "resend") if k in msg})
                 log.info("supervisor: daemon %s served its first request %.3fs after its predecessor's end",
                          self.child.pid if self.child else "?", msg.get("pause_s") or -1)
+        return True
 
     def on_restart(self) -> dict:
         if self.child is None or self.child.poll() is not None or self.attached is None:
@@ -460,6 +462,10 @@ class Supervisor:
         self.child_pidfd = -1
         if self.child_ready >= 0:
             self.on_ready_line()
+        # every note the dead daemon sent is in the socket still: its last backing closures
+        # must not be lost (the next daemon would take a closed id over)
+        while self.attached is not None and self.on_daemon_note():
+            pass
         if self.attached is not None:
             self.attached.close()
             self.attached = None

@@ -84,6 +84,11 @@ class Config:
     # CPU from a caller whose threads fill the cores (LMCache's 4 reader threads on 2 cores:
     # 0.7-0.9x). KVFS_FUSE_SPIN_US in the environment sets the default
     fuse_spin_us: int = dataclasses.field(default_factory=lambda: _env_int("KVFS_FUSE_SPIN_US", 0))
+    # a supervisor holds the mount's /dev/fuse session and starts the daemon again when it
+    # dies (kvfs/supervisor.py, docs/operations.md "Restarts"): kvfs's own transport only, not
+    # in the foreground. KVFS_SUPERVISE=1 in the environment sets the default on
+    supervise: bool = dataclasses.field(
+        default_factory=lambda: os.environ.get("KVFS_SUPERVISE", "").strip().lower() in ("1", "true", "yes", "on"))
     debug: bool = False
     foreground: bool = False
 
@@ -176,6 +181,8 @@ class Config:
             raise ConfigError("passthrough must be true or false")
         if not isinstance(self.writeback_cache, bool):
             raise ConfigError("writeback_cache must be true or false")
+        if not isinstance(self.supervise, bool):
+            raise ConfigError("supervise must be true or false")
         if (not isinstance(self.fuse_spin_us, int) or isinstance(self.fuse_spin_us, bool)
                 or not 0 <= self.fuse_spin_us <= MAX_SPIN_US):
             raise ConfigError(f"fuse_spin_us must be a whole number of microseconds from 0 to {MAX_SPIN_US} "

@@ -32,6 +32,7 @@ from kvfs.store import safedir
 log = logging.getLogger(__name__)
 
 READ_AHEAD_KB = 1024
+HANDOVER_DRAIN_S = 10.0     # a handover waits this long for the requests read to be answered
 
 
 class _Ready:
@@ -114,7 +115,49 @@ def mount_options(allow_other: bool) -> set[str]:
     return options
 
 
-async def serve(cfg: Config, ready: _Ready) -> None:
+def _attach(fuse, sock: str, options: set[str], epoch: int, find_object):
+    """Take the session the supervisor holds (kvfs/supervisor.py) instead of mounting."""
+    from kvfs import supervisor
+    from kvfs.fs import notifyproc
+    if not hasattr(fuse, "attach"):
+        raise ConfigError(f"a supervised mount needs kvfs's own FUSE transport ({fuse.why})")
+    try:
+        sup = supervisor.attach(sock, sorted(options))
+    except (OSError, RuntimeError) as e:
+        raise ConfigError(f"the supervisor did not hand over the session: {e}") from None
+    if sup.epoch != epoch:
+        raise ConfigError(f"the supervisor's epoch {sup.epoch} is not this daemon's ({epoch})")
+    notifyproc.SUPERVISED = True        # the helper leaves the queue to the next daemon
+    fuse.attach(sup.fd, sup.agreed, sup.epoch)
+    fuse.handlers.passthrough.journal = sup.tell        # registrations, for the next daemon
+    if sup.agreed is not None:
+        fuse.handlers.passthrough.adopt(sup.reply.get("backing") or [], find_object)
+    fuse.handlers.session.on_init = lambda agreed: sup.tell({"op": "agreed", "agreed": agreed})
+    return sup
+
+
+def _note_pause(sup, fuse, stats: dict) -> None:
+    """Once the attached daemon answered its first request: the pause its predecessor's end
+    cost, from the supervisor's ``died_at`` (CLOCK_MONOTONIC is the machine's), to the
+    supervisor, the log and ``.kvfs/stats``."""
+    died = sup.reply.get("died_at")
+    attached = stats["attached_at"]
+
+    def first(at: float) -> None:
+        if died is None:
+            return
+        note = {"pause_s": round(at - died, 4), "ready_s": round(attached - died, 4), "resend": fuse.resend}
+        if sup.history:
+            sup.history[-1].update(note)
+        stats.update(sup.statistics())
+        log.info("served the first request %.3fs after the last daemon ended (ready after %.3fs; resend %s)",
+                 note["pause_s"], note["ready_s"], fuse.resend)
+        sup.tell({"op": "served", **note})
+    fuse.handlers.on_first_answer = first
+
+
+async def serve(cfg: Config, ready: _Ready, attach: str | None = None, epoch: int = 0) -> str | None:
+    """Serve until unmounted (None) or handed over to the next daemon (``"handover"``)."""
     started = time.monotonic()
     mountpoint = os.path.abspath(cfg.mountpoint)
     holder = safedir.holder_text(mountpoint)
@@ -144,10 +187,30 @@ async def serve(cfg: Config, ready: _Ready) -> None:
             from kvfs.metrics import MetricsServer
             metrics = MetricsServer(cfg.metrics, kvstore, trio.lowlevel.current_trio_token())
             served["metrics"] = metrics.address
-        fuse = transports.choose(cfg, ops, mountpoint, mount_options(cfg.allow_other))
-        fuse.mount()
+        options = mount_options(cfg.allow_other)
+        fuse = transports.choose(cfg, ops, mountpoint, options)
+        handover: list = []
+        if attach:
+            sup = _attach(fuse, attach, options, epoch, store.objs.get)
+            served["supervisor"] = dict(sup.statistics(), attached_at=time.monotonic())
+            _note_pause(sup, fuse, served["supervisor"])
+        else:
+            if cfg.supervise:
+                why = "in the foreground" if cfg.foreground else getattr(fuse, "why", "not started by one")
+                log.warning("no supervisor (%s): a daemon's death leaves the mount answering ENOTCONN", why)
+                served["supervisor"] = {"state": f"off ({why})"}
+            fuse.mount()
         session.append(fuse)
         ops.kernel.start(fuse.notify_direct())
+        if attach and fuse.resend is not None:
+            # the kernel of the session we took over may cache the files our crash start
+            # dropped (unsealed, RAM-only): their names and attributes go from its caches
+            for parent, name, ino in kvstore.dropped_names:
+                ops.kernel.name_removed(parent, name, ino)
+            if kvstore.dropped_names:
+                log.info("%d names dropped by the crash start invalidated in the kernel",
+                         len(kvstore.dropped_names))
+            kvstore.dropped_names.clear()
         unmounted = False
         try:
             async with trio.open_nursery() as nursery:
@@ -160,7 +223,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
                 nursery.start_soon(kvstore.leases.serve)
                 if names.building:
                     nursery.start_soon(build_in_background, index, names, cfg.names_build_step)
-                nursery.start_soon(_on_signals, kvstore.telemetry.events, fuse)
+                nursery.start_soon(_on_signals, kvstore.telemetry.events, fuse, handover)
                 log.info("mounted %s in %.2fs (%s)", mountpoint, time.monotonic() - started,
                          ", ".join(f"{t.name} {t.capacity}" for t in tiers))
                 huge = filesystem_of(tiers[0].dir)[2].get("huge", "never")
@@ -175,7 +238,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
             ops.kernel.stop()
             fuse.close(unmount=not unmounted)
             detach_names(index)             # unmounted: readers stop answering from it now
-        log.info("unmounted; writing down")
+        log.info("handed over; writing down" if handover else "unmounted; writing down")
         report = await _write_down(cfg, store)
         kvstore.mark_clean()
         _report_unmount(cfg, report)
@@ -189,6 +252,7 @@ async def serve(cfg: Config, ready: _Ready) -> None:
         index.close()
         mountrecord.remove(mountpoint, os.getpid())
         log.info("daemon exiting")
+    return "handover" if handover else None
 
 
 def _describe(cfg: Config, mountpoint: str, tiers, index: Index, names: NameTable) -> dict:
@@ -233,11 +297,31 @@ def _report_unmount(cfg: Config, report: dict | None) -> None:
         log.error("could not write %s: %s", UNMOUNT_REPORT, e)
 
 
-async def _on_signals(events, fuse) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+async def _on_signals(events, fuse, handover: list) -> None:
+    """SIGTERM/SIGINT: unmount. SIGUSR2 (a supervised daemon, ``kvfs restart``): stop reading
+    requests, answer those read, and hand the session back to the supervisor."""
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) as signals:
         async for sig in signals:
+            if sig == signal.SIGUSR2:
+                if not getattr(fuse, "attached", False):
+                    log.warning("signal %d: a restart needs a supervised mount; ignored", sig)
+                    continue
+                log.info("signal %d: handing over to the next daemon", sig)
+                handover.append(time.monotonic())
+                events.close()
+                fuse.drain()
+                with trio.move_on_after(HANDOVER_DRAIN_S):
+                    await trio.sleep_forever()
+                log.warning("requests still in flight after %.0fs of the handover: ending them", HANDOVER_DRAIN_S)
+                fuse.terminate()
+                return
             log.info("signal %d: unmounting", sig)
             events.close()          # a waiting .kvfs/events read must not hold the session
+            if getattr(fuse, "attached", False):
+                # the supervisor holds the session: only the unmount ends it (else it would
+                # start the next daemon); the write-down follows as at kvfs umount
+                from kvfs.fs.mountdev import detach
+                detach(fuse.mountpoint)
             fuse.terminate()
             return
 
@@ -250,7 +334,7 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def main(cfg: Config, ready_fd: int | None = None) -> int:
+def main(cfg: Config, ready_fd: int | None = None, attach: str | None = None, epoch: int = 0) -> int:
     ready = _Ready(ready_fd)
     os.umask(0o077)         # everything the daemon creates is private to its user
     try:
@@ -258,7 +342,8 @@ def main(cfg: Config, ready_fd: int | None = None) -> int:
         cfg.validate()
         if not os.path.exists("/dev/fuse"):
             raise ConfigError("/dev/fuse is missing: load the fuse module or run the container with --device /dev/fuse")
-        if not os.path.isdir(cfg.mountpoint):
+        # attached, the mountpoint is our own mount, which no one serves until we do
+        if not attach and not os.path.isdir(cfg.mountpoint):
             raise ConfigError(f"mountpoint {cfg.mountpoint} does not exist or is not a directory")
         _setup_logging(cfg)
         prof_out = os.environ.get("KVFS_PROFILE")     # a developer's profile of the trio thread
@@ -266,11 +351,14 @@ def main(cfg: Config, ready_fd: int | None = None) -> int:
             import cProfile
             prof = cProfile.Profile()
             try:
-                prof.runcall(trio.run, serve, cfg, ready)
+                ended = prof.runcall(trio.run, serve, cfg, ready, attach, epoch)
             finally:
                 prof.dump_stats(prof_out)
         else:
-            trio.run(serve, cfg, ready)
+            ended = trio.run(serve, cfg, ready, attach, epoch)
+        if ended == "handover":
+            from kvfs.supervisor import HANDOVER
+            return HANDOVER
         return 0
     except ConfigError as e:
         ready.send(f"ERROR {e}")
@@ -285,10 +373,19 @@ def _cli() -> int:
     p = argparse.ArgumentParser(prog="kvfs-daemon")
     p.add_argument("--config-json", required=True)
     p.add_argument("--ready-fd", type=int)
+    p.add_argument("--attach", metavar="SOCKET", help="take the session from this supervisor (kvfs/supervisor.py)")
+    p.add_argument("--epoch", type=int, default=0)
+    p.add_argument("--standby", action="store_true",
+                   help="modules loaded, wait for the epoch on stdin (the supervisor's standby)")
     a = p.parse_args()
+    if a.standby:
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0                        # the supervisor let it go (or is gone)
+        a.epoch = int(line)
     fields = {f.name for f in dataclasses.fields(Config)}
     data = {k: v for k, v in json.loads(a.config_json).items() if k in fields}
-    return main(Config(**data), a.ready_fd)
+    return main(Config(**data), a.ready_fd, a.attach, a.epoch)
 
 
 if __name__ == "__main__":

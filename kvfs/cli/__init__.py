@@ -15,6 +15,7 @@ from kvfs.cli.fsck import fsck_cmd
 from kvfs.cli.inspect import ls_cmd, stat_cmd
 from kvfs.cli.mounting import mount_cmd, umount_cmd
 from kvfs.cli.quota import quota_cmd
+from kvfs.cli.restart import restart_cmd, upgrade_cmd
 from kvfs.cli.top import events_cmd, top_cmd
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ def main(verbose):
                         format="%(levelname)s %(name)s: %(message)s")
 
 
-for _cmd in (mount_cmd, umount_cmd, stat_cmd, ls_cmd, fsck_cmd, bench_cmd, top_cmd, events_cmd, quota_cmd):
+for _cmd in (mount_cmd, umount_cmd, stat_cmd, ls_cmd, fsck_cmd, bench_cmd, top_cmd, events_cmd, quota_cmd,
+             restart_cmd, upgrade_cmd):
     main.add_command(_cmd)
 
 

@@ -86,6 +86,17 @@ def stat_cmd(mountpoint, as_json):
         stdout.print(f"passthrough: {pt.get('state', 'off')}"
                      + (f", {pt['opens']} opens, {pt['held']} inodes held now" if "opens" in pt else ""),
                      markup=False)
+    sup = data.get("supervisor")
+    if sup:                     # kvfs/supervisor.py: the daemon's restarts (issue 41)
+        if sup.get("pid"):
+            last = (sup.get("history") or [{}])[-1]
+            stdout.print(f"supervisor: pid {sup['pid']}, daemon epoch {sup.get('epoch')}, "
+                         f"{sup.get('restarts', 0)} restart(s)"
+                         + (f"; last: {last.get('cause')}, pause {last['pause_s']:.3f} s"
+                            if last.get("pause_s") is not None else
+                            f"; last: {last['cause']}" if last.get("cause") else ""), markup=False)
+        else:
+            stdout.print(f"supervisor: {sup.get('state', 'off')}", markup=False)
     extras = {k: v for k, v in data.items()
               if k not in ("tiers", "pid", "mountpoint", "time", "started")
               and not isinstance(v, (dict, list))}

@@ -111,7 +111,7 @@ def spawn_daemon(cfg: Config, timeout: float = READY_TIMEOUT) -> int:
     """Start the daemon detached; return its pid once it says READY."""
     rfd, wfd = os.pipe()
     log_path = Path(cfg.state_dir) / "kvfs.log"
-    argv = [sys.executable, "-m", "kvfs.daemon",
+    argv = [sys.executable, "-m", "kvfs.supervisor" if supervised(cfg) else "kvfs.daemon",
             "--config-json", json.dumps(dataclasses.asdict(cfg)), "--ready-fd", str(wfd)]
     env = dict(os.environ)
     # the daemon runs with cwd=/ so the checkout must stay importable
@@ -143,6 +143,16 @@ def spawn_daemon(cfg: Config, timeout: float = READY_TIMEOUT) -> int:
     rc = _reap(proc)
     detail = f"daemon exited with status {rc}" if rc is not None else "daemon closed its ready pipe"
     raise fail(f"{detail} before the mount was ready" + _log_hint(cfg))
+
+
+def supervised(cfg: Config) -> bool:
+    """Whether ``kvfs mount`` starts the supervisor (kvfs/supervisor.py), which starts the
+    daemon: ``supervise`` on and kvfs's own transport able to run (otherwise the daemon is
+    started alone, as before, and says why in its log)."""
+    if not cfg.supervise or cfg.foreground or cfg.transport == "pyfuse3":
+        return False
+    from kvfs.fs.session import unavailable
+    return unavailable() is None
 
 
 def _reap(proc: subprocess.Popen) -> int | None:
@@ -193,6 +203,10 @@ def size_option(name: str, help: str):
 @click.option("--passthrough/--no-passthrough", default=None,
               help="Let the kernel read sealed blocks from their tier files (FUSE passthrough; "
                    "default on where the kernel offers it; KVFS_PASSTHROUGH=0 sets it off).")
+@click.option("--supervise/--no-supervise", default=None,
+              help="A supervisor holds the mount and starts the daemon again when it dies: a crash "
+                   "or `kvfs restart` is a pause, not ENOTCONN (kvfs's own transport; "
+                   "KVFS_SUPERVISE=1 sets the default on).")
 @click.option("--debug", is_flag=True, default=None, help="Debug logging in the daemon.")
 @click.option("--foreground", "-f", is_flag=True, default=False,
               help="Stay attached: run the daemon in this process until unmounted.")

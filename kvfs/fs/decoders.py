@@ -56,6 +56,77 @@ class DirToken:
         return True
 
 
+EPOCH_SHIFT = 48
+EPOCH_BITS = 0x3FFF << EPOCH_SHIFT      # bits 48..61 (control handles start at bit 62)
+WRITABLE = 1 << 47                      # the handle was opened for writing
+VERSIONED = 1 << 46                     # a reader's handle of a sealed version: its oid below
+OID_MASK = VERSIONED - 1
+
+
+class Epoch:
+    """File handle numbers as the kernel holds them: this daemon's epoch in bits 48..61 (its
+    number in the mount's life, from the supervisor; 0 for a daemon that mounted itself), bit
+    47 set for a handle opened for writing, and below either the daemon's own handle number or,
+    for a reader of a sealed version, bit 46 and that version's object id (oids are never
+    reused: the same number is the same bytes). A daemon that replaced a dead one
+    (kvfs/supervisor.py) numbers its handles again: a handle of an older epoch is never looked
+    up as one of ours (it could name another file, opened by another user); a versioned one
+    may be opened again by its version (:meth:`FileDecoder._adopt`), any other gets EIO
+    (:meth:`stale`). Readers of one version share one kernel number: ``shared`` keeps the
+    daemon's handles behind it, one per open."""
+
+    __slots__ = ("epoch", "tag", "shared")
+
+    def __init__(self, epoch: int = 0):
+        self.epoch = epoch & 0x3FFF
+        self.tag = self.epoch << EPOCH_SHIFT
+        self.shared: dict[int, list[int]] = {}
+
+    def out(self, fh: int, writable: bool, oid: int | None = None) -> int:
+        if oid is not None and not writable and 0 < oid <= OID_MASK:
+            kfh = self.tag | VERSIONED | oid
+            self.shared.setdefault(kfh, []).append(fh)
+            return kfh
+        return fh | self.tag | (WRITABLE if writable else 0)
+
+    def local(self, kfh: int) -> int | None:
+        """The daemon's number of a kernel handle; None for one of another epoch (or unknown).
+        For a shared one, the handle of its oldest open (never the one a RELEASE takes while
+        other opens may still read, see :meth:`released`)."""
+        if kfh & EPOCH_BITS != self.tag:
+            return None
+        if kfh & VERSIONED:
+            fhs = self.shared.get(kfh)
+            return fhs[0] if fhs else None
+        return kfh & ~(EPOCH_BITS | WRITABLE)
+
+    def released(self, kfh: int) -> int | None:
+        """The daemon's handle a RELEASE of ``kfh`` ends (a shared one: its newest open; the
+        last RELEASE comes when no open of it is left to read)."""
+        if kfh & EPOCH_BITS != self.tag or not kfh & VERSIONED:
+            return self.local(kfh)
+        fhs = self.shared.get(kfh)
+        if not fhs:
+            return None
+        fh = fhs.pop()
+        if not fhs:
+            del self.shared[kfh]
+        return fh
+
+    stale_count = 0         # requests answered EIO for an older epoch's handle (all decoders)
+
+    @classmethod
+    def stale(cls, kfh: int) -> pyfuse3.FUSEError:
+        """What a request on a handle of a dead daemon gets: EIO (its staging, its credentials
+        and its version are gone with it; a passthrough reader never asks: the kernel reads
+        its backing file). Counted (``transport.stale_handles``) and logged the first times."""
+        cls.stale_count += 1
+        if cls.stale_count <= 5:
+            log.warning("a handle of epoch %d (%s) reached this daemon: EIO", kfh >> EPOCH_SHIFT & 0x3FFF,
+                        "opened for writing" if kfh & WRITABLE else "opened for reading")
+        return pyfuse3.FUSEError(errno.EIO)
+
+
 class SessionDecoder:
     """INIT and DESTROY: the protocol version and the features (passthrough) agreed on."""
 
@@ -65,6 +136,17 @@ class SessionDecoder:
         self.want_writeback = writeback
         self.writeback = False  # the kernel's writeback cache, once INIT agreed on it
         self.minor = 0          # the protocol's minor version, once INIT is answered
+        self.agreed: dict | None = None     # what INIT agreed on (kept by the supervisor)
+        self.on_init = None     # called with ``agreed`` once INIT is answered
+
+    def restore(self, agreed: dict) -> None:
+        """The state of an INIT a daemon before this one answered (the kernel sends INIT once
+        per connection; kvfs/supervisor.py keeps what it agreed on)."""
+        self.agreed = dict(agreed)
+        self.minor = int(agreed["minor"])
+        got, offered = int(agreed["got"]), int(agreed["offered"])
+        self.writeback = bool(got & wire.WRITEBACK_CACHE)
+        self.passthrough.negotiated(bool(got & wire.PASSTHROUGH) and self.passthrough.wanted, offered)
 
     async def init(self, nodeid, body, ctx) -> list:
         major, minor, readahead, flags, flags2 = wire.INIT_IN.unpack_from(body)
@@ -84,6 +166,9 @@ class SessionDecoder:
         self.passthrough.negotiated(bool(got & wire.PASSTHROUGH), offered)
         log.info("FUSE protocol 7.%d (kernel 7.%d); passthrough %s; writeback cache %s", self.minor,
                  minor, self.passthrough.state(), "on" if self.writeback else "off")
+        self.agreed = {"minor": self.minor, "got": got, "offered": offered}
+        if self.on_init is not None:
+            self.on_init(self.agreed)
         return [wire.INIT_OUT.pack(wire.MAJOR, self.minor, readahead, got & 0xFFFFFFFF, 0, 0,
                                    (1 << 20), 1, (1 << 20) // 4096, 0, got >> 32,
                                    1 if got & wire.PASSTHROUGH else 0, 0)]
@@ -95,8 +180,9 @@ class SessionDecoder:
 class EntryDecoder:
     """Names and attributes: LOOKUP, GETATTR, SETATTR, the name changes, FORGET."""
 
-    def __init__(self, ops):
+    def __init__(self, ops, epoch: Epoch | None = None):
         self.ops = ops
+        self.epoch = epoch or Epoch()
 
     async def forget(self, opcode: int, nodeid: int, body) -> None:
         if opcode == wire.FORGET:
@@ -125,7 +211,11 @@ class EntryDecoder:
         attr.st_size, attr.st_mode, attr.st_uid, attr.st_gid = size, mode, uid, gid
         attr.st_atime_ns = now if valid & wire.FATTR_ATIME_NOW else atime * 1_000_000_000 + atimens
         attr.st_mtime_ns = now if valid & wire.FATTR_MTIME_NOW else mtime * 1_000_000_000 + mtimens
-        fh = fh if valid & wire.FATTR_FH else None
+        kfh, fh = fh, self.epoch.local(fh) if valid & wire.FATTR_FH else None
+        if valid & wire.FATTR_FH and fh is None:
+            if valid & wire.FATTR_SIZE:         # a truncate through a dead daemon's handle
+                raise self.epoch.stale(kfh)
+            fh = None                           # the rest is the inode's: by its node id
         return [wire.attr_out_bytes(await self.ops.setattr(nodeid, attr, Fields(valid), fh, ctx))]
 
     async def readlink(self, nodeid, body, ctx) -> list:
@@ -177,56 +267,117 @@ class FileDecoder:
     """Open files' data: OPEN, CREATE, READ, WRITE, FLUSH, FSYNC, RELEASE (with passthrough's
     backing files)."""
 
-    def __init__(self, ops, passthrough):
+    def __init__(self, ops, passthrough, epoch: Epoch | None = None):
         self.ops = ops
         self.passthrough = passthrough
+        self.epoch = epoch or Epoch()
+        self.adopted: dict[int, int] = {}   # an older epoch's versioned handle -> ours
+        self.readopened = 0
 
     async def open(self, nodeid, body, ctx) -> list:
         flags, open_flags = wire.OPEN_IN.unpack_from(body)
         fi = await self.ops.open(nodeid, flags, ctx, kill=bool(open_flags & wire.OPEN_KILL_SUIDGID))
-        return [self.open_out(fi)]
+        return [self.open_out(fi, flags)]
 
     async def create(self, nodeid, body, ctx) -> list:
         flags, mode, umask, _ = wire.CREATE_IN.unpack_from(body)
         name, = wire.names_in(body[wire.CREATE_IN.size:], 1)
         ctx.umask = umask
         fi, attr = await self.ops.create(nodeid, name, mode, flags, ctx)
-        return [wire.entry_bytes(attr), self.open_out(fi)]
+        return [wire.entry_bytes(attr), self.open_out(fi, flags)]
 
-    def open_out(self, fi) -> bytes:
+    def _sealed_oid(self, fh: int) -> int | None:
+        """The object id of the sealed version a reader's handle ``fh`` reads (None: a writer,
+        a reader of a file being written, a control file)."""
+        files = getattr(getattr(self.ops, "store", None), "files", None)
+        h = files.handles.get(fh) if files is not None else None
+        if h is None or h.write or h.obj is None:
+            return None
+        oid = h.obj.oid
+        return oid if isinstance(oid, int) else None
+
+    def open_out(self, fi, open_flags: int = os.O_RDONLY) -> bytes:
         flags = ((wire.FOPEN_DIRECT_IO if fi.direct_io else 0) | (wire.FOPEN_KEEP_CACHE if fi.keep_cache else 0)
                  | (wire.FOPEN_NONSEEKABLE if fi.nonseekable else 0))
+        writable = open_flags & os.O_ACCMODE != os.O_RDONLY
+        fh = self.epoch.out(fi.fh, writable, None if writable else self._sealed_oid(fi.fh))
         backing = self.passthrough.answer(fi.fh)
         if backing is not None:
             backing_id, extra = backing
-            return wire.OPEN_OUT.pack(fi.fh, extra, backing_id)
-        return wire.OPEN_OUT.pack(fi.fh, flags, 0)
+            return wire.OPEN_OUT.pack(fh, extra, backing_id)
+        return wire.OPEN_OUT.pack(fh, flags, 0)
+
+    def _local(self, kfh: int) -> int:
+        fh = self.epoch.local(kfh)
+        if fh is None:
+            raise self.epoch.stale(kfh)
+        return fh
+
+    async def _adopt(self, kfh: int, nodeid: int, ctx) -> int:
+        """A reader's handle of a dead daemon (an older epoch) that names its version: the
+        inode opened again for reading, kept only if it reads that very object (same oid, same
+        bytes); else EIO. Kept until the handle's RELEASE."""
+        fh = self.adopted.get(kfh)
+        if fh is not None:
+            return fh
+        if kfh & (VERSIONED | WRITABLE) != VERSIONED or (kfh & EPOCH_BITS) == self.epoch.tag:
+            raise self.epoch.stale(kfh)
+        try:
+            fi = await self.ops.open(nodeid, os.O_RDONLY, ctx)
+        except pyfuse3.FUSEError:
+            raise self.epoch.stale(kfh) from None
+        self.passthrough.answer(fi.fh)          # no OPEN reply carries it
+        if self._sealed_oid(fi.fh) != kfh & OID_MASK or kfh in self.adopted:
+            await self._release_local(fi.fh)
+            if kfh in self.adopted:
+                return self.adopted[kfh]
+            raise self.epoch.stale(kfh)         # another version now: never its bytes
+        self.adopted[kfh] = fi.fh
+        self.readopened += 1
+        return fi.fh
+
+    async def _release_local(self, fh: int) -> None:
+        try:
+            await self.ops.release(fh)
+        finally:
+            self.passthrough.release(fh)
 
     async def read(self, nodeid, body, ctx) -> list:
-        fh, off, size, *_ = wire.READ_IN.unpack_from(body)
+        kfh, off, size, *_ = wire.READ_IN.unpack_from(body)
+        fh = self.epoch.local(kfh)
+        if fh is None:
+            fh = await self._adopt(kfh, nodeid, ctx)
         return [await self.ops.read(fh, off, size)]
 
     async def write(self, nodeid, body, ctx) -> list:
         fh, off, size, write_flags, *_ = wire.WRITE_IN.unpack_from(body)
         data = bytes(body[wire.WRITE_IN.size:wire.WRITE_IN.size + size])
         kill = ctx if write_flags & wire.WRITE_KILL_SUIDGID else None
-        return [wire.WRITE_OUT.pack(await self.ops.write(fh, off, data, kill), 0)]
+        return [wire.WRITE_OUT.pack(await self.ops.write(self._local(fh), off, data, kill), 0)]
 
     async def flush(self, nodeid, body, ctx) -> list:
-        await self.ops.flush(wire.FLUSH_IN.unpack_from(body)[0])
+        kfh = wire.FLUSH_IN.unpack_from(body)[0]
+        fh = self.epoch.local(kfh)
+        if fh is None:
+            if kfh & WRITABLE:      # what it wrote died with its daemon: close(2) says so
+                raise self.epoch.stale(kfh)
+            return []               # a reader's close is not an error
+        await self.ops.flush(fh)
         return []
 
     async def release(self, nodeid, body, ctx) -> list:
-        fh = wire.RELEASE_IN.unpack_from(body)[0]
-        try:
-            await self.ops.release(fh)
-        finally:
-            self.passthrough.release(fh)
+        kfh = wire.RELEASE_IN.unpack_from(body)[0]
+        fh = self.epoch.released(kfh)
+        if fh is None:
+            fh = self.adopted.pop(kfh, None)    # opened again for a dead daemon's reader
+            if fh is None:
+                return []           # a dead daemon's handle: nothing of it is left here
+        await self._release_local(fh)
         return []
 
     async def fsync(self, nodeid, body, ctx) -> list:
         fh, flags, _ = wire.FSYNC_IN.unpack_from(body)
-        await self.ops.fsync(fh, bool(flags & 1))
+        await self.ops.fsync(self._local(fh), bool(flags & 1))
         return []
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import time
 
 import pyfuse3
 
 from kvfs.fs import wire
-from kvfs.fs.decoders import DirDecoder, EntryDecoder, FileDecoder, SessionDecoder, XattrDecoder
+from kvfs.fs.decoders import DirDecoder, EntryDecoder, Epoch, FileDecoder, SessionDecoder, XattrDecoder
 from kvfs.fs.passthrough import Passthrough
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class Context:
         self.uid, self.gid, self.pid, self.umask = uid, gid, pid, umask
 
 
+UNIQUE_RESEND = 1 << 63     # set by the kernel on a request it sends again (FUSE_NOTIFY_RESEND)
+
 # answers of more pieces than this are joined into one before writev (IOV_MAX is 1024)
 REPLY_PARTS = 256
 # an answer of one piece up to this size is copied behind its header and written with write(2)
@@ -100,14 +103,18 @@ def _refused(e: OSError) -> int:
 class Handlers:
     """Decode (by the concern's decoder), call, encode; one instance per session."""
 
-    def __init__(self, ops, fd: int, want_passthrough: bool, want_writeback: bool = False):
+    def __init__(self, ops, fd: int, want_passthrough: bool, want_writeback: bool = False, epoch: int = 0):
         self.ops = ops
         self.fd = fd
+        self.epoch = epoch
+        self.handles = handles = Epoch(epoch)
+        self.first_answer: float | None = None     # time.monotonic() of the first answer
+        self.on_first_answer = None     # called with it (a daemon that replaced a dead one)
         self.passthrough = passthrough = Passthrough(fd, want_passthrough)
         ops.opens.passthrough = passthrough
         self.session = SessionDecoder(passthrough, want_writeback, ops)
-        self.entries = EntryDecoder(ops)
-        self.files = FileDecoder(ops, passthrough)
+        self.entries = EntryDecoder(ops, handles)
+        self.files = FileDecoder(ops, passthrough, handles)
         self.dirs = DirDecoder(ops)
         self.xattrs = XattrDecoder(ops)
         self.counts: dict[int, int] = {}
@@ -134,8 +141,8 @@ class Handlers:
         """The protocol's minor version INIT agreed on (0 before)."""
         return self.session.minor
 
-    def close(self) -> None:
-        self.passthrough.close()
+    def close(self, handover: bool = False) -> None:
+        self.passthrough.close(keep_in_use=handover)
 
     def requests(self) -> dict[str, int]:
         """Requests that reached the daemon, by opcode name."""
@@ -166,6 +173,11 @@ class Handlers:
             try:
                 parts = await fn(nodeid, req[_HEADER_SIZE:], Context(uid, gid, pid))
             except pyfuse3.FUSEError as e:
+                if unique & UNIQUE_RESEND:
+                    parts = await self._done_before(opcode, nodeid, req[_HEADER_SIZE:], e.errno, Context(uid, gid, pid))
+                    if parts is not None:
+                        self.reply(unique, parts)
+                        return
                 if _TRACE is not None:
                     _trace(opcode, unique, nodeid, pid, req[_HEADER_SIZE:], None, e.errno)
                 self.reply_error(unique, e.errno)
@@ -180,16 +192,50 @@ class Handlers:
                 _trace(opcode, unique, nodeid, pid, req[_HEADER_SIZE:], parts, 0)
             if not self.reply(unique, parts) and (opcode == wire.OPEN or opcode == wire.CREATE):
                 # the opener was interrupted: no RELEASE will come for this handle
-                fh = wire.OPEN_OUT.unpack_from(parts[-1])[0]
-                try:
-                    await self.ops.release(fh)
-                finally:
-                    self.passthrough.release(fh)
+                fh = self.handles.released(wire.OPEN_OUT.unpack_from(parts[-1])[0])
+                if fh is not None:
+                    try:
+                        await self.ops.release(fh)
+                    finally:
+                        self.passthrough.release(fh)
         finally:
             ns = self.ns
             ns[opcode] = ns.get(opcode, 0) + perf_ns() - t0
 
+    async def _done_before(self, opcode: int, nodeid: int, body, err: int, ctx) -> list | None:
+        """The answer to a request the kernel sent again (FUSE_NOTIFY_RESEND: its daemon died
+        after reading it) whose failure says a dead daemon already did it, the commit having
+        happened before the kill: a directory made (EEXIST: its entry), a name removed
+        (ENOENT: done), a rename whose source is gone and whose target is there (done).
+        None: the error stands."""
+        try:
+            if opcode == wire.MKDIR and err == errno.EEXIST:
+                name, = wire.names_in(body[wire.MKDIR_IN.size:], 1)
+                attr = await self.ops.lookup(nodeid, name, ctx)
+                return [wire.entry_bytes(attr)] if attr.st_ino and stat.S_ISDIR(attr.st_mode) else None
+            if opcode in (wire.UNLINK, wire.RMDIR) and err == errno.ENOENT:
+                return []
+            if opcode in (wire.RENAME, wire.RENAME2) and err == errno.ENOENT:
+                size = wire.RENAME_IN.size if opcode == wire.RENAME else wire.RENAME2_IN.size
+                newdir = wire.RENAME_IN.unpack_from(body)[0]
+                _, new = wire.names_in(body[size:], 2)
+                attr = await self.ops.lookup(newdir, new, ctx)
+                return [] if attr.st_ino else None
+        except (pyfuse3.FUSEError, ValueError):
+            return None
+        return None
+
+    def _first(self) -> None:
+        self.first_answer = time.monotonic()
+        if self.on_first_answer is not None:
+            try:
+                self.on_first_answer(self.first_answer)
+            except Exception:       # noqa: BLE001 - a note must never fail the answer
+                log.exception("first answer's note failed")
+
     def reply(self, unique: int, parts: list) -> bool:
+        if self.first_answer is None:
+            self._first()
         if len(parts) == 1 and len(parts[0]) <= SMALL_REPLY:
             # one short piece (attributes, an entry, an open's answer): one buffer, one write
             part = parts[0]
@@ -205,6 +251,8 @@ class Handlers:
         return err == 0
 
     def reply_error(self, unique: int, err: int) -> None:
+        if self.first_answer is None:
+            self._first()
         self._write(_pack_out(_OUT_SIZE, -(err or errno.EIO), unique))
 
     def _write(self, data: bytes) -> int:

@@ -18,7 +18,10 @@ request it had taken (ECONNABORTED for their clients), which frees the directory
 helper may be waiting for. The helper then notices the daemon is gone, answers any request
 still queued on the connection with ENOTCONN while its last notification finishes, and exits:
 its device was the connection's last, so the kernel aborts the connection and every later
-request fails at once (ENOTCONN), as after any daemon's death.
+request fails at once (ENOTCONN), as after any daemon's death. Under a supervisor
+(kvfs/supervisor.py, ``SUPERVISED``) the connection outlives the daemon: the helper answers
+nothing, waits for its notification under way (the next daemon answers the request that
+held its lock) and exits.
 
 The daemon writes each notification (the kernel's message, built here) into the helper's
 stdin and reads a 4-byte answer (0 or the errno) from its stdout: a pipe read, which a
@@ -36,6 +39,10 @@ import threading
 
 log = logging.getLogger(__name__)
 
+# set by a daemon serving a session its supervisor holds (kvfs/supervisor.py): its helper then
+# leaves the connection's requests to the next daemon when it dies instead of failing them
+SUPERVISED = False
+
 FUSE_DEV_IOC_CLONE = 0x8004E500     # _IOR(229, 0, uint32_t)
 NOTIFY_INVAL_INODE = 2
 NOTIFY_INVAL_ENTRY = 3
@@ -44,7 +51,7 @@ _HEADER = struct.Struct("<IiQ")     # fuse_out_header: len, error (the notify co
 
 _HELPER = r"""
 import errno, os, select, struct, sys, threading
-fd, daemon = int(sys.argv[1]), int(sys.argv[2])
+fd, daemon, supervised = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:] == ["supervised"]
 busy = threading.Lock()             # held while a notification is in the kernel
 IN = struct.Struct("<IIQ")          # fuse_in_header: len, opcode, unique
 NO_REPLY = (2, 36, 42)              # FORGET, INTERRUPT, BATCH_FORGET
@@ -56,6 +63,12 @@ def after_the_daemon():
         p.poll()
     except OSError:
         pass
+    if supervised:
+        # a supervisor holds the session and starts the next daemon, which answers what is
+        # queued (and what the dead one had read, resent): only the notification under way
+        # is waited for, then this device goes
+        busy.acquire()
+        os._exit(0)
     # the daemon is gone: what is still queued on the connection would wait for an answer while
     # this device keeps it open; answer ENOTCONN until the notification under way is through
     p = select.poll()
@@ -185,7 +198,8 @@ def open_channel() -> Channel | None:
         return None
     try:
         fcntl.ioctl(clone, FUSE_DEV_IOC_CLONE, struct.pack("<I", fd))
-        proc = subprocess.Popen([sys.executable, "-c", _HELPER, str(clone), str(os.getpid())],
+        proc = subprocess.Popen([sys.executable, "-c", _HELPER, str(clone), str(os.getpid()),
+                                 *(["supervised"] if SUPERVISED else [])],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(clone,),
                                 close_fds=True)
     except OSError as e:

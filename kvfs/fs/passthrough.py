@@ -38,6 +38,7 @@ import fcntl
 import logging
 import os
 import struct
+import threading
 from collections import OrderedDict
 
 import trio
@@ -54,12 +55,17 @@ class _Registration:
     """One inode's backing file: the kernel's id for it, the object and the tier of the copy
     it is, its passthrough opens, and when it was registered (its copy checked)."""
 
-    __slots__ = ("backing_id", "obj", "ino", "tier", "opens", "born", "moved")
+    __slots__ = ("backing_id", "obj", "ino", "tier", "opens", "born", "moved", "adopted")
 
     def __init__(self, backing_id: int, obj, ino: int, tier: str | None):
         self.backing_id, self.obj, self.ino, self.tier = backing_id, obj, ino, tier
         self.opens, self.born = 0, trio.current_time()
         self.moved = False          # its copy was promoted past or is going: not kept idle
+        self.adopted = False        # a dead daemon's, counted as one open until ADOPTED_S
+
+
+SWEEP_DELAY_S = 10.0     # after a restart, a dead daemon's backing ids are closed this much later
+ADOPTED_S = 60.0         # a dead daemon's registration in use is shared this long (see adopt)
 
 
 class Passthrough:
@@ -79,6 +85,74 @@ class Passthrough:
         self.reused = self.idle_closed = 0
         self._expiry = float("inf")               # when the oldest idle registration expires
         self.failed: str | None = None
+        # a daemon that replaced a dead one on the same session (kvfs/supervisor.py): the dead
+        # one's backing ids stay registered on the connection, pinning their tier files
+        self._sweep_predecessors = False
+        self.predecessor_ids_closed = 0
+        self.journal = None         # called with each registration and closure (a supervisor's)
+        self._adopted: set[int] = set()           # backing ids taken over from a dead daemon
+        self._adopted_until = float("inf")
+        self.adopted = 0
+
+    def adopt(self, entries: list, find_object) -> None:
+        """The registrations a dead daemon of this session had (its journal, kept by the
+        supervisor): the kernel holds an inode opened in passthrough to the backing file of
+        that open, and fails (EIO) an open of it that names another backing file, even one of
+        the same file. So each is taken as in use by one open for ``ADOPTED_S`` (the old
+        descriptors, unknown here), and opens of its inode and version share it meanwhile. One
+        whose object or copy is gone is left to the sweep."""
+        now = trio.current_time()
+        for e in entries:
+            obj = find_object(e.get("oid"))
+            ino, tier = e.get("ino"), e.get("tier")
+            if obj is None or ino in self._by_ino or (tier is not None and tier not in obj.place):
+                continue
+            reg = self._by_ino[ino] = _Registration(int(e["id"]), obj, ino, tier)
+            reg.opens, reg.adopted = 1, True
+            self._adopted.add(reg.backing_id)
+            self.adopted += 1
+        if self._adopted:
+            self._adopted_until = now + ADOPTED_S
+            log.info("took over %d backing registrations of a dead daemon", len(self._adopted))
+
+    def _unadopt(self) -> None:
+        """``ADOPTED_S`` after the takeover: the dead daemon's opens no longer count."""
+        self._adopted_until = float("inf")
+        for reg in [r for r in self._by_ino.values() if r.adopted]:
+            reg.adopted = False
+            reg.opens -= 1
+            if not reg.opens:
+                del self._by_ino[reg.ino]
+                self._end(reg)
+
+    def _note(self, msg: dict) -> None:
+        if self.journal is not None:
+            try:
+                self.journal(msg)
+            except Exception:       # noqa: BLE001 - a journal note never fails an open
+                log.exception("backing journal note failed")
+
+    def forget_predecessors(self) -> None:
+        """Close the backing ids a dead daemon of this session left registered, ``SWEEP_DELAY_S``
+        after this one has its first: the kernel numbers them cyclically upwards, so every id
+        below our first is a predecessor's. An open file keeps its own reference to its backing
+        file: closing its id only stops pinning the tier file past that file's close."""
+        self._sweep_predecessors = True
+
+    def _sweep(self, below: int) -> None:
+        closed = 0
+        adopted = set(self._adopted)
+        for backing_id in range(1, below):
+            if backing_id in adopted:
+                continue
+            try:
+                fcntl.ioctl(self.dev, wire.DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)))
+                closed += 1
+                self._note({"op": "unbacking", "id": backing_id})
+            except OSError:
+                pass                # not registered (closed already), or the session ended
+        self.predecessor_ids_closed = closed
+        log.info("closed %d backing ids a dead daemon had left registered (below %d)", closed, below)
 
     def negotiated(self, got: bool, offered: int) -> None:
         if not self.wanted:
@@ -114,6 +188,8 @@ class Passthrough:
         the kernel holds the file by its id) for ``ino`` unless it already has ``obj``'s, in
         use or idle (then ``backing_fd`` may be None: the caller checked that the idle one may
         serve, :meth:`kept`); remember the answer for ``fh``'s OPEN reply."""
+        if trio.current_time() >= self._adopted_until:
+            self._unadopt()
         reg = self._by_ino.get(ino)
         if reg is None and backing_fd is None:
             reg = self._idle.pop(ino, None)
@@ -137,6 +213,16 @@ class Passthrough:
                 os.close(backing_fd)         # the kernel holds the file by the id
             reg = self._by_ino[ino] = _Registration(backing_id, obj, ino, tier)
             self.registered += 1
+            self._note({"op": "backing", "id": backing_id, "ino": ino, "oid": obj.oid, "tier": tier})
+            if self._sweep_predecessors:
+                self._sweep_predecessors = False
+                # not at once: an OPEN the dead daemon answered with one of its ids just before
+                # it died has its backing looked up by the opener after the answer (in the
+                # opener's own time, fuse_file_io_open); an id closed before that fails the
+                # open with EIO (seen: 1-2 opens in 100 kills under load)
+                t = threading.Timer(SWEEP_DELAY_S, self._sweep, args=(backing_id,))
+                t.name, t.daemon = "kvfs-backing-sweep", True
+                t.start()
         else:
             if backing_fd is not None:
                 os.close(backing_fd)
@@ -173,6 +259,8 @@ class Passthrough:
         idle (its object still live, that copy still placed: any later move of it goes through
         :meth:`copy_dropped`), else closed."""
         self._answer.pop(fh, None)
+        if self._adopted_until != float("inf") and trio.current_time() >= self._adopted_until:
+            self._unadopt()
         ino = self._fh.pop(fh, None)
         if ino is None:
             return
@@ -239,14 +327,19 @@ class Passthrough:
         return ino not in self._by_ino
 
     def _close_id(self, backing_id: int) -> None:
+        self._adopted.discard(backing_id)
+        self._note({"op": "unbacking", "id": backing_id})
         try:
             fcntl.ioctl(self.dev, wire.DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("<I", backing_id)))
         except OSError as e:
             log.debug("closing backing id %d: %s", backing_id, e)
 
-    def close(self) -> None:
+    def close(self, keep_in_use: bool = False) -> None:
+        """At the session's end: every registration closed; ``keep_in_use`` (a handover to
+        the next daemon): those in use stay registered, for it to take over (:meth:`adopt`)."""
         for reg in self._by_ino.values():
-            self._end(reg)
+            if not keep_in_use:
+                self._end(reg)
         for reg in self._idle.values():
             self._close_id(reg.backing_id)
         self._by_ino.clear()
@@ -258,4 +351,5 @@ class Passthrough:
         return {"state": self.why, "opens": self.opens, "registered": self.registered,
                 "reused": self.reused, "held": len(self._by_ino), "idle": len(self._idle),
                 "idle_closed": self.idle_closed, "open_now": len(self._fh), "refused": self.refused,
-                "declined": self.declined, "busy": self.busy, "last_error": self.failed}
+                "declined": self.declined, "busy": self.busy, "last_error": self.failed,
+                "predecessor_ids_closed": self.predecessor_ids_closed, "adopted": self.adopted}

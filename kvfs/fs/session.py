@@ -21,16 +21,14 @@ daemon may register backing files. Interrupts are ignored, as pyfuse3 ignores th
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import logging
 import os
-import stat
 
 import trio
 
-from kvfs.fs import loop
+from kvfs.fs import loop, wire
+from kvfs.fs.mountdev import detach, mount_device
 from kvfs.fs.handlers import Handlers
 
 log = logging.getLogger(__name__)
@@ -38,9 +36,7 @@ log = logging.getLogger(__name__)
 MAX_WRITE = 1 << 20
 BUFSIZE = MAX_WRITE + (64 << 10)         # a WRITE of MAX_WRITE bytes with its header and names
 MAX_WORKERS = 64
-MS_NOSUID, MS_NODEV = 0x2, 0x4
-MNT_DETACH = 2
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+NOTIFY_RESEND = 7              # FUSE_NOTIFY_RESEND (include/uapi/linux/fuse.h, protocol 7.40)
 
 
 def unavailable() -> str | None:
@@ -85,6 +81,20 @@ async def _locked_read(lock, readv, fd: int, view) -> int | None:
         lock.release()
 
 
+def resend(fd: int) -> str:
+    """Ask the kernel to send again every request read on this connection and not answered
+    (FUSE_NOTIFY_RESEND, Linux 6.9+): those a killed daemon had taken. Returns what happened,
+    for the log and ``.kvfs/stats``: ``"sent"``, or why not (an older kernel answers EINVAL:
+    the requests the dead daemon had read then wait until their callers are interrupted)."""
+    try:
+        os.write(fd, wire.OUT_HEADER.pack(wire.OUT_HEADER.size, NOTIFY_RESEND, 0))
+    except OSError as e:
+        why = f"unavailable ({os.strerror(e.errno)}: the kernel predates FUSE_NOTIFY_RESEND, Linux 6.9)"
+        log.warning("FUSE_NOTIFY_RESEND %s; requests the dead daemon had read are not answered", why)
+        return why
+    return "sent"
+
+
 class KernelSession:
     """One mount served over ``/dev/fuse`` (see the module's text)."""
 
@@ -103,37 +113,49 @@ class KernelSession:
         self.workers = 0
         self._idle = 0
         self.requests = 0
+        self.attached = False       # the session was mounted by the supervisor, not by us
+        self.resend: str | None = None      # the answer to FUSE_NOTIFY_RESEND when attached
+        self._draining = False
+        self._reading: set = set()   # the cancel scopes of workers waiting for a request
 
     # ---- mount / unmount --------------------------------------------------------------
     def mount(self) -> None:
         """Open ``/dev/fuse`` and mount it at the mount point (the kernel then sends INIT)."""
-        self.fd = os.open("/dev/fuse", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-        opts = self.options
-        fsname = next((o.split("=", 1)[1] for o in opts if o.startswith("fsname=")), "kvfs")
-        subtype = next((o.split("=", 1)[1] for o in opts if o.startswith("subtype=")), None)
-        passed = sorted(o for o in opts if o in ("allow_other", "default_permissions"))
-        mode = stat.S_IFMT(os.stat(self.mountpoint).st_mode)
-        data = ",".join([f"fd={self.fd}", f"rootmode={mode:o}", f"user_id={os.getuid()}",
-                         f"group_id={os.getgid()}", *passed])
-        fstype = f"fuse.{subtype}" if subtype else "fuse"
-        if _LIBC.mount(fsname.encode(), self.mountpoint.encode(), fstype.encode(),
-                       MS_NOSUID | MS_NODEV, data.encode()) != 0:
-            err = ctypes.get_errno()
-            os.close(self.fd)
-            self.fd = -1
-            raise OSError(err, f"mount {self.mountpoint}: {os.strerror(err)}")
+        self.fd = mount_device(self.mountpoint, self.options)
         self.handlers = Handlers(self.ops, self.fd, self.want_passthrough, self.want_writeback)
         log.info("mounted %s with kvfs's own FUSE transport", self.mountpoint)
 
+    def attach(self, fd: int, session: dict | None, epoch: int) -> None:
+        """Serve a session another process mounted (kvfs/supervisor.py): ``fd`` is its
+        ``/dev/fuse`` descriptor, ``session`` what INIT agreed on when a daemon before this one
+        answered it (None: INIT is still to come), ``epoch`` this daemon's number in the
+        mount's life, put into every file handle it gives the kernel. The kernel is then asked
+        to send again what a dead daemon had read and not answered (FUSE_NOTIFY_RESEND)."""
+        self.fd = fd
+        self.attached = True
+        self.handlers = Handlers(self.ops, self.fd, self.want_passthrough, self.want_writeback, epoch=epoch)
+        if session is not None:
+            self.handlers.session.restore(session)
+            self.handlers.passthrough.forget_predecessors()
+            self.resend = resend(fd)
+        log.info("attached to %s (epoch %d, %s); FUSE protocol %s", self.mountpoint, epoch,
+                 "INIT answered before" if session else "INIT to come",
+                 self.negotiated_protocol())
+
+    def drain(self) -> None:
+        """End :meth:`serve` once the requests read so far are answered; what is not read
+        stays queued in the kernel for the next daemon (``kvfs restart``)."""
+        self._draining = True
+        for scope in list(self._reading):
+            scope.cancel()
+
     def close(self, unmount: bool = True) -> None:
-        """Unmount (lazily, as libfuse does for root) and close the device."""
+        """Unmount (lazily, as libfuse does for root) and close the device. An attached
+        session is never unmounted here: the supervisor holds the mount."""
         if self.handlers is not None:
-            self.handlers.close()
-        if unmount and self.fd >= 0:
-            if _LIBC.umount2(self.mountpoint.encode(), MNT_DETACH) != 0:
-                err = ctypes.get_errno()
-                if err not in (errno.EINVAL, errno.ENOENT):
-                    log.warning("umount %s: %s", self.mountpoint, os.strerror(err))
+            self.handlers.close(handover=self._draining)
+        if unmount and self.fd >= 0 and not self.attached:
+            detach(self.mountpoint)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -169,24 +191,30 @@ class KernelSession:
         fd, handle, lock, readv = self.fd, self.handlers.handle, self._lock, reader.readv
         answered = False        # this worker just answered a request
         while True:
-            # the read lock without a coroutine when it is free (the usual case: one worker
-            # reads at a time and a request's handler rarely waits)
-            if lock.try_acquire():
-                n = await _locked_read(lock, readv, fd, view)
-            elif answered and reader.spin_ns:
-                # our handler waited (a seal's thread, say) and another worker holds the read
-                # lock, asleep in trio's wait: the next request (the caller's, right after
-                # our answer) is looked for here, without the lock, for the spin's window
-                answered = False
-                try:
-                    n = await reader.spin(fd, view)
-                except OSError as e:
-                    n = _read_failed(e)
-                if n is None:
-                    continue
-            else:
-                await lock.acquire()
-                n = await _locked_read(lock, readv, fd, view)
+            if self._draining:
+                return
+            with trio.CancelScope() as waiting:
+                self._reading.add(waiting)
+                n = None
+                # the read lock without a coroutine when it is free (the usual case: one worker
+                # reads at a time and a request's handler rarely waits)
+                if lock.try_acquire():
+                    n = await _locked_read(lock, readv, fd, view)
+                elif answered and reader.spin_ns:
+                    # our handler waited (a seal's thread, say) and another worker holds the read
+                    # lock, asleep in trio's wait: the next request (the caller's, right after
+                    # our answer) is looked for here, without the lock, for the spin's window
+                    answered = False
+                    try:
+                        n = await reader.spin(fd, view)
+                    except OSError as e:
+                        n = _read_failed(e)
+                else:
+                    await lock.acquire()
+                    n = await _locked_read(lock, readv, fd, view)
+            self._reading.discard(waiting)
+            if waiting.cancelled_caught:
+                return          # drained while waiting for a request (none was read)
             answered = False
             if n is None:
                 continue
@@ -195,7 +223,7 @@ class KernelSession:
                 return
             self.requests += 1
             self._idle -= 1
-            if self._idle == 0 and self.workers < MAX_WORKERS:
+            if self._idle == 0 and self.workers < MAX_WORKERS and not self._draining:
                 self._spawn()
             try:
                 await handle(view[:n])
@@ -208,6 +236,11 @@ class KernelSession:
         h = self.handlers
         out = {"name": "kernel", "requests": self.requests, "workers": self.workers,
                "protocol": self.negotiated_protocol()}
+        if self.attached:
+            out["resend"] = self.resend
+            out["epoch"] = h.epoch if h is not None else None
+            out["stale_handles"] = h.handles.stale_count if h is not None else 0
+            out["readopened"] = h.files.readopened if h is not None else 0
         if h is not None:
             out["passthrough"] = dict(h.passthrough.statistics(), **self.ops.opens.statistics())
             out["writeback_cache"] = h.session.writeback

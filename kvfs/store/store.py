@@ -50,6 +50,9 @@ class Store:
         self.names = NameOps(index, store, self.ns, self.files.is_open, self.owners.grants_follow_rename)
         self.xattrs = Xattrs(store, self.ns, self.owners, self.files.dirty)
         self.leases = Leases(index, store, self.ns, self.owners)
+        # (parent, name, inode) of the files a crash start dropped (kvfs.store.tally.recover):
+        # a daemon that replaced a dead one tells the kernel, which may still cache them
+        self.dropped_names: list[tuple[int, bytes, int]] = []
         self.commits = Commits(index, store, self.ns, self.files, self.names, spill_dir)
         self.gets = BatchGets(store, self.leases.prefix_objects)
         self.telemetry.events.describe = self.names.describe
@@ -85,7 +88,7 @@ class Store:
         if wrong is not None:
             log.warning("the running totals do not match the index (%s): recovering in full", wrong)
         elif clean is None and tally.valid and self.index.untouched:
-            counts = tally_recover(self.index, tally.footprints)
+            counts = tally_recover(self.index, tally.footprints, self.dropped_names)
             log.info("recovery from the unsealed and RAM-only sets: %s", counts)
             self.store.load_clean(tally.totals())
             self.ns.start_clean()

@@ -195,10 +195,14 @@ def _add(d: dict, key: bytes, a: int, b: int) -> None:
         v[1] += b
 
 
-def recover(index: Index, footprints) -> dict[str, int]:
+def recover(index: Index, footprints, names: list | None = None) -> dict[str, int]:
     """After kill -9, with valid totals: drop the files never sealed and the objects whose
     only copy was in RAM (and the files that named them), touching only the records the two
-    sets name. Returns counts, ``decoded``: records decoded."""
+    sets name. Returns counts, ``decoded``: records decoded. ``names`` gets each dropped
+    file's (parent, name, inode): the kernel may still cache them when a supervised mount
+    outlived the daemon (kvfs/supervisor.py)."""
+    if names is None:
+        names = []
     before = records.decoded
     index.commit()
     with index.env.begin() as t:
@@ -211,6 +215,7 @@ def recover(index: Index, footprints) -> dict[str, int]:
             if key[:1] == UNSEALED:
                 rec = txn.get_inode(ident)
                 if rec is not None and stat.S_ISREG(rec.mode) and rec.oid is None:
+                    names.append((rec.parent, rec.name, ident))
                     txn.unlink(rec.parent, rec.name)
                     txn.del_inode(ident)
                     dropped += 1
@@ -220,6 +225,7 @@ def recover(index: Index, footprints) -> dict[str, int]:
             if orec is not None and not any(n in footprints for n in orec.place):
                 rec = txn.get_inode(orec.ino)
                 if rec is not None and rec.oid == ident:
+                    names.append((rec.parent, rec.name, orec.ino))
                     txn.unlink(rec.parent, rec.name)
                     txn.del_inode(orec.ino)
                     dropped += 1

@@ -106,6 +106,7 @@ class Mount:
             *_flags(options), *map(str, extra_args),
         ]
         self.pid: int | None = None
+        self.supervisor: int | None = None     # its supervisor's pid (a --supervise mount)
         self._pids: set[int] = set()
         self._ram_dirs: set[str] = set()      # the daemons' RAM tiers, in shared memory
 
@@ -118,6 +119,9 @@ class Mount:
         st = self.stats()
         self.pid = int(st["pid"])
         self._pids.add(self.pid)
+        self.supervisor = (st.get("supervisor") or {}).get("pid")
+        if self.supervisor:             # kvfs/supervisor.py: torn down with it
+            self._pids.add(int(self.supervisor))
         self._ram_dirs.add(st["ram_dir"])
         return self
 
@@ -137,6 +141,11 @@ class Mount:
     def kill9(self) -> None:
         """SIGKILL the daemon (no flush, no clean shutdown), then detach the dead mount."""
         pid = self.pid if self.pid is not None else int(self.stats()["pid"])
+        if getattr(self, "supervisor", None):
+            # a supervised mount: the supervisor first, or it would start the next daemon
+            # (tests/mount/test_mnt_supervisor.py kills the daemon alone)
+            os.kill(int(self.supervisor), signal.SIGKILL)
+            wait_for(lambda: not pid_alive(int(self.supervisor)), EXIT_TIMEOUT, "the supervisor to die")
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: not pid_alive(pid), EXIT_TIMEOUT, f"daemon {pid} to die")
         lazy_unmount(self.path)

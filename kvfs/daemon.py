@@ -229,7 +229,10 @@ async def serve(cfg: Config, ready: _Ready, attach: str | None = None, epoch: in
                 huge = filesystem_of(tiers[0].dir)[2].get("huge", "never")
                 log.info("ram tier in %s (tmpfs%s, huge pages: %s)", tiers[0].dir,
                          " of its own" if tiers[0].mounted else "", huge)
-                mountrecord.write(mountpoint, _record(cfg, tiers, index))
+                rec = _record(cfg, tiers, index)
+                if attach:      # the mount lives while its supervisor does (kvfs umount)
+                    rec["supervisor"] = served["supervisor"].get("pid")
+                mountrecord.write(mountpoint, rec)
                 ready.send(f"READY {os.getpid()}")
                 await fuse.serve(reader)
                 unmounted = True

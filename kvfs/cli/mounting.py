@@ -371,13 +371,15 @@ def _daemon_alive(pid) -> bool:
 
 def dead_daemon(mp: str) -> dict | None:
     """The mount record of ``mp`` (kvfs/mountrecord.py; {} if there is none) when its daemon
-    is dead: the recorded daemon no longer runs, or (no record: a daemon older than the
+    is dead: the recorded daemon (and its supervisor, if any) no longer runs, or (no record: a daemon older than the
     record) the mount answers ENOTCONN, the connection gone with the daemon. None while a
     daemon may still serve it (a stuck one: never waited on here)."""
     from kvfs import mountrecord
     rec = mountrecord.read(mp)
     if rec is not None:
-        return None if _daemon_alive(rec.get("pid")) else rec
+        # a supervised mount's daemon may be between two lives: dead only with its supervisor
+        alive = _daemon_alive(rec.get("pid")) or _daemon_alive(rec.get("supervisor"))
+        return None if alive else rec
     err = _stats_errno_in_child(mp, LAZY_STATS_TIMEOUT)
     return {} if err in (errno.ENOTCONN, errno.ECONNABORTED) else None
 

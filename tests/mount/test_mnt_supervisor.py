@@ -393,3 +393,22 @@ def test_kvfs_upgrade_reexecs_the_supervisor_under_load_then_a_kill_still_restar
     res = kvfs_cli("umount", m.path)
     assert res.returncode == 0, res.stderr
     wait_for(lambda: not pid_alive(sup), EXIT_TIMEOUT, "the re-executed supervisor to exit")
+
+
+def test_a_supervised_mount_between_two_daemons_is_not_taken_for_dead(kvfs_mount):
+    """``kvfs umount`` detaches a mount whose daemon is dead (issue 40): under a supervisor
+    the daemon's death is a pause, so the mount counts as dead only with its supervisor. The
+    supervisor is stopped so that the window between two daemons stays open for the check."""
+    from kvfs.cli.mounting import dead_daemon
+    m = kvfs_mount(supervise=True)
+    st = _track(m)
+    sup, old = int(st["supervisor"]["pid"]), m.pid
+    os.kill(sup, signal.SIGSTOP)
+    try:
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: not pid_alive(old), EXIT_TIMEOUT, f"daemon {old} to die")
+        assert dead_daemon(str(m.path)) is None
+    finally:
+        os.kill(sup, signal.SIGCONT)
+    wait_for(lambda: int(m.stats()["pid"]) != old, EXIT_TIMEOUT, "a new daemon to serve")
+    _track(m)

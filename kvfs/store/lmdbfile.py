@@ -3,6 +3,7 @@ instance, checksum) and a sanity check of the LMDB data file before it is mapped
 (kvfs.store.index opens the index with both); and the opening of the environment."""
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import lmdb
 import xxhash
 
-from kvfs.errors import IndexDamaged
+from kvfs.errors import ConfigError, IndexDamaged
 from kvfs.store import records
 from kvfs.store.records import FORMAT_VERSION, FSCK_HINT
 from kvfs.store.safedir import read_file
@@ -37,7 +38,35 @@ def open_env(env_dir: Path, map_size: int, state_dir: Path) -> "lmdb.Environment
         except OSError:
             pass
     os.chmod(env_dir, 0o700)
+    try:
+        back_lock_file(env_dir / "lock.mdb")
+    except BaseException:
+        env.close()
+        raise
     return env
+
+
+def back_lock_file(path: Path) -> None:
+    """Give every block of LMDB's ``lock.mdb`` its disk space now. LMDB makes it with
+    ``ftruncate`` (a sparse file) and writes its reader table through a shared writable
+    mapping: on a full state filesystem, the first write to a page without a block is a
+    SIGBUS that kills the daemon. ``fallocate`` answers ENOSPC instead, here, at mount."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ConfigError(f"the state filesystem of {path.parent} is full: no room for LMDB's lock "
+                              f"file ({size} bytes); free space there and mount again") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+    finally:
+        os.close(fd)
 
 
 def check_lmdb_file(path: Path) -> None:

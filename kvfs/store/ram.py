@@ -363,6 +363,7 @@ class Staging:
         self.size = 0
         self.spilled = False
         self._spilling: trio.Event | None = None    # set while spill copies: changes wait
+        self.backed = False             # its tmpfs file has every page allocated (see back)
 
     @property
     def path(self) -> Path:
@@ -372,6 +373,7 @@ class Staging:
         return self.mem is None and self.fd < 0
 
     def account(self, new_size: int) -> None:
+        self.backed = False             # it may have holes now (see back)
         if not self.spilled:
             delta = new_size - self.size
             self.ram.used += delta
@@ -413,7 +415,10 @@ class Staging:
                 if end > self.size:
                     self.account(end)
                 return n
-            await ramroom.to_file(self, end)        # or spilled: no room on the tmpfs
+            if not await self._grow(end):           # past the budget: spilled before it grows
+                await ramroom.to_file(self, end)    # or spilled: no room on the tmpfs
+        elif end > self.size:
+            await self._grow(end)
         n = await ramroom.write(self, offset, data, n)     # a full tmpfs spills (kvfs.store.ramroom)
         if end > self.size:
             self.account(end)
@@ -447,7 +452,10 @@ class Staging:
                     self.mem = bytes(mem) + bytes(size - len(mem))
                 self.account(size)
                 return
-            self.to_file()
+            if not await self._grow(size):
+                await ramroom.to_file(self, size)   # as a write: no room on the tmpfs spills
+        elif size > self.size and not await self._grow(size) and not ramroom.has_room(self.ram, size - self.size):
+            await ramroom.spill(self, "no room to grow the buffer")
         if self.spilled:
             await trio.to_thread.run_sync(os.ftruncate, self.fd, size)
         else:
@@ -460,13 +468,64 @@ class Staging:
             self.mem = bytes(data)
             self.account(len(data))
             return
-        await self.truncate(len(data))
-        if len(data):
-            await ramroom.write(self, 0, data, len(data), threaded=True)
+        n = len(data)
+        if self.mem is not None and not await self._grow(n):
+            await ramroom.to_file(self, n)
+        await ramroom.write(self, 0, data, n, threaded=True)    # every byte written: no hole
+        self.account(n)
+
+    async def _grow(self, end: int) -> bool:
+        """Before the buffer grows to ``end`` bytes (a write or a truncate up): a buffer in RAM
+        that would take the tier past its budget spills first, so the growth lands on NVMe
+        (a sparse file there) instead of being copied there after. True if it spilled."""
+        if self.spilled or self._gone():
+            return False
+        ram = self.ram
+        if ram.used + end - self.size <= ram.capacity or getattr(ram, "overflow", None) is None:
+            return False
+        await self.spill(ram.overflow)
+        return self.spilled
+
+    async def back(self) -> None:
+        """Every page of the buffer's tmpfs file allocated, before anything maps it (the seal
+        hashes it through a mapping, and the object it becomes stays mapped): a write at a
+        large offset or a truncate up leaves holes, and a fault on a hole of a full tmpfs is a
+        SIGBUS that kills the daemon. ``fallocate`` fails cleanly instead (ENOSPC): the buffer
+        then spills to NVMe (kvfs.store.ramroom), which the seal reads with ``pread``."""
+        if self.spilled or self.mem is not None or self.fd < 0 or not self.size or self.backed:
+            return
+        size, fd = self.size, self.fd
+        # the first hole or fallocated page (tmpfs reports both as holes): none is the common
+        # case (bytes written in order), one lseek; else fallocate from there (cheap over pages
+        # already there)
+        hole = os.lseek(fd, 0, os.SEEK_HOLE)
+        try:
+            if hole < size <= hole + (1 << 20):
+                os.posix_fallocate(fd, hole, size - hole)
+            elif hole < size:
+                await trio.to_thread.run_sync(os.posix_fallocate, fd, hole, size - hole)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise
+            await ramroom.spill(self, f"no room for its holes ({e.strerror})")
+            return
+        if self.size == size and self.fd == fd:
+            self.backed = True
+
+    def _back_now(self) -> None:
+        """:meth:`back` without the spill (the mapping's own guard): ENOSPC, never a mapping
+        over holes."""
+        if self.backed:
+            return
+        hole = os.lseek(self.fd, 0, os.SEEK_HOLE)
+        if hole < self.size:
+            os.posix_fallocate(self.fd, hole, self.size - hole)
+        self.backed = True
 
     def mapped(self) -> "_MappedView":
         """The buffer's bytes, read-only, while the block runs (writes must wait meanwhile):
-        ``with staging.mapped() as view``."""
+        ``with staging.mapped() as view``. A tmpfs file is mapped only once :meth:`back` made
+        its every page; a spilled buffer is read (``pread``) into private memory instead."""
         return _MappedView(self)
 
     async def spill(self, to_dir: Dir) -> None:
@@ -557,7 +616,11 @@ class _MappedView:
         s = self.staging
         if s.mem is not None:
             self.view = memoryview(s.mem)
+        elif s.size and s.spilled:
+            self.mm = read_private(s.fd, s.size)
+            self.view = memoryview(self.mm)[:s.size]
         elif s.size:
+            s._back_now()           # every page allocated (else ENOSPC): a fault cannot need one
             self.mm = mmap.mmap(s.fd, s.size, prot=mmap.PROT_READ)
             self.view = memoryview(self.mm)
         else:
@@ -568,3 +631,23 @@ class _MappedView:
         self.view.release()
         if self.mm is not None:
             self.mm.close()
+
+
+def read_private(fd: int, size: int, summer=None) -> mmap.mmap:
+    """The first ``size`` bytes of ``fd`` read (``preadv``) into private, page-aligned memory
+    (an anonymous mapping: its pages are the process's own, never a file's), fed to ``summer``
+    (checksum.Summer) piece by piece while in cache. EIO if the file is shorter."""
+    mm = mmap.mmap(-1, max(size, 1))
+    view = memoryview(mm)
+    try:
+        off = 0
+        while off < size:
+            n = os.preadv(fd, [view[off:min(size, off + (4 << 20))]], off)
+            if n <= 0:
+                raise OSError(errno.EIO, f"write buffer file ends at {off} of {size} bytes")
+            if summer is not None:
+                summer.update(view[off:off + n])
+            off += n
+    finally:
+        view.release()
+    return mm

@@ -373,11 +373,30 @@ class FileHandles:
             return False
         return obj is not None and rec.oid == obj.oid
 
+    def fail_write(self, fh: int, e: BaseException) -> None:
+        """A piece of a write through ``fh`` was refused or lost (EFBIG, EDQUOT, ENOSPC, EIO):
+        the buffer lacks those bytes, so this version is never sealed: close answers the same
+        error, a new file is removed and an existing one keeps its last sealed version (never
+        a shorter file with a valid checksum)."""
+        h = self.handles.get(fh)
+        ws = h.ws if h is not None else None
+        if ws is None:
+            return
+        if ws.failed is None:
+            ws.failed = f"{type(e).__name__}: {e}"
+            ws.failed_errno = write_errno(e)
+        ws.dirty = True                     # close seals, and so reports it
+
     async def write(self, fh: int, offset: int, data) -> int:
         h = self.handles[fh]
         if not h.write:
             raise NamespaceError(errno.EBADF)
         ws = h.ws
+        if offset + (len(data) if type(data) is bytes else memoryview(data).nbytes) > self.max_file_size():
+            # before a buffer grows toward it (and a seal evicts for it)
+            e = NamespaceError(errno.EFBIG, "larger than the largest tier")
+            self.fail_write(fh, e)
+            raise e
         staging = await self.staging_of(ws)
         ws.changes += 1                     # (a seal waits for it)
         try:
@@ -386,7 +405,7 @@ class FileHandles:
             try:
                 n = await staging.write(offset, data)
             except Exception as e:          # the buffer may lack bytes: sealing it would keep them lost
-                ws.failed = f"{type(e).__name__}: {e}"
+                self.fail_write(fh, e)
                 raise
             await self.written(ws, staging)
         finally:
@@ -499,7 +518,7 @@ class FileHandles:
         if not ws.dirty:
             return
         if ws.failed:                        # close answers the error; a never-sealed file goes
-            raise TierFull(f"a write to this file failed, not sealed ({ws.failed})")
+            raise _failed(ws)
         staging = await self.staging_of(ws)
         # until the new object is installed, writes and truncates of this file wait (they
         # would change a buffer being hashed, or start over from the old version); reads
@@ -509,7 +528,7 @@ class FileHandles:
         try:
             await ws.wait_quiet()
             if ws.failed:
-                raise TierFull(f"a write to this file failed, not sealed ({ws.failed})")
+                raise _failed(ws)
             rec = self.index.get_inode(ws.ino)
             if rec is None:                  # unlinked while open: nothing to keep
                 self._orphan_version(ws, staging.size, None)
@@ -557,3 +576,16 @@ class FileHandles:
             done.set()
         self.on_sealed(ws.ino, ws.serial, obj.oid)
 
+
+
+def write_errno(e: BaseException) -> int:
+    """The errno a failed piece of a write got (kvfs.fs.errmap's mapping of store errors)."""
+    if isinstance(e, (NamespaceError, OSError)) and e.errno:
+        return e.errno
+    if isinstance(e, TierFull):
+        return errno.ENOSPC
+    return errno.EIO
+
+
+def _failed(ws: WriteState) -> NamespaceError:
+    return NamespaceError(ws.failed_errno, f"a write to this file failed, not sealed ({ws.failed})")

@@ -493,6 +493,8 @@ class FileHandles:
             if ws.staging is not None:
                 ws.staging.discard()
                 ws.staging = None
+            if not self.writers:             # no write going on: no spare buffer waits for one
+                self.store.ram.drop_spares()
             if ws.base is not None:
                 ws.base.refs -= 1
                 await self.store.release_space(ws.base)

@@ -315,11 +315,22 @@ class RamTier(Tier):
         return not staging.spilled and staging.dir is self.staging and len(self._spare) < SPARE_STAGING
 
     def _recycle(self, staging: "Staging") -> None:
-        """Keep the staging file, emptied, for the next ``new_staging`` (accounting is the caller's)."""
-        if staging.size:
-            os.ftruncate(staging.fd, 0)
+        """Keep the staging file, emptied, for the next ``new_staging`` while writes go on
+        (accounting is the caller's; :meth:`drop_spares` once none does)."""
+        os.ftruncate(staging.fd, 0)     # always: never a spare holding bytes nobody counts
         self._spare.append((staging.name, staging.fd))
         staging.fd, staging.size = -1, 0
+
+    def drop_spares(self) -> None:
+        """Close and remove the spare staging files: called when no write state is left, so
+        nothing in ``staging/`` outlives the descriptors that wrote it (issue 40: the buffers of
+        versions renamed over, unlinked or truncated back while open stayed there, emptied and
+        open, after every descriptor closed)."""
+        while self._spare:
+            name, fd = self._spare.pop()
+            os.close(fd)
+            if self.staging is not None:
+                _unlink(self.staging, name)
 
     def new_staging(self) -> "Staging":
         """An empty write buffer (in memory until it reaches ``mapped_min``: no file yet)."""

@@ -29,7 +29,7 @@ from kvfs.store.objtable import ObjTable
 from kvfs.store.policy import Policy
 from kvfs.store.prefix import PrefixRule
 from kvfs.store.reads import Reads
-from kvfs.store.ram import RamTier, Staging, read_private
+from kvfs.store.ram import FileSource, RamTier, Staging, read_private, sum_file
 from kvfs.store.records import ObjectRecord
 from kvfs.store.tally import Tally
 from kvfs.store.tier import ObjectInfo, Tier
@@ -270,23 +270,25 @@ class ObjectStore:
         (summed on the way unless ``summary``), never mapped (a mapped file's I/O error is a
         SIGBUS), then put on the first tier below RAM with room for it."""
         size = staging.size
-        summer = checksum.Summer(self.chunk_size, size) if summary is None else None
-        fd = os.dup(staging.fd)         # its own: the buffer may be discarded while the thread reads
+        fd = os.dup(staging.fd)         # its own: the buffer may be discarded while threads read
         try:
-            buf = await trio.to_thread.run_sync(read_private, fd, size, summer)
-        finally:
-            os.close(fd)
-        try:
-            obj = self._new_obj(ino, size, summary or summer.result(), key, gen, oid)
+            if summary is None:
+                summary = await trio.to_thread.run_sync(sum_file, fd, size, self.chunk_size)
+            obj = self._new_obj(ino, size, summary, key, gen, oid)
             tier = await self.mover.room_below(self.tiers.index(self.ram), size)
-            view = memoryview(buf)[:size]
-            try:
-                obj.place[tier.name] = await self.mover.put(self.tiers.index(tier), obj, view)
-            finally:
-                view.release()
+            if tier.puts_from_slices:   # read piece by piece as the tier writes: bounded memory
+                obj.place[tier.name] = await self.mover.put(self.tiers.index(tier), obj, FileSource(fd, size))
+            else:                       # a tier that takes the bytes whole (remote: one buffer)
+                buf = await trio.to_thread.run_sync(read_private, fd, size)
+                view = memoryview(buf)[:size]
+                try:
+                    obj.place[tier.name] = await self.mover.put(self.tiers.index(tier), obj, view)
+                finally:
+                    view.release()
+                    buf.close()
             self.counters[tier.name].bytes_written += size
         finally:
-            buf.close()
+            os.close(fd)
         return obj
 
     def drop(self, txn: Txn, obj: Obj) -> None:

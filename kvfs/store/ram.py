@@ -644,6 +644,56 @@ class _MappedView:
             self.mm.close()
 
 
+class FileSource:
+    """The first ``size`` bytes of a file, sliced with ``pread`` (a spilled write buffer given
+    to a tier's ``put``, Tier.puts_from_slices): its bytes are read piece by piece into the
+    daemon's own memory, never mapped and never held whole."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.size
+
+    def __getitem__(self, key: slice) -> bytes:
+        start, stop, step = key.indices(self.size)
+        if step != 1:
+            raise ValueError("FileSource slices are contiguous")
+        want = max(0, stop - start)
+        data = os.pread(self.fd, want, start)
+        while len(data) < want:
+            more = os.pread(self.fd, want - len(data), start + len(data))
+            if not more:
+                raise OSError(errno.EIO, f"write buffer file ends at {start + len(data)} of {self.size} bytes")
+            data += more
+        return data
+
+
+def sum_file(fd: int, size: int, chunk_size: int) -> tuple[int, tuple[int, ...]]:
+    """``checksum.summarize`` of the first ``size`` bytes of ``fd``, read with ``preadv`` in
+    4 MiB pieces into one private buffer (worker thread). EIO if the file is shorter."""
+    from kvfs.store.checksum import Summer
+    summer = Summer(chunk_size, size)
+    buf = mmap.mmap(-1, min(max(size, 1), 4 << 20))
+    view = memoryview(buf)
+    try:
+        off = 0
+        while off < size:
+            n = os.preadv(fd, [view[:min(len(view), size - off)]], off)
+            if n <= 0:
+                raise OSError(errno.EIO, f"write buffer file ends at {off} of {size} bytes")
+            summer.update(view[:n])
+            off += n
+    finally:
+        view.release()
+        buf.close()
+    return summer.result()
+
+
 def read_private(fd: int, size: int, summer=None) -> mmap.mmap:
     """The first ``size`` bytes of ``fd`` read (``preadv``) into private, page-aligned memory
     (an anonymous mapping: its pages are the process's own, never a file's), fed to ``summer``

@@ -424,15 +424,23 @@ class FileHandles:
         elif ram.used > ram.capacity * self.store.policy.high:
             self.store.kick()
 
-    async def flush(self, fh: int) -> None:
-        """close(2): seal now if this is the only writer, so errors reach the caller."""
+    async def flush(self, fh: int, closing: bool = True) -> None:
+        """close(2): seal now if this is the only writer, so errors reach the caller. A version
+        whose write failed is given up here (``closing``: not for fsync): when close returns
+        its error, a new file is already gone and an existing one back to its sealed version
+        (the RELEASE that would do it comes after close returned)."""
         h = self.handles[fh]
         if h.write and h.ws.dirty and h.ws.writers == 1:
-            await self._seal(h.ws)
+            try:
+                await self._seal(h.ws)
+            except NamespaceError:
+                if closing and h.ws.failed and h.ws.dirty:
+                    self._abandon(h.ws)
+                raise
 
     async def fsync(self, fh: int) -> None:
         """fsync(2): seal (as close does), then the index record is committed and on disk."""
-        await self.flush(fh)
+        await self.flush(fh, closing=False)
         self.index.commit()
         await trio.to_thread.run_sync(self.index.sync)
 

@@ -25,6 +25,7 @@ def open_env(env_dir: Path, map_size: int, state_dir: Path) -> "lmdb.Environment
         os.mkdir(env_dir, 0o700)
     except FileExistsError:
         pass
+    back_lock_file(env_dir / "lock.mdb", create=True)     # before LMDB maps it (see there)
     try:
         # sync=False: commits survive kill -9 (the page cache keeps them); sync() is
         # called periodically and at unmount for power-loss durability.
@@ -46,17 +47,23 @@ def open_env(env_dir: Path, map_size: int, state_dir: Path) -> "lmdb.Environment
     return env
 
 
-def back_lock_file(path: Path) -> None:
+LOCK_FILE_MIN = 64 << 10    # lock.mdb made this big before LMDB opens it (~1000 reader slots)
+
+
+def back_lock_file(path: Path, create: bool = False) -> None:
     """Give every block of LMDB's ``lock.mdb`` its disk space now. LMDB makes it with
     ``ftruncate`` (a sparse file) and writes its reader table through a shared writable
     mapping: on a full state filesystem, the first write to a page without a block is a
-    SIGBUS that kills the daemon. ``fallocate`` answers ENOSPC instead, here, at mount."""
+    SIGBUS that kills the opening process (the daemon, fsck). ``fallocate`` answers ENOSPC
+    instead: refused in one line. ``create``: before LMDB opens it, make it LOCK_FILE_MIN
+    bytes (LMDB keeps a lock file larger than it needs, as more reader slots)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
     except FileNotFoundError:
         return
+    size = 0
     try:
-        size = os.fstat(fd).st_size
+        size = max(os.fstat(fd).st_size, LOCK_FILE_MIN if create else 0)
         if size:
             os.posix_fallocate(fd, 0, size)
     except OSError as e:

@@ -66,3 +66,29 @@ def test_a_write_past_the_largest_tier_evicts_nothing_and_leaves_no_short_file(k
     assert e.value.errno == errno.EFBIG
     assert read(d / "old") == content("old", 3 * MiB)
     m.umount()
+
+
+def test_a_commit_entry_past_the_largest_tier_is_refused_before_anything_moves(kvfs_mount):
+    import mmap
+    from kvfs.kv.commit import CommitClient
+    m = kvfs_mount(ram="16MiB", nvme_size="64MiB")
+    d = m.path / "ns"
+    d.mkdir()
+    for i in range(5):
+        (d / f"f{i}").write_bytes(content(f"f{i}", 2 * MiB))
+    before = evictions(m)
+    big = mmap.mmap(-1, 100 * MiB)              # its size is known up front: refused at once
+    c = CommitClient(str(m.path))
+    try:
+        try:
+            got = c.commit("ns", [("big", [big])])
+        except OSError as e:                    # the request as a whole
+            got = [e.errno]
+    finally:
+        c.close()
+        big.close()
+    assert got == [errno.EFBIG]
+    assert not (d / "big").exists()
+    assert evictions(m) == before
+    for i in range(5):
+        assert read(d / f"f{i}") == content(f"f{i}", 2 * MiB)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import logging
 import os
@@ -62,6 +63,25 @@ def _setup_logging(cfg: Config) -> None:
         handlers.append(logging.StreamHandler(sys.stderr))
     logging.basicConfig(level=logging.DEBUG if cfg.debug else logging.INFO, handlers=handlers, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _enable_faulthandler(logfile)
+
+
+_fault_log = None       # kvfs.log, open for faulthandler for the process's life
+
+
+def _enable_faulthandler(logfile) -> None:
+    """A fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) writes the Python traceback of
+    every thread to kvfs.log before the daemon dies: without it a crash leaves nothing there."""
+    global _fault_log
+    try:
+        f = open(os.open(logfile, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC), "a")
+    except OSError as e:
+        log.warning("no fatal-signal tracebacks in %s: %s", logfile, e)
+        return
+    faulthandler.enable(file=f, all_threads=True)
+    if _fault_log is not None:
+        _fault_log.close()
+    _fault_log = f
 
 
 def _mount_device(mountpoint: str) -> str | None:

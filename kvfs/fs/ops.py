@@ -330,12 +330,14 @@ class KvfsOperations(pyfuse3.Operations):
         ino = self.store.files.handles[fh].ino
         if self.privs.write_may_kill(ino, kill is not None):
             await self.privs.on_write(fh, ino, kill)
-        if off + len(buf) > self.store.files.max_file_size():    # before a buffer grows toward it
-            raise pyfuse3.FUSEError(errno.EFBIG)
         t0 = time.perf_counter()
         try:
             if self.quotas.limits:
-                await self.quotas.admit_write(fh, off, len(buf))
+                try:
+                    await self.quotas.admit_write(fh, off, len(buf))
+                except NamespaceError as e:     # EDQUOT: the file lacks this piece now
+                    self.store.files.fail_write(fh, e)
+                    raise
             return await self.store.files.write(fh, off, buf)
         finally:
             self._latency["write"].observe(time.perf_counter() - t0)

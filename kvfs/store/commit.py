@@ -296,6 +296,8 @@ class Commits:
         """Checks, the (empty) buffer, and with a quota the hidden temp file and its room."""
         if type(e.offset) is int and e.offset < 0 or e.length < 0:
             raise _err(errno.EINVAL, "negative offset or length")
+        if e.length > self.files.max_file_size():   # its reach is known: nothing is evicted for it
+            raise _err(errno.EFBIG, f"{e.length} bytes: larger than the largest tier")
         parent, name = self.commit_parent(e.path, cred, noreplace, dirmode, dirs)
         if self._direct(quotas):
             return _Pending(e, parent, name, None, None, None, self.store.ram.new_staging(), cred=cred)

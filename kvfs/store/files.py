@@ -382,11 +382,30 @@ class FileHandles:
             return False
         return obj is not None and rec.oid == obj.oid
 
+    def fail_write(self, fh: int, e: BaseException) -> None:
+        """A piece of a write through ``fh`` was refused or lost (EFBIG, EDQUOT, ENOSPC, EIO):
+        the buffer lacks those bytes, so this version is never sealed: close answers the same
+        error, a new file is removed and an existing one keeps its last sealed version (never
+        a shorter file with a valid checksum)."""
+        h = self.handles.get(fh)
+        ws = h.ws if h is not None else None
+        if ws is None:
+            return
+        if ws.failed is None:
+            ws.failed = f"{type(e).__name__}: {e}"
+            ws.failed_errno = write_errno(e)
+        ws.dirty = True                     # close seals, and so reports it
+
     async def write(self, fh: int, offset: int, data) -> int:
         h = self.handles[fh]
         if not h.write:
             raise NamespaceError(errno.EBADF)
         ws = h.ws
+        if offset + (len(data) if type(data) is bytes else memoryview(data).nbytes) > self.max_file_size():
+            # before a buffer grows toward it (and a seal evicts for it)
+            e = NamespaceError(errno.EFBIG, "larger than the largest tier")
+            self.fail_write(fh, e)
+            raise e
         staging = await self.staging_of(ws)
         ws.changes += 1                     # (a seal waits for it)
         try:
@@ -395,7 +414,7 @@ class FileHandles:
             try:
                 n = await staging.write(offset, data)
             except Exception as e:          # the buffer may lack bytes: sealing it would keep them lost
-                ws.failed = f"{type(e).__name__}: {e}"
+                self.fail_write(fh, e)
                 raise
             await self.written(ws, staging)
         finally:
@@ -414,15 +433,23 @@ class FileHandles:
         elif ram.used > ram.capacity * self.store.policy.high:
             self.store.kick()
 
-    async def flush(self, fh: int) -> None:
-        """close(2): seal now if this is the only writer, so errors reach the caller."""
+    async def flush(self, fh: int, closing: bool = True) -> None:
+        """close(2): seal now if this is the only writer, so errors reach the caller. A version
+        whose write failed is given up here (``closing``: not for fsync): when close returns
+        its error, a new file is already gone and an existing one back to its sealed version
+        (the RELEASE that would do it comes after close returned)."""
         h = self.handles[fh]
         if h.write and h.ws.dirty and h.ws.writers == 1:
-            await self._seal(h.ws)
+            try:
+                await self._seal(h.ws)
+            except NamespaceError:
+                if closing and h.ws.failed and h.ws.dirty:
+                    self._abandon(h.ws)
+                raise
 
     async def fsync(self, fh: int) -> None:
         """fsync(2): seal (as close does), then the index record is committed and on disk."""
-        await self.flush(fh)
+        await self.flush(fh, closing=False)
         self.index.commit()
         await trio.to_thread.run_sync(self.index.sync)
 
@@ -483,6 +510,8 @@ class FileHandles:
             if ws.staging is not None:
                 ws.staging.discard()
                 ws.staging = None
+            if not self.writers:             # no write going on: no spare buffer waits for one
+                self.store.ram.drop_spares()
             if ws.base is not None:
                 ws.base.refs -= 1
                 await self.store.release_space(ws.base)
@@ -508,7 +537,7 @@ class FileHandles:
         if not ws.dirty:
             return
         if ws.failed:                        # close answers the error; a never-sealed file goes
-            raise TierFull(f"a write to this file failed, not sealed ({ws.failed})")
+            raise _failed(ws)
         staging = await self.staging_of(ws)
         # until the new object is installed, writes and truncates of this file wait (they
         # would change a buffer being hashed, or start over from the old version); reads
@@ -518,7 +547,7 @@ class FileHandles:
         try:
             await ws.wait_quiet()
             if ws.failed:
-                raise TierFull(f"a write to this file failed, not sealed ({ws.failed})")
+                raise _failed(ws)
             rec = self.index.get_inode(ws.ino)
             if rec is None:                  # unlinked while open: nothing to keep
                 self._orphan_version(ws, staging.size, None)
@@ -566,3 +595,16 @@ class FileHandles:
             done.set()
         self.on_sealed(ws.ino, ws.serial, obj.oid)
 
+
+
+def write_errno(e: BaseException) -> int:
+    """The errno a failed piece of a write got (kvfs.fs.errmap's mapping of store errors)."""
+    if isinstance(e, (NamespaceError, OSError)) and e.errno:
+        return e.errno
+    if isinstance(e, TierFull):
+        return errno.ENOSPC
+    return errno.EIO
+
+
+def _failed(ws: WriteState) -> NamespaceError:
+    return NamespaceError(ws.failed_errno, f"a write to this file failed, not sealed ({ws.failed})")

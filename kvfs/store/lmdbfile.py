@@ -3,6 +3,7 @@ instance, checksum) and a sanity check of the LMDB data file before it is mapped
 (kvfs.store.index opens the index with both); and the opening of the environment."""
 from __future__ import annotations
 
+import errno
 import os
 import struct
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import lmdb
 import xxhash
 
-from kvfs.errors import IndexDamaged
+from kvfs.errors import ConfigError, IndexDamaged
 from kvfs.store import records
 from kvfs.store.records import FORMAT_VERSION, FSCK_HINT
 from kvfs.store.safedir import read_file
@@ -24,6 +25,7 @@ def open_env(env_dir: Path, map_size: int, state_dir: Path) -> "lmdb.Environment
         os.mkdir(env_dir, 0o700)
     except FileExistsError:
         pass
+    back_lock_file(env_dir / "lock.mdb", create=True)     # before LMDB maps it (see there)
     try:
         # sync=False: commits survive kill -9 (the page cache keeps them); sync() is
         # called periodically and at unmount for power-loss durability.
@@ -37,7 +39,41 @@ def open_env(env_dir: Path, map_size: int, state_dir: Path) -> "lmdb.Environment
         except OSError:
             pass
     os.chmod(env_dir, 0o700)
+    try:
+        back_lock_file(env_dir / "lock.mdb")
+    except BaseException:
+        env.close()
+        raise
     return env
+
+
+LOCK_FILE_MIN = 64 << 10    # lock.mdb made this big before LMDB opens it (~1000 reader slots)
+
+
+def back_lock_file(path: Path, create: bool = False) -> None:
+    """Give every block of LMDB's ``lock.mdb`` its disk space now. LMDB makes it with
+    ``ftruncate`` (a sparse file) and writes its reader table through a shared writable
+    mapping: on a full state filesystem, the first write to a page without a block is a
+    SIGBUS that kills the opening process (the daemon, fsck). ``fallocate`` answers ENOSPC
+    instead: refused in one line. ``create``: before LMDB opens it, make it LOCK_FILE_MIN
+    bytes (LMDB keeps a lock file larger than it needs, as more reader slots)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
+    except FileNotFoundError:
+        return
+    size = 0
+    try:
+        size = max(os.fstat(fd).st_size, LOCK_FILE_MIN if create else 0)
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ConfigError(f"the state filesystem of {path.parent} is full: no room for LMDB's lock "
+                              f"file ({size} bytes); free space there and mount again") from None
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+    finally:
+        os.close(fd)
 
 
 def check_lmdb_file(path: Path) -> None:

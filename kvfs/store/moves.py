@@ -61,6 +61,9 @@ class Mover:
         object: it raises TierFull instead of evicting.
         """
         tier = self.tiers[i]
+        if tier.sized and need > tier.capacity:
+            # more than the whole tier: evicting would empty it and still fail
+            raise TierFull(f"{tier.name} tier: {need} bytes are more than its capacity ({tier.capacity})")
         if tier is not self.ram and tier.free() < need:
             await self.wait_loaded()        # a durable tier's LRU is complete once scanned
         while tier.free() < need:

@@ -37,6 +37,7 @@ other users; their clients fall back to the ordinary lookup.
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import mmap
@@ -301,14 +302,12 @@ def retire(dir_fd: int) -> bool:
     try:
         if os.fstat(fd).st_size < 8 * NAMES_HEADER:
             return False
-        with mmap.mmap(fd, 8 * NAMES_HEADER) as m:
-            w = memoryview(m).cast("Q")
-            try:
-                if w[H_MAGIC] != NAMES_MAGIC:
-                    return False
-                w[H_GENERATION] = NAMES_STALE
-            finally:
-                w.release()
+        # pread/pwrite, not a mapping: a dead daemon's file may have holes, and a fault on a
+        # hole of a full tmpfs is a SIGBUS; readers that map it see the pwrite all the same
+        if int.from_bytes(os.pread(fd, 8, 8 * H_MAGIC), "little") != NAMES_MAGIC:
+            return False
+        if os.pwrite(fd, NAMES_STALE.to_bytes(8, "little"), 8 * H_GENERATION) != 8:
+            raise OSError(errno.ENOSPC, "short write of the name table's generation")
         log.info("marked a dead daemon's name table stale")
         return True
     except (OSError, ValueError) as e:

@@ -71,6 +71,7 @@ class _Buffers(threading.local):
 
 class NvmeTier(Tier):
     name = "nvme"
+    puts_from_slices = True     # _write_file copies data[off:off + n] piece by piece
     volatile = False
     totals_from_records = True      # a file no record names (a put cut off by kill -9) is not in them
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Callable
 
@@ -28,7 +29,7 @@ from kvfs.store.objtable import ObjTable
 from kvfs.store.policy import Policy
 from kvfs.store.prefix import PrefixRule
 from kvfs.store.reads import Reads
-from kvfs.store.ram import RamTier, Staging
+from kvfs.store.ram import FileSource, RamTier, Staging, read_private, sum_file
 from kvfs.store.records import ObjectRecord
 from kvfs.store.tally import Tally
 from kvfs.store.tier import ObjectInfo, Tier
@@ -231,6 +232,7 @@ class ObjectStore:
         transaction that points the inode at it. ``oid``: the id the buffer was made for
         (RamTier.object_file); ``mapping``: its read-only mapping (unused: closed when dropped).
         """
+        await staging.back()        # every page of its tmpfs file allocated, or spilled
         size = staging.size
         if summary is not None and not staging.spilled:
             await trio.lowlevel.checkpoint_if_cancelled()
@@ -252,6 +254,8 @@ class ObjectStore:
         """The new object of ``staging``, checksummed here unless ``summary`` (a spilled buffer
         is also put on the tier it spilled to, from the same view)."""
         size = staging.size
+        if size and staging.spilled:
+            return await self._summed_spilled(ino, staging, key, gen, summary, oid)
         with staging.mapped() as view:
             if summary is not None:
                 whole, sums = summary
@@ -262,11 +266,33 @@ class ObjectStore:
                 whole, sums = checksum.summarize(view, self.chunk_size)
             else:
                 whole, sums = await trio.to_thread.run_sync(checksum.summarize, view, self.chunk_size)
-            obj = self._new_obj(ino, size, (whole, sums), key, gen, oid)
-            if size and staging.spilled:
-                tier = await self.mover.room_below(self.tiers.index(self.ram), size)
-                obj.place[tier.name] = await self.mover.put(self.tiers.index(tier), obj, view)
-                self.counters[tier.name].bytes_written += size
+            return self._new_obj(ino, size, (whole, sums), key, gen, oid)
+
+    async def _summed_spilled(self, ino: int, staging: Staging, key: str, gen: int, summary: tuple | None,
+                              oid=None) -> Obj:
+        """:meth:`_summed` of a buffer spilled to NVMe: read with ``pread`` into private memory
+        (summed on the way unless ``summary``), never mapped (a mapped file's I/O error is a
+        SIGBUS), then put on the first tier below RAM with room for it."""
+        size = staging.size
+        fd = os.dup(staging.fd)         # its own: the buffer may be discarded while threads read
+        try:
+            if summary is None:
+                summary = await trio.to_thread.run_sync(sum_file, fd, size, self.chunk_size)
+            obj = self._new_obj(ino, size, summary, key, gen, oid)
+            tier = await self.mover.room_below(self.tiers.index(self.ram), size)
+            if tier.puts_from_slices:   # read piece by piece as the tier writes: bounded memory
+                obj.place[tier.name] = await self.mover.put(self.tiers.index(tier), obj, FileSource(fd, size))
+            else:                       # a tier that takes the bytes whole (remote: one buffer)
+                buf = await trio.to_thread.run_sync(read_private, fd, size)
+                view = memoryview(buf)[:size]
+                try:
+                    obj.place[tier.name] = await self.mover.put(self.tiers.index(tier), obj, view)
+                finally:
+                    view.release()
+                    buf.close()
+            self.counters[tier.name].bytes_written += size
+        finally:
+            os.close(fd)
         return obj
 
     def drop(self, txn: Txn, obj: Obj) -> None:

@@ -315,11 +315,22 @@ class RamTier(Tier):
         return not staging.spilled and staging.dir is self.staging and len(self._spare) < SPARE_STAGING
 
     def _recycle(self, staging: "Staging") -> None:
-        """Keep the staging file, emptied, for the next ``new_staging`` (accounting is the caller's)."""
-        if staging.size:
-            os.ftruncate(staging.fd, 0)
+        """Keep the staging file, emptied, for the next ``new_staging`` while writes go on
+        (accounting is the caller's; :meth:`drop_spares` once none does)."""
+        os.ftruncate(staging.fd, 0)     # always: never a spare holding bytes nobody counts
         self._spare.append((staging.name, staging.fd))
         staging.fd, staging.size = -1, 0
+
+    def drop_spares(self) -> None:
+        """Close and remove the spare staging files: called when no write state is left, so
+        nothing in ``staging/`` outlives the descriptors that wrote it (issue 40: the buffers of
+        versions renamed over, unlinked or truncated back while open stayed there, emptied and
+        open, after every descriptor closed)."""
+        while self._spare:
+            name, fd = self._spare.pop()
+            os.close(fd)
+            if self.staging is not None:
+                _unlink(self.staging, name)
 
     def new_staging(self) -> "Staging":
         """An empty write buffer (in memory until it reaches ``mapped_min``: no file yet)."""
@@ -363,6 +374,7 @@ class Staging:
         self.size = 0
         self.spilled = False
         self._spilling: trio.Event | None = None    # set while spill copies: changes wait
+        self.backed = False             # its tmpfs file has every page allocated (see back)
 
     @property
     def path(self) -> Path:
@@ -372,6 +384,7 @@ class Staging:
         return self.mem is None and self.fd < 0
 
     def account(self, new_size: int) -> None:
+        self.backed = False             # it may have holes now (see back)
         if not self.spilled:
             delta = new_size - self.size
             self.ram.used += delta
@@ -413,7 +426,10 @@ class Staging:
                 if end > self.size:
                     self.account(end)
                 return n
-            await ramroom.to_file(self, end)        # or spilled: no room on the tmpfs
+            if not await self._grow(end):           # past the budget: spilled before it grows
+                await ramroom.to_file(self, end)    # or spilled: no room on the tmpfs
+        elif end > self.size:
+            await self._grow(end)
         n = await ramroom.write(self, offset, data, n)     # a full tmpfs spills (kvfs.store.ramroom)
         if end > self.size:
             self.account(end)
@@ -447,7 +463,10 @@ class Staging:
                     self.mem = bytes(mem) + bytes(size - len(mem))
                 self.account(size)
                 return
-            self.to_file()
+            if not await self._grow(size):
+                await ramroom.to_file(self, size)   # as a write: no room on the tmpfs spills
+        elif size > self.size and not await self._grow(size) and not ramroom.has_room(self.ram, size - self.size):
+            await ramroom.spill(self, "no room to grow the buffer")
         if self.spilled:
             await trio.to_thread.run_sync(os.ftruncate, self.fd, size)
         else:
@@ -460,13 +479,64 @@ class Staging:
             self.mem = bytes(data)
             self.account(len(data))
             return
-        await self.truncate(len(data))
-        if len(data):
-            await ramroom.write(self, 0, data, len(data), threaded=True)
+        n = len(data)
+        if self.mem is not None and not await self._grow(n):
+            await ramroom.to_file(self, n)
+        await ramroom.write(self, 0, data, n, threaded=True)    # every byte written: no hole
+        self.account(n)
+
+    async def _grow(self, end: int) -> bool:
+        """Before the buffer grows to ``end`` bytes (a write or a truncate up): a buffer in RAM
+        that would take the tier past its budget spills first, so the growth lands on NVMe
+        (a sparse file there) instead of being copied there after. True if it spilled."""
+        if self.spilled or self._gone():
+            return False
+        ram = self.ram
+        if ram.used + end - self.size <= ram.capacity or getattr(ram, "overflow", None) is None:
+            return False
+        await self.spill(ram.overflow)
+        return self.spilled
+
+    async def back(self) -> None:
+        """Every page of the buffer's tmpfs file allocated, before anything maps it (the seal
+        hashes it through a mapping, and the object it becomes stays mapped): a write at a
+        large offset or a truncate up leaves holes, and a fault on a hole of a full tmpfs is a
+        SIGBUS that kills the daemon. ``fallocate`` fails cleanly instead (ENOSPC): the buffer
+        then spills to NVMe (kvfs.store.ramroom), which the seal reads with ``pread``."""
+        if self.spilled or self.mem is not None or self.fd < 0 or not self.size or self.backed:
+            return
+        size, fd = self.size, self.fd
+        # the first hole or fallocated page (tmpfs reports both as holes): none is the common
+        # case (bytes written in order), one lseek; else fallocate from there (cheap over pages
+        # already there)
+        hole = os.lseek(fd, 0, os.SEEK_HOLE)
+        try:
+            if hole < size <= hole + (1 << 20):
+                os.posix_fallocate(fd, hole, size - hole)
+            elif hole < size:
+                await trio.to_thread.run_sync(os.posix_fallocate, fd, hole, size - hole)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise
+            await ramroom.spill(self, f"no room for its holes ({e.strerror})")
+            return
+        if self.size == size and self.fd == fd:
+            self.backed = True
+
+    def _back_now(self) -> None:
+        """:meth:`back` without the spill (the mapping's own guard): ENOSPC, never a mapping
+        over holes."""
+        if self.backed:
+            return
+        hole = os.lseek(self.fd, 0, os.SEEK_HOLE)
+        if hole < self.size:
+            os.posix_fallocate(self.fd, hole, self.size - hole)
+        self.backed = True
 
     def mapped(self) -> "_MappedView":
         """The buffer's bytes, read-only, while the block runs (writes must wait meanwhile):
-        ``with staging.mapped() as view``."""
+        ``with staging.mapped() as view``. A tmpfs file is mapped only once :meth:`back` made
+        its every page; a spilled buffer is read (``pread``) into private memory instead."""
         return _MappedView(self)
 
     async def spill(self, to_dir: Dir) -> None:
@@ -557,7 +627,11 @@ class _MappedView:
         s = self.staging
         if s.mem is not None:
             self.view = memoryview(s.mem)
+        elif s.size and s.spilled:
+            self.mm = read_private(s.fd, s.size)
+            self.view = memoryview(self.mm)[:s.size]
         elif s.size:
+            s._back_now()           # every page allocated (else ENOSPC): a fault cannot need one
             self.mm = mmap.mmap(s.fd, s.size, prot=mmap.PROT_READ)
             self.view = memoryview(self.mm)
         else:
@@ -568,3 +642,73 @@ class _MappedView:
         self.view.release()
         if self.mm is not None:
             self.mm.close()
+
+
+class FileSource:
+    """The first ``size`` bytes of a file, sliced with ``pread`` (a spilled write buffer given
+    to a tier's ``put``, Tier.puts_from_slices): its bytes are read piece by piece into the
+    daemon's own memory, never mapped and never held whole."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def nbytes(self) -> int:
+        return self.size
+
+    def __getitem__(self, key: slice) -> bytes:
+        start, stop, step = key.indices(self.size)
+        if step != 1:
+            raise ValueError("FileSource slices are contiguous")
+        want = max(0, stop - start)
+        data = os.pread(self.fd, want, start)
+        while len(data) < want:
+            more = os.pread(self.fd, want - len(data), start + len(data))
+            if not more:
+                raise OSError(errno.EIO, f"write buffer file ends at {start + len(data)} of {self.size} bytes")
+            data += more
+        return data
+
+
+def sum_file(fd: int, size: int, chunk_size: int) -> tuple[int, tuple[int, ...]]:
+    """``checksum.summarize`` of the first ``size`` bytes of ``fd``, read with ``preadv`` in
+    4 MiB pieces into one private buffer (worker thread). EIO if the file is shorter."""
+    from kvfs.store.checksum import Summer
+    summer = Summer(chunk_size, size)
+    buf = mmap.mmap(-1, min(max(size, 1), 4 << 20))
+    view = memoryview(buf)
+    try:
+        off = 0
+        while off < size:
+            n = os.preadv(fd, [view[:min(len(view), size - off)]], off)
+            if n <= 0:
+                raise OSError(errno.EIO, f"write buffer file ends at {off} of {size} bytes")
+            summer.update(view[:n])
+            off += n
+    finally:
+        view.release()
+        buf.close()
+    return summer.result()
+
+
+def read_private(fd: int, size: int, summer=None) -> mmap.mmap:
+    """The first ``size`` bytes of ``fd`` read (``preadv``) into private, page-aligned memory
+    (an anonymous mapping: its pages are the process's own, never a file's), fed to ``summer``
+    (checksum.Summer) piece by piece while in cache. EIO if the file is shorter."""
+    mm = mmap.mmap(-1, max(size, 1))
+    view = memoryview(mm)
+    try:
+        off = 0
+        while off < size:
+            n = os.preadv(fd, [view[off:min(size, off + (4 << 20))]], off)
+            if n <= 0:
+                raise OSError(errno.EIO, f"write buffer file ends at {off} of {size} bytes")
+            if summer is not None:
+                summer.update(view[off:off + n])
+            off += n
+    finally:
+        view.release()
+    return mm

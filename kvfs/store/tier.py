@@ -88,6 +88,10 @@ class Tier(abc.ABC):
         ``close``. The default has nothing to do and returns at once.
         """
 
+    # ``put`` only slices ``data`` (``data[a:b]``, ``len``): a spilled write buffer is then
+    # given as a FileSource, read piece by piece, instead of being copied into memory whole
+    puts_from_slices = False
+
     @abc.abstractmethod
     async def put(self, info: ObjectInfo, data: memoryview) -> bytes:
         """Store ``data`` (exactly info.size bytes) and return an opaque location.

@@ -3,6 +3,7 @@ an open handle: the records of FileHandles (kvfs/store/files.py)."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import time
 
@@ -40,6 +41,7 @@ class WriteState:
     mtime: int | None = None
     created: int = 0
     failed: str | None = None       # a write into the buffer failed: this version is never sealed
+    failed_errno: int = errno.ENOSPC    # what that write got, and what close answers
     # writes and truncates of the buffer in flight (a truncate's ftruncate of a spilled buffer
     # runs in a thread): a seal waits for them (``quiet``), else it hashed a buffer whose file
     # a truncate had already cut (mmap past the file's end: the flush failed, close gave EIO)

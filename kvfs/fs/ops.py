@@ -347,7 +347,13 @@ class KvfsOperations(pyfuse3.Operations):
         if fh in self._ctl:
             return
         self.opens.flushed(fh)
-        await self.store.files.flush(fh)
+        try:
+            await self.store.files.flush(fh)
+        except NamespaceError:
+            # a failed version given up at close may have removed a new file's name: it is
+            # out of the kernel's caches before close(2) returns the error
+            await self.kernel.synced()
+            raise
 
     @translate
     async def fsync(self, fh, datasync):

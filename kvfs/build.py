@@ -10,8 +10,10 @@ is kvfs.daemon), so offline tools build exactly the tiers and store a mount woul
 from __future__ import annotations
 
 import logging
+import time
 
 from kvfs.config import Config
+from kvfs.errors import ConfigError
 from kvfs.store.fsck import Layout
 from kvfs.store.index import Index
 from kvfs.store.names import NameTable, dirent_count
@@ -128,3 +130,70 @@ async def attach_shared(kvstore: Store, tiers: list, ops) -> None:
     await names.reconcile()
     await names.republish_renamed()
     ops.shared = ops.control.shared = names
+
+
+def _attach(fuse, sock: str, options: set[str], epoch: int, find_object):
+    """Take the session the supervisor holds (kvfs/supervisor.py) instead of mounting."""
+    from kvfs import handover
+    from kvfs.fs import notifyproc
+    if not hasattr(fuse, "attach"):
+        raise ConfigError(f"a supervised mount needs kvfs's own FUSE transport ({fuse.why})")
+    try:
+        sup = handover.attach(sock, sorted(options))
+    except (OSError, RuntimeError) as e:
+        raise ConfigError(f"the supervisor did not hand over the session: {e}") from None
+    if sup.epoch != epoch:
+        raise ConfigError(f"the supervisor's epoch {sup.epoch} is not this daemon's ({epoch})")
+    notifyproc.SUPERVISED = True        # the helper leaves the queue to the next daemon
+    fuse.attach(sup.fd, sup.agreed, sup.epoch)
+    fuse.handlers.passthrough.journal = sup.tell        # registrations, for the next daemon
+    if sup.agreed is not None:
+        fuse.handlers.passthrough.adopt(sup.reply.get("backing") or [], find_object)
+    fuse.handlers.session.on_init = lambda agreed: sup.tell({"op": "agreed", "agreed": agreed})
+    return sup
+
+
+def _note_pause(sup, fuse, stats: dict) -> None:
+    """Once the attached daemon answered its first request: the pause its predecessor's end
+    cost, from the supervisor's ``died_at`` (CLOCK_MONOTONIC is the machine's), to the
+    supervisor, the log and ``.kvfs/stats``."""
+    died = sup.reply.get("died_at")
+    attached = stats["attached_at"]
+
+    def first(at: float) -> None:
+        if died is None:
+            return
+        note = {"pause_s": round(at - died, 4), "ready_s": round(attached - died, 4), "resend": fuse.resend}
+        if sup.history:
+            sup.history[-1].update(note)
+        stats.update(sup.statistics())
+        log.info("served the first request %.3fs after the last daemon ended (ready after %.3fs; resend %s)",
+                 note["pause_s"], note["ready_s"], fuse.resend)
+        sup.tell({"op": "served", **note})
+    fuse.handlers.on_first_answer = first
+
+
+def take_session(cfg: Config, fuse, kvstore: Store, ops, served: dict, attach: str | None,
+                 epoch: int, options: set[str]) -> None:
+    """Mount, or (``attach``: the supervisor's socket) take the session the supervisor holds,
+    hook the daemon to it (its journal, INIT's agreement, the pause), and start the kernel's
+    notifications. A daemon that took a session over invalidates the names its crash start
+    dropped (unsealed, RAM-only): that kernel may still cache them."""
+    if attach:
+        sup = _attach(fuse, attach, options, epoch, kvstore.store.objs.get)
+        served["supervisor"] = dict(sup.statistics(), attached_at=time.monotonic())
+        _note_pause(sup, fuse, served["supervisor"])
+    else:
+        if cfg.supervise:
+            why = "in the foreground" if cfg.foreground else getattr(fuse, "why", "not started by one")
+            log.warning("no supervisor (%s): a daemon's death leaves the mount answering ENOTCONN", why)
+            served["supervisor"] = {"state": f"off ({why})"}
+        fuse.mount()
+    ops.kernel.start(fuse.notify_direct())
+    if attach and fuse.resend is not None:
+        for parent, name, ino in kvstore.dropped_names:
+            ops.kernel.name_removed(parent, name, ino)
+        if kvstore.dropped_names:
+            log.info("%d names dropped by the crash start invalidated in the kernel",
+                     len(kvstore.dropped_names))
+        kvstore.dropped_names.clear()

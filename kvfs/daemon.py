@@ -19,7 +19,8 @@ import time
 import pyfuse3
 import trio
 
-from kvfs.build import attach_shared, build_kvstore, build_names, build_ops, build_tiers, detach_names
+from kvfs.build import (attach_shared, build_kvstore, build_names, build_ops, build_tiers, detach_names,
+                        take_session)
 from kvfs import mountrecord
 from kvfs.config import Config
 from kvfs.errors import ConfigError
@@ -135,47 +136,6 @@ def mount_options(allow_other: bool) -> set[str]:
     return options
 
 
-def _attach(fuse, sock: str, options: set[str], epoch: int, find_object):
-    """Take the session the supervisor holds (kvfs/supervisor.py) instead of mounting."""
-    from kvfs import supervisor
-    from kvfs.fs import notifyproc
-    if not hasattr(fuse, "attach"):
-        raise ConfigError(f"a supervised mount needs kvfs's own FUSE transport ({fuse.why})")
-    try:
-        sup = supervisor.attach(sock, sorted(options))
-    except (OSError, RuntimeError) as e:
-        raise ConfigError(f"the supervisor did not hand over the session: {e}") from None
-    if sup.epoch != epoch:
-        raise ConfigError(f"the supervisor's epoch {sup.epoch} is not this daemon's ({epoch})")
-    notifyproc.SUPERVISED = True        # the helper leaves the queue to the next daemon
-    fuse.attach(sup.fd, sup.agreed, sup.epoch)
-    fuse.handlers.passthrough.journal = sup.tell        # registrations, for the next daemon
-    if sup.agreed is not None:
-        fuse.handlers.passthrough.adopt(sup.reply.get("backing") or [], find_object)
-    fuse.handlers.session.on_init = lambda agreed: sup.tell({"op": "agreed", "agreed": agreed})
-    return sup
-
-
-def _note_pause(sup, fuse, stats: dict) -> None:
-    """Once the attached daemon answered its first request: the pause its predecessor's end
-    cost, from the supervisor's ``died_at`` (CLOCK_MONOTONIC is the machine's), to the
-    supervisor, the log and ``.kvfs/stats``."""
-    died = sup.reply.get("died_at")
-    attached = stats["attached_at"]
-
-    def first(at: float) -> None:
-        if died is None:
-            return
-        note = {"pause_s": round(at - died, 4), "ready_s": round(attached - died, 4), "resend": fuse.resend}
-        if sup.history:
-            sup.history[-1].update(note)
-        stats.update(sup.statistics())
-        log.info("served the first request %.3fs after the last daemon ended (ready after %.3fs; resend %s)",
-                 note["pause_s"], note["ready_s"], fuse.resend)
-        sup.tell({"op": "served", **note})
-    fuse.handlers.on_first_answer = first
-
-
 async def serve(cfg: Config, ready: _Ready, attach: str | None = None, epoch: int = 0) -> str | None:
     """Serve until unmounted (None) or handed over to the next daemon (``"handover"``)."""
     started = time.monotonic()
@@ -210,27 +170,8 @@ async def serve(cfg: Config, ready: _Ready, attach: str | None = None, epoch: in
         options = mount_options(cfg.allow_other)
         fuse = transports.choose(cfg, ops, mountpoint, options)
         handover: list = []
-        if attach:
-            sup = _attach(fuse, attach, options, epoch, store.objs.get)
-            served["supervisor"] = dict(sup.statistics(), attached_at=time.monotonic())
-            _note_pause(sup, fuse, served["supervisor"])
-        else:
-            if cfg.supervise:
-                why = "in the foreground" if cfg.foreground else getattr(fuse, "why", "not started by one")
-                log.warning("no supervisor (%s): a daemon's death leaves the mount answering ENOTCONN", why)
-                served["supervisor"] = {"state": f"off ({why})"}
-            fuse.mount()
+        take_session(cfg, fuse, kvstore, ops, served, attach, epoch, options)
         session.append(fuse)
-        ops.kernel.start(fuse.notify_direct())
-        if attach and fuse.resend is not None:
-            # the kernel of the session we took over may cache the files our crash start
-            # dropped (unsealed, RAM-only): their names and attributes go from its caches
-            for parent, name, ino in kvstore.dropped_names:
-                ops.kernel.name_removed(parent, name, ino)
-            if kvstore.dropped_names:
-                log.info("%d names dropped by the crash start invalidated in the kernel",
-                         len(kvstore.dropped_names))
-            kvstore.dropped_names.clear()
         unmounted = False
         try:
             async with trio.open_nursery() as nursery:
@@ -249,10 +190,7 @@ async def serve(cfg: Config, ready: _Ready, attach: str | None = None, epoch: in
                 huge = filesystem_of(tiers[0].dir)[2].get("huge", "never")
                 log.info("ram tier in %s (tmpfs%s, huge pages: %s)", tiers[0].dir,
                          " of its own" if tiers[0].mounted else "", huge)
-                rec = _record(cfg, tiers, index)
-                if attach:      # the mount lives while its supervisor does (kvfs umount)
-                    rec["supervisor"] = served["supervisor"].get("pid")
-                mountrecord.write(mountpoint, rec)
+                mountrecord.write(mountpoint, _record(cfg, tiers, index, served.get("supervisor")))
                 ready.send(f"READY {os.getpid()}")
                 await fuse.serve(reader)
                 unmounted = True
@@ -285,10 +223,11 @@ def _describe(cfg: Config, mountpoint: str, tiers, index: Index, names: NameTabl
             NAMES_STATS_KEY: names.statistics(), NAMES_BUILDING_KEY: names.building, UNMOUNT_REPORT_KEY: 1}
 
 
-def _record(cfg: Config, tiers, index: Index) -> dict:
-    """What ``kvfs umount`` needs once this daemon is dead (kvfs/mountrecord.py)."""
+def _record(cfg: Config, tiers, index: Index, supervisor: dict | None = None) -> dict:
+    """What ``kvfs umount`` needs once this daemon is dead (kvfs/mountrecord.py): with a
+    supervisor, its pid too (the mount lives while the supervisor does)."""
     ram = tiers[0]
-    return {"pid": os.getpid(), "state_dir": str(cfg.state_dir), "nvme_dir": str(cfg.nvme_dir),
+    return {"pid": os.getpid(), "supervisor": (supervisor or {}).get("pid"), "state_dir": str(cfg.state_dir), "nvme_dir": str(cfg.nvme_dir),
             "instance": index.instance_id, "shm_dir": str(cfg.shm_dir), "ram_prefix": ram.prefix,
             "ram_dir": str(ram.dir), "ram_tmpfs": str(ram.mounted) if ram.mounted else None}
 
@@ -380,7 +319,7 @@ def main(cfg: Config, ready_fd: int | None = None, attach: str | None = None, ep
         else:
             ended = trio.run(serve, cfg, ready, attach, epoch)
         if ended == "handover":
-            from kvfs.supervisor import HANDOVER
+            from kvfs.handover import HANDOVER
             return HANDOVER
         return 0
     except ConfigError as e:

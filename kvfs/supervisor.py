@@ -21,7 +21,7 @@ started last, once (a second daemon is refused). Requests on it are one JSON lin
 ``attach`` (the daemon), ``agreed`` and ``served`` (the daemon, on its connection),
 ``restart`` (``kvfs restart``: the daemon finishes what it read, writes down and exits with
 :data:`HANDOVER`; the next one takes over), ``reexec`` (``kvfs upgrade``: this program runs
-again from disk, keeping its descriptors and children, :func:`_reexec`), ``status``.
+again from disk, keeping its descriptors and children, kvfs/reexec.py), ``status``.
 A standby daemon, its modules loaded, waits to be the next (``--standby``): a restart then
 costs the store's start, not the interpreter's.
 
@@ -37,7 +37,6 @@ to 0: the OOM killer takes the daemon (whose RAM tier it counts), never the sess
 from __future__ import annotations
 
 import argparse
-import array
 import contextlib
 import fcntl
 import json
@@ -46,107 +45,28 @@ import os
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+from kvfs import reexec
+from kvfs.handover import HANDOVER, HISTORY, SOCKET_NAME, peer_credentials, recv_line, send
+
 log = logging.getLogger("kvfs.supervisor")
 
-HANDOVER = 75           # the daemon's exit status after ``kvfs restart`` handed the session on
-SOCKET_NAME = "supervisor.sock"
 LOCK_NAME = "supervisor.lock"
 # a daemon that lived this long ends a crash loop (KVFS_RESTART_STABLE_S: for a benchmark
 # that kills daemons on purpose every second, benchmarks/restart_pause.py)
 STABLE_S = float(os.environ.get("KVFS_RESTART_STABLE_S", "30"))
 CRASH_LIMIT = 5         # deaths in a row (each within STABLE_S of its start) before giving up
 BACKOFF_S = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
-HISTORY = 20            # restarts kept for .kvfs/stats
 # a daemon started ahead, its modules loaded, waits to replace the serving one (~0.4 s of a
 # restart's pause here; ~60 MiB of memory): KVFS_RESTART_STANDBY=0 sets it off
 STANDBY = os.environ.get("KVFS_RESTART_STANDBY", "1").strip().lower() not in ("0", "false", "no", "off")
 PEER_TIMEOUT = 5.0      # seconds a peer has to send its request
 LOCK_WAIT_S = 5.0       # how long a new supervisor waits for the state's last one to exit
 STANDBY_DELAY_S = 2.0   # a standby starts this long after its daemon is ready (not in its way)
-
-
-def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of a UNIX socket's peer, as the kernel recorded them at connect."""
-    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-
-
-def _send(conn: socket.socket, msg: dict, fd: int | None = None) -> None:
-    data = (json.dumps(msg) + "\n").encode()
-    if fd is None:
-        conn.sendall(data)
-    else:
-        conn.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-
-
-def _recv_line(conn: socket.socket, buf: bytearray, fds: list | None = None) -> dict | None:
-    """One JSON line from ``conn`` (None at EOF); received descriptors are added to ``fds``."""
-    while b"\n" not in buf:
-        msg, anc, _, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(4 * 4))
-        for level, kind, data in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                got = array.array("i")
-                got.frombytes(data[:len(data) - len(data) % 4])
-                if fds is None:
-                    for fd in got:
-                        os.close(fd)
-                else:
-                    fds.extend(got)
-        if not msg:
-            return None
-        buf += msg
-    line, _, rest = bytes(buf).partition(b"\n")
-    buf[:] = rest
-    return json.loads(line)
-
-
-# ---- the daemon's side ------------------------------------------------------------------------
-class Attachment:
-    """A daemon's connection to its supervisor (kept open for the daemon's life)."""
-
-    def __init__(self, conn: socket.socket, fd: int, reply: dict):
-        self.conn, self.fd, self.reply = conn, fd, reply
-        self._lock = threading.Lock()
-        self.epoch = int(reply["epoch"])
-        self.agreed = reply.get("agreed")
-        self.history: list = list(reply.get("history") or [])
-
-    def tell(self, msg: dict) -> None:
-        """A note to the supervisor (``agreed``, ``served``, ``backing``); lost if it is gone.
-        From any thread (the backing sweep's)."""
-        with self._lock, contextlib.suppress(OSError):
-            _send(self.conn, msg)
-
-    def statistics(self) -> dict:
-        """The supervisor's part of ``.kvfs/stats``."""
-        return {"pid": self.reply.get("supervisor"), "epoch": self.epoch,
-                "restarts": len(self.history), "history": self.history[-HISTORY:]}
-
-
-def attach(sock_path: str, options: list[str]) -> Attachment:
-    """Ask the supervisor at ``sock_path`` for the session (it mounts on the first ask, with
-    ``options``); OSError or RuntimeError (the refusal's reason) when it will not."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    conn.settimeout(120)
-    conn.connect(sock_path)
-    _send(conn, {"op": "attach", "options": sorted(options)})
-    fds: list[int] = []
-    reply = _recv_line(conn, bytearray(), fds)
-    conn.settimeout(None)
-    if reply is None or not reply.get("ok"):
-        for fd in fds:
-            os.close(fd)
-        conn.close()
-        raise RuntimeError((reply or {}).get("why") or "the supervisor closed the connection")
-    if len(fds) != 1:
-        raise RuntimeError("the supervisor sent no session descriptor")
-    return Attachment(conn, fds[0], reply)
 
 
 # ---- the supervisor ---------------------------------------------------------------------------
@@ -323,23 +243,23 @@ class Supervisor:
             pid, uid, _ = peer_credentials(conn)
             if uid != 0:
                 log.warning("supervisor: refused a peer that is not root (pid %d, uid %d)", pid, uid)
-                _send(conn, {"ok": False, "why": "refused: the peer is not root"})
+                send(conn, {"ok": False, "why": "refused: the peer is not root"})
                 return
-            req = _recv_line(conn, bytearray())
+            req = recv_line(conn, bytearray())
             if req is None:
                 return
             op = req.get("op")
             if op == "attach":
                 keep = self.on_attach(conn, pid, req)
             elif op == "restart":
-                _send(conn, self.on_restart())
+                send(conn, self.on_restart())
             elif op == "status":
-                _send(conn, {"ok": True, **self.status()})
+                send(conn, {"ok": True, **self.status()})
             elif op == "reexec":
                 self.reexec_due = True
-                _send(conn, {"ok": True, "image": self.image})
+                send(conn, {"ok": True, "image": self.image})
             else:
-                _send(conn, {"ok": False, "why": f"unknown request {op!r}"})
+                send(conn, {"ok": False, "why": f"unknown request {op!r}"})
         except (OSError, ValueError) as e:
             log.warning("supervisor: a request failed: %s", e)
         finally:
@@ -350,21 +270,21 @@ class Supervisor:
         child = self.child.pid if self.child is not None and self.child.poll() is None else None
         if pid != child:
             log.warning("supervisor: refused a daemon it did not start (pid %d; its daemon is %s)", pid, child)
-            _send(conn, {"ok": False, "why": f"refused: pid {pid} is not the daemon this supervisor started"})
+            send(conn, {"ok": False, "why": f"refused: pid {pid} is not the daemon this supervisor started"})
             return False
         if self.attached is not None:
             log.warning("supervisor: refused a second attach by daemon %d", pid)
-            _send(conn, {"ok": False, "why": "refused: a daemon is attached already"})
+            send(conn, {"ok": False, "why": "refused: a daemon is attached already"})
             return False
         if self.fd < 0:
             from kvfs.fs.mountdev import mount_device
             try:
                 self.fd = mount_device(self.mountpoint, set(req.get("options") or ()))
             except OSError as e:
-                _send(conn, {"ok": False, "why": str(e)})
+                send(conn, {"ok": False, "why": str(e)})
                 return False
             log.info("supervisor %d: mounted %s", os.getpid(), self.mountpoint)
-        _send(conn, {"ok": True, "epoch": self.epoch, "agreed": self.agreed, "supervisor": os.getpid(),
+        send(conn, {"ok": True, "epoch": self.epoch, "agreed": self.agreed, "supervisor": os.getpid(),
                      "backing": list(self.backing.values()),
                      "died_at": self.died_at, "cause": self.cause, "history": self.history[-HISTORY:]},
               fd=self.fd)
@@ -533,7 +453,7 @@ class Supervisor:
             if self.ended and self.child is None:
                 break
             if self.reexec_due:
-                self.reexec()           # returns only when it could not
+                reexec.exec_again(self)     # returns only when it could not
             if self.fd >= 0 and self.child is None and not self.connected():
                 self.ended = True
                 continue
@@ -579,87 +499,6 @@ class Supervisor:
         return self.exit_status
 
 
-# ---- re-exec (kvfs upgrade): a new program image holding the same descriptors --------------
-def _state(sup: Supervisor) -> tuple[dict, list[int]]:
-    keep = [sup.lock, sup.sock.fileno()]
-    st = {"config_json": sup.config_json, "fd": sup.fd, "agreed": sup.agreed, "epoch": sup.epoch,
-          "history": sup.history, "crashes": sup.crashes, "cause": sup.cause, "died_at": sup.died_at,
-          "started_at": sup.started_at, "lock": sup.lock, "sock": sup.sock.fileno(),
-          "attached": sup.attached.fileno() if sup.attached is not None else -1,
-          "attached_buf": sup.attached_buf.decode(errors="replace"),
-          "child": sup.child.pid if sup.child is not None else None, "child_ready": sup.child_ready,
-          "restart_at": sup.restart_at, "standby": None, "backing": sup.backing}
-    keep += [fd for fd in (sup.fd, st["attached"], sup.child_ready) if fd >= 0]
-    if sup.standby is not None:
-        proc, rfd = sup.standby
-        stdin = proc.stdin.fileno() if proc.stdin is not None else -1
-        st["standby"] = {"pid": proc.pid, "stdin": stdin, "ready": rfd}
-        keep += [fd for fd in (stdin, rfd) if fd >= 0]
-    return st, keep
-
-
-def _reexec(self: Supervisor) -> None:
-    """Replace this program image with the supervisor's code as it is on disk now (an upgrade
-    of kvfs), keeping the session, the socket, the daemon and the standby: the descriptors
-    stay open across exec, the children stay ours (the pid does not change), the rest of the
-    state goes through a memfd."""
-    state, keep = _state(self)
-    try:
-        memfd = os.memfd_create("kvfs-supervisor-state", 0)
-        os.write(memfd, json.dumps(state).encode())
-        os.lseek(memfd, 0, os.SEEK_SET)
-        for fd in keep:
-            os.set_inheritable(fd, True)
-        if self.child_pidfd >= 0:
-            os.close(self.child_pidfd)      # pidfds are opened again by the new image
-            self.child_pidfd = -1
-        log.info("supervisor %d: re-exec (epoch %d, daemon %s)", os.getpid(), self.epoch,
-                 state["child"])
-        logging.shutdown()
-        os.execv(sys.executable, [sys.executable, "-m", "kvfs.supervisor", "--resume", str(memfd)])
-    except OSError as e:
-        log.error("supervisor: re-exec failed (%s): this image goes on", e)
-        self.reexec_due = False
-        for fd in keep:
-            with contextlib.suppress(OSError):
-                os.set_inheritable(fd, False)
-        if self.child is not None and self.child_pidfd < 0:
-            self.child_pidfd = os.pidfd_open(self.child.pid)
-
-
-Supervisor.reexec = _reexec
-
-
-def _resume(memfd: int) -> Supervisor:
-    """The state a re-exec handed over (see :func:`_reexec`)."""
-    with os.fdopen(memfd, "rb") as f:
-        st = json.loads(f.read())
-    sup = Supervisor(st["config_json"], None)
-    for key in ("fd", "agreed", "epoch", "history", "crashes", "cause", "died_at", "started_at",
-                "lock", "child_ready", "restart_at", "backing"):
-        setattr(sup, key, st[key])
-    fds = [sup.fd, sup.lock, st["sock"], st["attached"], sup.child_ready]
-    sup.sock = socket.socket(fileno=st["sock"])
-    sup.sock.setblocking(False)
-    if st["attached"] >= 0:
-        sup.attached = socket.socket(fileno=st["attached"])
-        sup.attached.setblocking(False)
-        sup.attached_buf = bytearray(st["attached_buf"].encode())
-    if st["child"] is not None:
-        sup.child = Proc(st["child"])
-        sup.child_pidfd = os.pidfd_open(sup.child.pid)
-    if st["standby"]:
-        sb = st["standby"]
-        sup.standby = (Proc(sb["pid"], stdin_fd=sb["stdin"]), sb["ready"])
-        fds += [sb["stdin"], sb["ready"]]
-    for fd in fds:
-        if fd is not None and fd >= 0:
-            os.set_inheritable(fd, False)
-    log.info("supervisor %d: resumed after re-exec (epoch %d, daemon %s)", os.getpid(), sup.epoch,
-             st["child"])
-    return sup
-
-
 def _daemon_oom_score() -> None:
     """In the daemon's child before exec: the OOM killer's default score again (the supervisor
     made its own -1000, which a child inherits)."""
@@ -691,7 +530,7 @@ def main() -> int:
                         handlers=[logging.FileHandler(Path(cfg["state"]) / "kvfs.log")],
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.resume is not None:
-        return _resume(a.resume).run()
+        return reexec.restore(Supervisor(a.config_json, None), a.resume, Proc).run()
     sup = Supervisor(a.config_json, a.ready_fd)
     try:
         sup.listen()

@@ -10,8 +10,7 @@ from pathlib import Path
 import click
 
 from kvfs.cli.common import CLIError, fail, read_stats, wait_until
-
-SOCKET_NAME = "supervisor.sock"      # kvfs.supervisor.SOCKET_NAME (not imported: no daemon code here)
+from kvfs.handover import SOCKET_NAME     # the socket's protocol only: no daemon code here
 
 
 def ask_supervisor(state_dir: str, msg: dict, timeout: float = 30.0) -> dict:

@@ -18,15 +18,15 @@ from typing import Awaitable, Callable
 
 import trio
 
-from kvfs.errors import NamespaceError, TierFull
+from kvfs.errors import NamespaceError
 from kvfs.store.index import Index
 from kvfs.store.namespace import Namespace
 from kvfs.store.objects import ObjectStore
-from kvfs.store.ram import Staging
+from kvfs.store.staging import Staging
 from kvfs.store.records import InodeRecord
 from kvfs.store.sniff import peek_block_header
-from kvfs.store.versions import fit
-from kvfs.store.writestate import Handle, WriteState
+from kvfs.store.versions import fit, orphan_version
+from kvfs.store.writestate import Handle, WriteState, failed_error, write_errno
 
 log = logging.getLogger(__name__)
 SUIDGID = stat.S_ISUID | stat.S_ISGID
@@ -517,27 +517,13 @@ class FileHandles:
                 await self.store.release_space(ws.base)
                 ws.base = None
 
-    def _orphan_version(self, ws: WriteState, size: int, oid: int | None) -> None:
-        """The version a seal made of an inode removed from the namespace while open (an
-        unlink, or a rename over its name): it is the orphan's current content, of ``size``
-        bytes, held by object ``oid`` or only by the write state's buffer (None). Every
-        descriptor of the inode is told this size (POSIX), and the record no longer names the
-        older version's object, so a reader of that version is fitted to it as an older one:
-        zeros past its own end up to this size, never EOF inside it (docs/design.md,
-        "Versions and sizes")."""
-        orphan = self.ns.orphans.get(ws.ino)
-        if orphan is not None:
-            orphan.size = size
-            orphan.mtime = ws.mtime or orphan.mtime
-            orphan.oid = oid
-
     async def _seal(self, ws: WriteState) -> None:
         while ws.sealing is not None:        # one seal of a buffer at a time
             await ws.sealing.wait()
         if not ws.dirty:
             return
         if ws.failed:                        # close answers the error; a never-sealed file goes
-            raise _failed(ws)
+            raise failed_error(ws)
         staging = await self.staging_of(ws)
         # until the new object is installed, writes and truncates of this file wait (they
         # would change a buffer being hashed, or start over from the old version); reads
@@ -547,10 +533,10 @@ class FileHandles:
         try:
             await ws.wait_quiet()
             if ws.failed:
-                raise _failed(ws)
+                raise failed_error(ws)
             rec = self.index.get_inode(ws.ino)
             if rec is None:                  # unlinked while open: nothing to keep
-                self._orphan_version(ws, staging.size, None)
+                orphan_version(self.ns.orphans, ws.ino, staging.size, ws.mtime, None)
                 ws.dirty = False
                 return
             kv = await peek_block_header(staging)
@@ -569,7 +555,7 @@ class FileHandles:
                 # unlinked or replaced while the buffer was hashed: the object (dropped, kept by
                 # the state's reference) is what its writers and joined readers read on, and
                 # the new base of the writers' next buffer
-                self._orphan_version(ws, obj.size, obj.oid)
+                orphan_version(self.ns.orphans, ws.ino, obj.size, ws.mtime, obj.oid)
                 if prev is not None:
                     prev.refs -= 1
                     await self.store.release_space(prev)
@@ -594,17 +580,3 @@ class FileHandles:
             ws.sealing = None
             done.set()
         self.on_sealed(ws.ino, ws.serial, obj.oid)
-
-
-
-def write_errno(e: BaseException) -> int:
-    """The errno a failed piece of a write got (kvfs.fs.errmap's mapping of store errors)."""
-    if isinstance(e, (NamespaceError, OSError)) and e.errno:
-        return e.errno
-    if isinstance(e, TierFull):
-        return errno.ENOSPC
-    return errno.EIO
-
-
-def _failed(ws: WriteState) -> NamespaceError:
-    return NamespaceError(ws.failed_errno, f"a write to this file failed, not sealed ({ws.failed})")

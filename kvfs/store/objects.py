@@ -29,7 +29,8 @@ from kvfs.store.objtable import ObjTable
 from kvfs.store.policy import Policy
 from kvfs.store.prefix import PrefixRule
 from kvfs.store.reads import Reads
-from kvfs.store.ram import FileSource, RamTier, Staging, read_private, sum_file
+from kvfs.store.ram import RamTier
+from kvfs.store.staging import FileSource, Staging, read_private, sum_file
 from kvfs.store.records import ObjectRecord
 from kvfs.store.tally import Tally
 from kvfs.store.tier import ObjectInfo, Tier

@@ -6,7 +6,7 @@ accounting does not know of takes pages (a file a grantee kept open). A write mu
 nor leave a half-written buffer, because of that while a lower tier has room. So:
 
 - a write buffer about to take tmpfs pages (it reaches ``mapped_min``, see
-  kvfs.store.ram.Staging) first checks the filesystem's free space (``fstatvfs``) and, short of
+  kvfs.store.staging.Staging) first checks the filesystem's free space (``fstatvfs``) and, short of
   room for it plus RESERVE, spills to NVMe instead (the tier below's staging directory, the one
   the RAM-over-budget spill uses);
 - a tmpfs write that fails for want of room anyway (ENOSPC, or a short write) spills the

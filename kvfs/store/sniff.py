@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from kvfs.blockformat import parse_block_header
-from kvfs.store.ram import Staging
+from kvfs.store.staging import Staging
 
 log = logging.getLogger(__name__)
 

@@ -37,3 +37,18 @@ def fit(data, offset: int, size: int, content_size: int, cur: int | None):
     if n > want:
         return data[:want]
     return bytes(data) + bytes(want - n)
+
+
+def orphan_version(orphans: dict, ino: int, size: int, mtime: int | None, oid: int | None) -> None:
+    """The version a seal made of inode ``ino`` removed from the namespace while open (an
+    unlink, or a rename over its name; ``orphans``: the namespace's, ino -> record): it is the
+    orphan's current content, of ``size`` bytes, held by object ``oid`` or only by the write
+    state's buffer (None). Every descriptor of the inode is told this size (POSIX), and the
+    record no longer names the older version's object, so a reader of that version is fitted
+    to it as an older one: zeros past its own end up to this size, never EOF inside it
+    (docs/design.md, "Versions and sizes")."""
+    orphan = orphans.get(ino)
+    if orphan is not None:
+        orphan.size = size
+        orphan.mtime = mtime or orphan.mtime
+        orphan.oid = oid

@@ -9,8 +9,9 @@ import time
 
 import trio
 
+from kvfs.errors import NamespaceError, TierFull
 from kvfs.store.objects import Obj
-from kvfs.store.ram import Staging
+from kvfs.store.staging import Staging
 
 CREATE_MTIME_SLACK = 1_000_000_000   # ns: writes this soon after create() keep its mtime
 
@@ -80,3 +81,16 @@ class Handle:
     def content_key(self) -> tuple[str, int]:
         """What this handle reads: a sealed object, or one write state's buffer."""
         return ("obj", self.obj.oid) if self.obj is not None else ("ws", self.ws.serial)
+
+
+def write_errno(e: BaseException) -> int:
+    """The errno a failed piece of a write got (kvfs.fs.errmap's mapping of store errors)."""
+    if isinstance(e, (NamespaceError, OSError)) and e.errno:
+        return e.errno
+    if isinstance(e, TierFull):
+        return errno.ENOSPC
+    return errno.EIO
+
+
+def failed_error(ws: "WriteState") -> NamespaceError:
+    return NamespaceError(ws.failed_errno, f"a write to this file failed, not sealed ({ws.failed})")

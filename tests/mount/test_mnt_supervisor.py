@@ -13,13 +13,13 @@ import errno
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from kvfs.cli.restart import ask_supervisor
 from kvfs.proc import pid_alive
 from support.files import content, errno_of, read
 from support.mount import EXIT_TIMEOUT, wait_for
@@ -192,20 +192,6 @@ def test_a_writer_in_flight_gets_eio_and_its_file_is_never_published(kvfs_mount)
     assert "names dropped by the crash start invalidated in the kernel" in (m.state / "kvfs.log").read_text()
 
 
-def _ask(sock_path: str, msg: dict) -> dict:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(30)
-        s.connect(sock_path)
-        s.sendall((json.dumps(msg) + "\n").encode())
-        buf = b""
-        while b"\n" not in buf:
-            chunk = s.recv(4096)
-            if not chunk:
-                break
-            buf += chunk
-    return json.loads(buf.split(b"\n")[0])
-
-
 def test_the_socket_refuses_a_peer_not_root_and_a_second_daemon(kvfs_mount, intruder):  # noqa: F811
     m = kvfs_mount(supervise=True)
     _track(m)
@@ -237,7 +223,7 @@ def test_the_socket_refuses_a_peer_not_root_and_a_second_daemon(kvfs_mount, intr
     answer = json.loads(res.stdout)
     assert answer["ok"] is False and "not root" in answer["why"], answer
     # root, but not the daemon the supervisor started: refused (a second daemon never gets it)
-    answer = _ask(str(sock), {"op": "attach", "options": []})
+    answer = ask_supervisor(str(m.state), {"op": "attach", "options": []})
     assert answer["ok"] is False and "not the daemon" in answer["why"], answer
     assert "refused a daemon it did not start" in (m.state / "kvfs.log").read_text()
     assert int(m.stats()["pid"]) == m.pid                      # the mount still served by its own

@@ -158,12 +158,19 @@ class Staging:
 
     async def _grow(self, end: int) -> bool:
         """Before the buffer grows to ``end`` bytes (a write or a truncate up): a buffer in RAM
-        that would take the tier past its budget spills first, so the growth lands on NVMe
-        (a sparse file there) instead of being copied there after. True if it spilled."""
+        that would take the tier past its budget by a jump (a write at a far offset, a
+        truncate up: more than a quarter of the tier at once) or that can never fit spills
+        first, so the growth lands on NVMe (a sparse file there) instead of being copied
+        there after. An ordinary piece grows in RAM: the mover demotes colder objects to make
+        room (``FileHandles.written`` kicks it, and spills the buffer if it cannot keep up),
+        so the newest blocks stay in the top tier. True if it spilled."""
         if self.spilled or self._gone():
             return False
         ram = self.ram
-        if ram.used + end - self.size <= ram.capacity or getattr(ram, "overflow", None) is None:
+        growth = end - self.size
+        if ram.used + growth <= ram.capacity or getattr(ram, "overflow", None) is None:
+            return False
+        if end <= ram.capacity and growth <= ram.capacity // 4:
             return False
         await self.spill(ram.overflow)
         return self.spilled
